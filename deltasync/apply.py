@@ -1,0 +1,203 @@
+"""Patch live tensors in place, verified, all or nothing.
+
+Two phases, so the expensive part can run while inference goes on:
+
+1. :func:`prepare_delta` (host only, any thread): decode every blob of a version,
+   check that the chunks match the manifest exactly. Touches no live tensor.
+2. :func:`apply_prepared` (between batches): refuse unless every tensor's tracked
+   fingerprint equals the manifest's ``fp_before``; then patch each chunk in place
+   (gather old words, write new ones, keep the old words for undo), read the
+   written words back and update the fingerprint incrementally (O(changed)); on
+   any mismatch or exception, restore every word touched, in reverse order, and
+   raise. No second copy of the model is made: undo memory is O(changed words).
+
+Targets are a ``dict`` of tensors or an ``nn.Module`` (parameters and buffers by
+their state-dict names), on CPU or GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .codec import ChunkPatch, decode_blob
+from .dtypes import dtype_info, signed_word_dtype, word_view
+from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError
+from .fingerprint import fingerprint_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint
+from .manifest import Manifest
+
+BlobSource = Mapping[str, bytes] | Callable[[str], bytes]
+
+
+def live_tensors(target) -> dict[str, torch.Tensor]:
+    """Name -> tensor sharing storage with the target (a dict or an nn.Module)."""
+    if isinstance(target, torch.nn.Module):
+        out = {}
+        for name, t in target.state_dict(keep_vars=True).items():
+            out[name] = t.detach()
+        return out
+    if isinstance(target, Mapping):
+        return dict(target)
+    raise TypeError(f"target must be a dict of tensors or an nn.Module, found {type(target).__name__}")
+
+
+def _get(blobs: BlobSource, bid: str) -> bytes:
+    return blobs(bid) if callable(blobs) else blobs[bid]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PreparedDelta:
+    manifest: Manifest
+    patches: dict[str, list[ChunkPatch]]  # tensor name -> chunks in word order
+    decoded_bytes: int
+
+
+def prepare_delta(manifest: Manifest, blobs: BlobSource) -> PreparedDelta:
+    """Decode a delta's blobs and check them against its manifest. Raises FormatError/IntegrityError."""
+    if manifest.kind != "delta":
+        raise FormatError(f"v{manifest.version} is a {manifest.kind}, not a delta")
+    decoded: dict[str, list[ChunkPatch]] = {}
+    total = 0
+    for ref in manifest.blobs:
+        data = _get(blobs, ref.id)
+        if len(data) != ref.size:
+            raise IntegrityError(f"blob {ref.id}: {len(data)} bytes, manifest says {ref.size}")
+        decoded[ref.id] = decode_blob(data)
+        total += len(data)
+    used: set[tuple[str, int]] = set()
+    patches: dict[str, list[ChunkPatch]] = {}
+    for rec in manifest.tensors:
+        info = dtype_info(rec.dtype)
+        words = rec.words
+        out = []
+        count = 0
+        last_stop = 0
+        for ref in rec.chunks:
+            chunks = decoded[ref.blob]
+            if ref.index is None or ref.index >= len(chunks):
+                raise FormatError(f"{rec.name}: chunk {ref.index} not in blob {ref.blob}")
+            p = chunks[ref.index]
+            if p.tensor != rec.name or p.dtype != info.name:
+                raise FormatError(f"{rec.name}: chunk {ref.index} of blob {ref.blob} belongs to {p.tensor} ({p.dtype})")
+            if p.start < last_stop or p.stop > words:
+                raise FormatError(f"{rec.name}: chunk [{p.start}:{p.stop}] overlaps or leaves the tensor of {words} words")
+            last_stop = p.stop
+            count += p.count
+            used.add((ref.blob, ref.index))
+            out.append(p)
+        if count != rec.changed:
+            raise FormatError(f"{rec.name}: chunks carry {count} changes, manifest says {rec.changed}")
+        if out:
+            patches[rec.name] = out
+    n_chunks = sum(len(v) for v in decoded.values())
+    if len(used) != n_chunks:
+        raise FormatError(f"blobs hold {n_chunks} chunks but the manifest uses {len(used)}")
+    return PreparedDelta(manifest=manifest, patches=patches, decoded_bytes=total)
+
+
+class _Undo:
+    """Old words of everything patched so far, to restore in reverse order."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[torch.Tensor, torch.Tensor | slice, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+
+    def rollback(self) -> None:
+        for words, where, old, live, work in reversed(self.entries):
+            if isinstance(where, slice):
+                words[where] = old
+            else:
+                words.index_copy_(0, where, old)
+            if live is not None:
+                live.copy_(work)
+        self.entries.clear()
+
+
+def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Mapping[str, int]) -> None:
+    """Refuse unless the tracked state is exactly the delta's base."""
+    for rec in manifest.tensors:
+        t = tensors.get(rec.name)
+        if t is None:
+            raise BaseMismatchError(f"{rec.name}: in the delta but not in the target")
+        if dtype_info(t.dtype).name != rec.dtype or tuple(t.shape) != rec.shape:
+            raise BaseMismatchError(
+                f"{rec.name}: target is {dtype_info(t.dtype).name} {tuple(t.shape)}, delta expects {rec.dtype} {rec.shape}")
+        if fp_hex(fps[rec.name]) != rec.fp_before:
+            raise BaseMismatchError(
+                f"{rec.name}: target fingerprint {fp_hex(fps[rec.name])} is not the delta's base {rec.fp_before} "
+                f"(state is not v{manifest.parent}; already applied, or diverged: resync from a keyframe)")
+    have = state_fingerprint((n, dtype_info(t.dtype).name, tuple(t.shape), fps[n]) for n, t in tensors.items())
+    if have != manifest.state_fp_before:
+        raise BaseMismatchError(
+            f"target state {have} is not v{manifest.parent} ({manifest.state_fp_before}); the tensor sets differ")
+
+
+def apply_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | None = None, *, verify: str = "incremental") -> dict[str, int]:
+    """Patch ``target`` in place from v(parent) to v(version); returns the new fingerprints.
+
+    ``fps``: the target's current fingerprints as tracked by the caller; computed
+    (a full scrub) when None. ``verify``: ``"incremental"`` (O(changed)) or
+    ``"full"`` (recompute every patched tensor after writing). On any failure every
+    word written is restored and the error raised: never a half-applied version.
+    """
+    manifest = prepared.manifest
+    tensors = live_tensors(target)
+    fps = dict(fps) if fps is not None else {n: tensor_fingerprint(t) for n, t in tensors.items()}
+    check_base(manifest, tensors, fps)
+    undo = _Undo()
+    new_fps = dict(fps)
+    try:
+        with torch.no_grad():
+            for name, chunks in prepared.patches.items():
+                new_fps[name] = _patch_tensor(tensors[name], chunks, fps[name], undo)
+                rec = manifest.tensor(name)
+                if verify == "full":
+                    new_fps[name] = tensor_fingerprint(tensors[name])
+                if fp_hex(new_fps[name]) != rec.fp_after:
+                    raise IntegrityError(
+                        f"{name}: fingerprint after patching is {fp_hex(new_fps[name])}, manifest says {rec.fp_after}; rolled back")
+    except BaseException as e:
+        undo.rollback()
+        if isinstance(e, DeltaSyncError):
+            raise
+        if isinstance(e, Exception):
+            raise ApplyError(f"patching v{manifest.version} failed ({type(e).__name__}: {e}); rolled back") from e
+        raise
+    return new_fps
+
+
+def _patch_tensor(live: torch.Tensor, chunks: list[ChunkPatch], fp: int, undo: _Undo) -> int:
+    info = dtype_info(live.dtype)
+    sdt = signed_word_dtype(info.word_size)
+    work = live if live.is_contiguous() else live.contiguous()
+    words = word_view(work)
+    device = words.device
+    for c in chunks:
+        if c.dense is not None:
+            where = slice(c.start, c.stop)
+            old = words[where].clone()
+            undo.entries.append((words, where, old, None if work is live else live, work))
+            new = torch.from_numpy(c.dense.view(np.dtype(f"i{info.word_size}"))).to(device)
+            words[where] = new
+            idx = torch.arange(c.start, c.stop, device=device)
+            fp = update_fingerprint(fp, fingerprint_delta(idx, old, words[where], info.word_size))
+            continue
+        ch = c.changes
+        idx = torch.from_numpy(ch.positions).to(device)
+        old = words.index_select(0, idx)
+        undo.entries.append((words, idx, old, None if work is live else live, work))
+        vals = torch.from_numpy(ch.values.view(np.dtype(f"i{info.word_size}"))).to(device)
+        raw = torch.from_numpy(ch.raw).to(device)
+        new = torch.where(raw, vals, old + vals).to(sdt)
+        words.index_copy_(0, idx, new)
+        fp = update_fingerprint(fp, fingerprint_delta(idx, old, words.index_select(0, idx), info.word_size))
+    if work is not live:
+        live.copy_(work)
+    return fp
+
+
+def apply_delta(target, manifest: Manifest, blobs: BlobSource, fps: Mapping[str, int] | None = None, *, verify: str = "incremental") -> dict[str, int]:
+    """prepare_delta + apply_prepared in one call."""
+    return apply_prepared(target, prepare_delta(manifest, blobs), fps, verify=verify)

@@ -1,0 +1,319 @@
+"""Encode two versions of a state dict into a sparse delta; decode it back.
+
+``encode_delta(old, new, ...)`` compares each tensor's words chunk by chunk on
+the tensors' own device, keeps only the changed positions and what they became
+(:mod:`deltasync.values`), codes positions (:mod:`deltasync.positions`), and packs
+chunks into content-addressed blobs (:mod:`deltasync.blob`). The result is an
+unsigned :class:`~deltasync.manifest.Manifest` plus its blobs.
+
+``decode_blob(data)`` turns a blob back into :class:`ChunkPatch` objects, which
+:mod:`deltasync.apply` writes into live tensors.
+
+Chunk modes (docs/FORMAT.md): ``gap`` and ``bitmap`` carry the changed positions
+and one token per change; ``dense`` carries every new word of the chunk and is
+chosen when that is smaller (e.g. a re-initialised tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .blob import BlobReader, BlobWriter, blob_id
+from .dtypes import DtypeInfo, dtype_info, numpy_word_dtype, word_view
+from .errors import ChainError, FormatError
+from .fingerprint import fingerprint_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint
+from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
+from .positions import choose_position_mode, decode_bitmap, decode_gaps, encode_bitmap, encode_gaps
+from .values import Changes, changes_from_words, detokenize, tokenize
+
+DEFAULT_CHUNK_WORDS = 4 << 20
+DEFAULT_BLOB_TARGET = 32 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EncodeOptions:
+    level: int = 1  # zstd level; above 1 buys at most ~2% on weight deltas
+    chunk_words: int = DEFAULT_CHUNK_WORDS  # words per chunk: bounds decode memory, unit of pipelining
+    blob_target: int = DEFAULT_BLOB_TARGET  # pre-compression bytes at which a blob is closed
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Encoded:
+    manifest: Manifest  # unsigned; call .sign(key)
+    blobs: dict[str, bytes]
+    fps: dict[str, int] = field(default_factory=dict)  # fingerprints of the target state
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkPatch:
+    """One decoded chunk: words [start, stop) of a tensor."""
+
+    tensor: str
+    dtype: str
+    start: int
+    stop: int
+    changes: Changes | None = None  # gap/bitmap modes
+    dense: np.ndarray | None = None  # dense mode: every new word of the chunk
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start if self.dense is not None else len(self.changes)
+
+    def as_changes(self) -> Changes:
+        if self.changes is not None:
+            return self.changes
+        n = self.stop - self.start
+        return Changes(positions=np.arange(self.start, self.stop, dtype=np.int64),
+                       raw=np.ones(n, dtype=np.bool_), values=self.dense)
+
+
+# -- finding changes -------------------------------------------------------------------
+
+def _host_words(t: torch.Tensor, info: DtypeInfo) -> np.ndarray:
+    return word_view(t).numpy().view(numpy_word_dtype(info.word_size))
+
+
+def find_changes(old_words: torch.Tensor, new_words: torch.Tensor, start: int, stop: int, info: DtypeInfo):
+    """Changed positions in [start, stop) with their old and new words (numpy, unsigned) and the
+    fingerprint change. Compares on the tensors' device; only the sparse result reaches the host."""
+    ndt = numpy_word_dtype(info.word_size)
+    if old_words.device.type == "cpu":
+        o = old_words[start:stop].numpy().view(ndt)
+        n = new_words[start:stop].numpy().view(ndt)
+        rel = np.flatnonzero(o != n)
+        p = rel + start
+        ow, nw = o[rel], n[rel]
+        fpd = fingerprint_delta(torch.from_numpy(p), torch.from_numpy(ow.view(ow.dtype.str.replace("u", "i"))),
+                                torch.from_numpy(nw.view(nw.dtype.str.replace("u", "i"))), info.word_size)
+        return p, ow, nw, fpd
+    o = old_words[start:stop]
+    n = new_words[start:stop]
+    rel = torch.nonzero(o != n).squeeze(1)
+    ow, nw = o[rel], n[rel]
+    p = rel + start
+    fpd = fingerprint_delta(p, ow, nw, info.word_size)
+    return p.cpu().numpy(), ow.cpu().numpy().view(ndt), nw.cpu().numpy().view(ndt), fpd
+
+
+# -- packing chunks into blobs ------------------------------------------------------------
+
+class ChunkPacker:
+    """Turns per-chunk Changes into chunk records and streams, and closes blobs at the target size.
+
+    Not thread-safe; one per encoding job.
+    """
+
+    def __init__(self, options: EncodeOptions) -> None:
+        self.options = options
+        self.writer = BlobWriter(level=options.level)
+        self.blobs: dict[str, bytes] = {}
+        self.order: list[str] = []
+        self.refs: dict[str, list[ChunkRef]] = {}
+        self._pending: list[tuple[str, int]] = []  # (tensor, index in open blob)
+
+    def add(self, name: str, info: DtypeInfo, start: int, stop: int, changes: Changes) -> None:
+        length = stop - start
+        count = len(changes)
+        if count == 0:
+            return
+        w = info.word_size
+        record: dict = {"tensor": name, "dtype": info.name, "start": start, "stop": stop, "count": count}
+        if count == length and changes.raw.all():
+            self.add_dense(name, info, start, stop, changes.values)
+            return
+        tokens, ext, raw = tokenize(changes)
+        mode = choose_position_mode(count, length)
+        rel = changes.positions - start
+        streams: dict[str, np.ndarray] = {"tok": tokens, "ext": ext, f"raw{w}": raw}
+        if mode == "gap":
+            small, big = encode_gaps(rel)
+            streams["gap"], streams["gapx"] = small, big
+            record.update(mode="gap", ng=int(small.size), ngx=int(big.size))
+        else:
+            streams["bitmap"] = encode_bitmap(rel, length)
+            record.update(mode="bitmap", ng=0, ngx=0)
+        record.update(ne=int(ext.size), nr=int(raw.size))
+        self._add(name, record, streams)
+
+    def add_dense(self, name: str, info: DtypeInfo, start: int, stop: int, words: np.ndarray) -> None:
+        record = {"tensor": name, "dtype": info.name, "start": start, "stop": stop, "count": stop - start,
+                  "mode": "dense", "ng": 0, "ngx": 0, "ne": 0, "nr": 0}
+        self._add(name, record, {f"dense{info.word_size}": np.ascontiguousarray(words)})
+
+    def _add(self, name: str, record: dict, streams: dict[str, np.ndarray]) -> None:
+        idx = self.writer.add_chunk(record, streams)
+        self._pending.append((name, idx))
+        if self.writer.raw_bytes >= self.options.blob_target:
+            self.close_blob()
+
+    def close_blob(self) -> None:
+        if not self._pending:
+            return
+        data = self.writer.finish()
+        bid = blob_id(data)
+        if bid not in self.blobs:
+            self.blobs[bid] = data
+            self.order.append(bid)
+        for name, idx in self._pending:
+            self.refs.setdefault(name, []).append(ChunkRef(blob=bid, index=idx))
+        self._pending = []
+
+
+def chunk_ranges(words: int, chunk_words: int) -> Iterator[tuple[int, int]]:
+    for s in range(0, words, chunk_words):
+        yield s, min(s + chunk_words, words)
+
+
+def _check_layout(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
+    if set(old) != set(new):
+        added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+        raise ChainError(f"tensor set changed (added {added[:5]}, removed {removed[:5]}); publish a keyframe")
+    for name, t in new.items():
+        o = old[name]
+        if o.dtype != t.dtype or tuple(o.shape) != tuple(t.shape):
+            raise ChainError(
+                f"{name}: layout changed from {o.dtype} {tuple(o.shape)} to {t.dtype} {tuple(t.shape)}; publish a keyframe"
+            )
+
+
+def encode_delta(
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    *,
+    model: str,
+    version: int,
+    parent: int,
+    base_fps: Mapping[str, int] | None = None,
+    options: EncodeOptions | None = None,
+    meta: Mapping[str, str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Encoded:
+    """Delta from ``old`` (version ``parent``) to ``new`` (``version``).
+
+    ``base_fps`` are the old tensors' fingerprints when the caller tracks them (the
+    publisher does); otherwise they are computed. The new fingerprints are derived
+    incrementally from the changes, so encoding reads each tensor once.
+    ``progress(done_bytes, total_bytes)`` is called after each chunk.
+    """
+    options = options or EncodeOptions()
+    _check_layout(old, new)
+    names = sorted(new)
+    fps_before = dict(base_fps) if base_fps is not None else {n: tensor_fingerprint(old[n]) for n in names}
+    packer = ChunkPacker(options)
+    fps_after: dict[str, int] = {}
+    changed: dict[str, int] = {}
+    total = sum(new[n].numel() * new[n].element_size() for n in names)
+    done = 0
+    for name in names:
+        o_t, n_t = old[name], new[name]
+        info = dtype_info(n_t.dtype)
+        if o_t.device != n_t.device:
+            o_t = o_t.to(n_t.device)
+        ow = word_view(o_t.contiguous())
+        nw = word_view(n_t.contiguous())
+        fp = fps_before[name]
+        count = 0
+        for s, e in chunk_ranges(nw.numel(), options.chunk_words):
+            p, o, n, fpd = find_changes(ow, nw, s, e, info)
+            fp = update_fingerprint(fp, fpd)
+            count += p.size
+            if p.size:
+                ch = changes_from_words(p, o, n, is_float=info.is_float)
+                if p.size == e - s and ch.raw.mean() > 0.5:  # a rewritten chunk: ship its words whole
+                    packer.add_dense(name, info, s, e, n)
+                else:
+                    packer.add(name, info, s, e, ch)
+            done += (e - s) * info.word_size
+            if progress:
+                progress(done, total)
+        fps_after[name] = fp
+        changed[name] = count
+    packer.close_blob()
+    manifest = _manifest(model=model, version=version, parent=parent, new=new, names=names,
+                         fps_before=fps_before, fps_after=fps_after, changed=changed, packer=packer,
+                         meta=meta, base_state=old)
+    return Encoded(manifest=manifest, blobs=packer.blobs, fps=fps_after)
+
+
+def _manifest(*, model, version, parent, new, names, fps_before, fps_after, changed, packer, meta, base_state) -> Manifest:
+    tensors = []
+    for name in names:
+        t = new[name]
+        info = dtype_info(t.dtype)
+        tensors.append(TensorRecord(name=name, dtype=info.name, shape=tuple(t.shape), fp_before=fp_hex(fps_before[name]),
+                                    fp_after=fp_hex(fps_after[name]), changed=changed[name],
+                                    chunks=tuple(packer.refs.get(name, ()))))
+    return Manifest(
+        model=model, version=version, parent=parent, kind="delta", tensors=tuple(tensors),
+        blobs=tuple(BlobRef(id=b, size=len(packer.blobs[b])) for b in packer.order),
+        state_fp=state_fingerprint((t.name, t.dtype, t.shape, int(t.fp_after, 16)) for t in tensors),
+        state_fp_before=state_fingerprint((t.name, t.dtype, t.shape, int(t.fp_before, 16)) for t in tensors),
+        meta=dict(meta or {}),
+    )
+
+
+# -- decoding ---------------------------------------------------------------------------------
+
+_CHUNK_KEYS = {"tensor", "dtype", "start", "stop", "count", "mode", "ng", "ngx", "ne", "nr"}
+
+
+def _nonneg(rec: dict, key: str) -> int:
+    v = rec[key]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise FormatError(f"blob chunk: {key} must be a non-negative integer, found {v!r}")
+    return v
+
+
+def decode_blob(data: bytes | bytearray | memoryview) -> list[ChunkPatch]:
+    """Every chunk of a delta blob, decoded and validated. Raises FormatError on any malformed input."""
+    reader = BlobReader(data)
+    cursors: dict[str, int] = {}
+
+    def take(stream: str, n: int, dtype: np.dtype | None = None) -> np.ndarray:
+        arr = reader.stream(stream, dtype)
+        at = cursors.get(stream, 0)
+        if at + n > arr.size:
+            raise FormatError(f"blob stream {stream!r} is shorter than its chunks need (truncated or corrupt)")
+        cursors[stream] = at + n
+        return arr[at : at + n]
+
+    patches = []
+    for rec in reader.chunks:
+        if set(rec) != _CHUNK_KEYS:
+            raise FormatError(f"blob chunk fields must be {sorted(_CHUNK_KEYS)}, found {sorted(rec)}")
+        name, dtname, mode = rec["tensor"], rec["dtype"], rec["mode"]
+        if not isinstance(name, str) or not isinstance(dtname, str):
+            raise FormatError("blob chunk: tensor and dtype must be strings")
+        info = dtype_info(dtname)
+        w = info.word_size
+        wdt = numpy_word_dtype(w)
+        start, stop, count = _nonneg(rec, "start"), _nonneg(rec, "stop"), _nonneg(rec, "count")
+        length = stop - start
+        if length <= 0 or count == 0 or count > length:
+            raise FormatError(f"blob chunk {name}[{start}:{stop}] with {count} changes is inconsistent")
+        if mode == "dense":
+            if count != length:
+                raise FormatError("blob chunk: a dense chunk changes every word")
+            patches.append(ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop,
+                                      dense=take(f"dense{w}", length, wdt)))
+            continue
+        if mode == "gap":
+            rel = decode_gaps(take("gap", _nonneg(rec, "ng")), take("gapx", _nonneg(rec, "ngx")), count, length)
+        elif mode == "bitmap":
+            rel = decode_bitmap(take("bitmap", (length + 7) // 8), count, length)
+        else:
+            raise FormatError(f"blob chunk: unknown mode {mode!r}")
+        tokens = take("tok", count)
+        changes = detokenize(rel + start, tokens, take("ext", _nonneg(rec, "ne")), take(f"raw{w}", _nonneg(rec, "nr"), wdt), w)
+        patches.append(ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, changes=changes))
+    for stream, at in cursors.items():
+        if at != reader.stream(stream).size:
+            raise FormatError(f"blob stream {stream!r} has bytes no chunk uses")
+    for stream in reader.stream_names:
+        if stream not in cursors:
+            raise FormatError(f"blob stream {stream!r} has bytes no chunk uses")
+    return patches

@@ -1,0 +1,204 @@
+"""Tensor and state fingerprints: 64-bit, device-independent, incrementally updatable.
+
+A tensor's bytes are read as *lanes*: little-endian uint16 (uint8 for 1-byte
+dtypes), in row-major element order. Lane ``i`` gets a key
+
+    K(i) = T[i mod 2**16] * O(i div 2**16)  (mod 2**64)
+
+where ``T`` is a fixed table of 65536 odd 64-bit constants and ``O(b)`` is an odd
+64-bit value drawn from splitmix64 for block ``b``. The fingerprint is
+
+    fp = n_lanes * C0 + sum_i lane_i * K(i)  (mod 2**64)
+
+Integer arithmetic only, so the reduction order (threads, GPU blocks) does not
+matter and CPU and GPU agree bit for bit. Every key is odd, so changing any one
+lane always changes ``fp``; moving or changing several lanes collides with
+probability about 2**-48 for unstructured errors (this is an integrity check
+against bugs and corruption, not against an adversary: manifests are signed).
+
+Because ``fp`` is a sum, patching lanes ``P`` from old to new values updates it
+in O(|P|): ``fp' = fp + sum_{i in P} (new_i - old_i) * K(i)``.
+
+The *state fingerprint* is xxh3-64 over the sorted ``(name, dtype, shape, fp)``
+records of every tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+import xxhash
+
+from .dtypes import dtype_info, word_view
+
+BLOCK_BITS = 16
+BLOCK = 1 << BLOCK_BITS
+_CHUNK_BLOCKS = 4  # lanes per full-recompute step: 4 blocks = 256 Ki lanes = 2 MiB of int64
+_MASK64 = (1 << 64) - 1
+_C0 = 0x2545F4914F6CDD1D
+_SEED_T = 0x6A09E667F3BCC908
+_SEED_B = 0xBB67AE8584CAA73B
+
+
+def _to_signed(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _splitmix64_np(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+_T_NP = _splitmix64_np(np.arange(BLOCK, dtype=np.uint64) + np.uint64(_SEED_T)) | np.uint64(1)
+_T_CPU = torch.from_numpy(_T_NP.view(np.int64).copy())
+_T_BY_DEVICE: dict[torch.device, torch.Tensor] = {}
+
+
+def _table(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return _T_CPU
+    t = _T_BY_DEVICE.get(device)
+    if t is None:
+        t = _T_BY_DEVICE[device] = _T_CPU.to(device)
+    return t
+
+
+def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _block_keys(blocks: torch.Tensor) -> torch.Tensor:
+    """O(b) for a tensor of int64 block numbers, on their device (splitmix64, wrapping int64)."""
+    z = (blocks ^ _to_signed(_SEED_B)) + _to_signed(0x9E3779B97F4A7C15)
+    z = (z ^ _lsr(z, 30)) * _to_signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _lsr(z, 27)) * _to_signed(0x94D049BB133111EB)
+    return (z ^ _lsr(z, 31)) | 1
+
+
+def _lanes(tensor: torch.Tensor) -> torch.Tensor:
+    """Flat signed view of a contiguous tensor's lanes (int8 or int16)."""
+    info = dtype_info(tensor.dtype)
+    words = word_view(tensor)
+    if info.word_size == 1 or words.numel() == 0:
+        return words.view(torch.int8) if info.word_size == 1 else words.view(torch.int16)
+    return words.view(torch.int16)
+
+
+def lane_bits(dtype: torch.dtype | str) -> int:
+    return 8 if dtype_info(dtype).word_size == 1 else 16
+
+
+def tensor_fingerprint(tensor: torch.Tensor) -> int:
+    """Full recompute ("scrub") of a tensor's fingerprint on its own device.
+
+    Extra memory is bounded (a few MiB on the tensor's device); the tensor is
+    never copied to the host. Non-contiguous tensors are made contiguous first.
+    """
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    lanes = _lanes(tensor)
+    n = lanes.numel()
+    mask = 0xFF if lanes.dtype == torch.int8 else 0xFFFF
+    if lanes.device.type == "cpu":  # unsigned views widen without a mask pass on CPU
+        lanes, mask = lanes.view(torch.uint8 if mask == 0xFF else torch.uint16), 0
+    device = lanes.device
+    table = _table(device)
+    step = BLOCK * _CHUNK_BLOCKS
+    nblocks = (n + BLOCK - 1) // BLOCK
+    buf = torch.empty(step, dtype=torch.int64, device=device)
+    sums = torch.empty(nblocks, dtype=torch.int64, device=device)
+    for start in range(0, n, step):
+        m = min(step, n - start)
+        if m < step:
+            buf.zero_()
+        view = buf[:m]
+        view.copy_(lanes[start : start + m])
+        if mask:
+            view.bitwise_and_(mask)
+        rows = (m + BLOCK - 1) // BLOCK
+        mat = buf[: rows * BLOCK].view(rows, BLOCK)
+        mat.mul_(table)
+        first = start >> BLOCK_BITS
+        torch.sum(mat, dim=1, out=sums[first : first + rows])
+    keys = _block_keys(torch.arange(nblocks, dtype=torch.int64, device=device))
+    total = int((sums * keys).sum().item()) if nblocks else 0
+    return (total + n * _C0) & _MASK64
+
+
+def lane_keys(index: torch.Tensor) -> torch.Tensor:
+    """K(i) for int64 lane indices, on their device."""
+    table = _table(index.device)
+    return table[index & (BLOCK - 1)] * _block_keys(index >> BLOCK_BITS)
+
+
+def _word_lanes(positions: torch.Tensor, words: torch.Tensor, word_size: int):
+    """Split words at word positions into (lane indices, lane values as int64)."""
+    w = words.to(torch.int64)
+    if word_size == 1:
+        return positions, w & 0xFF
+    per = word_size // 2
+    if per == 1:
+        return positions, w & 0xFFFF
+    shifts = torch.arange(per, dtype=torch.int64, device=w.device) * 16
+    values = _lsr_any(w.unsqueeze(1), shifts) & 0xFFFF
+    index = positions.unsqueeze(1) * per + torch.arange(per, device=w.device)
+    return index.reshape(-1), values.reshape(-1)
+
+
+def _lsr_any(z: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    # Logical shifts by a tensor of amounts; only used with shifts < 64 and a 0xFFFF mask after.
+    return z >> shifts
+
+
+def fingerprint_delta(
+    positions: torch.Tensor, old_words: torch.Tensor, new_words: torch.Tensor, word_size: int
+) -> int:
+    """The change to a tensor's fingerprint when words at ``positions`` go from old to new.
+
+    O(len(positions)); all three tensors live on one device (the tensor's own).
+    """
+    if positions.numel() == 0:
+        return 0
+    idx, old = _word_lanes(positions, old_words, word_size)
+    _, new = _word_lanes(positions, new_words, word_size)
+    d = ((new - old) * lane_keys(idx)).sum()
+    return int(d.item()) & _MASK64
+
+
+def update_fingerprint(fp: int, delta: int) -> int:
+    return (fp + delta) & _MASK64
+
+
+def fp_hex(fp: int) -> str:
+    return f"{fp & _MASK64:016x}"
+
+
+def parse_fp(text: str) -> int:
+    return int(text, 16)
+
+
+def state_fingerprint(records: Iterable[tuple[str, str, tuple[int, ...] | list[int], int]]) -> str:
+    """xxh3-64 over sorted (name, dtype name, shape, tensor fp) records, as 16 hex digits."""
+    h = xxhash.xxh3_64()
+    for name, dtype, shape, fp in sorted(records, key=lambda r: r[0]):
+        h.update(f"{name}\x00{dtype}\x00{','.join(str(int(s)) for s in shape)}\x00{fp_hex(fp)}\n".encode())
+    return h.hexdigest()
+
+
+def fingerprint_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Full fingerprints of every tensor in a state dict."""
+    return {name: tensor_fingerprint(t) for name, t in tensors.items()}
+
+
+def state_fingerprint_of(tensors: Mapping[str, torch.Tensor], fps: Mapping[str, int] | None = None) -> str:
+    fps = fps if fps is not None else fingerprint_state(tensors)
+    return state_fingerprint(
+        (name, dtype_info(t.dtype).name, tuple(t.shape), fps[name]) for name, t in tensors.items()
+    )

@@ -1,0 +1,1 @@
+"""Test and benchmark helpers: realistic RL weight traces."""
