@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codec import ChunkPatch, decode_blob
+from .codec import DENSE_FP, ChunkPatch, decode_blob
 from .dtypes import dtype_info, signed_word_dtype, word_view
 from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError
-from .fingerprint import fingerprint_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint
+from .fingerprint import fingerprint_delta, words_range_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint
 from .manifest import Manifest
 
 BlobSource = Mapping[str, bytes] | Callable[[str], bytes]
@@ -181,8 +181,7 @@ def _patch_tensor(live: torch.Tensor, chunks: list[ChunkPatch], fp: int, undo: _
             undo.entries.append((words, where, old, None if work is live else live, work))
             new = torch.from_numpy(c.dense.view(np.dtype(f"i{info.word_size}"))).to(device)
             words[where] = new
-            idx = torch.arange(c.start, c.stop, device=device)
-            fp = update_fingerprint(fp, fingerprint_delta(idx, old, words[where], info.word_size))
+            fp = update_fingerprint(fp, words_range_delta(old, words[where], c.start, info.word_size))
             continue
         ch = c.changes
         idx = torch.from_numpy(ch.positions).to(device)
@@ -192,7 +191,15 @@ def _patch_tensor(live: torch.Tensor, chunks: list[ChunkPatch], fp: int, undo: _
         raw = torch.from_numpy(ch.raw).to(device)
         new = torch.where(raw, vals, old + vals).to(sdt)
         words.index_copy_(0, idx, new)
-        fp = update_fingerprint(fp, fingerprint_delta(idx, old, words.index_select(0, idx), info.word_size))
+        written = words.index_select(0, idx)  # read back: verify what landed, not what we meant
+        if len(ch) * DENSE_FP > c.stop - c.start:
+            # Many changes: two streaming passes over the chunk beat per-change keys. The old
+            # range is rebuilt from the written one and the undo record.
+            before = words[c.start : c.stop].clone()
+            before.index_copy_(0, idx - c.start, old)
+            fp = update_fingerprint(fp, words_range_delta(before, words[c.start : c.stop], c.start, info.word_size))
+        else:
+            fp = update_fingerprint(fp, fingerprint_delta(idx, old, written, info.word_size))
     if work is not live:
         live.copy_(work)
     return fp

@@ -25,7 +25,7 @@ import torch
 from .blob import BlobReader, BlobWriter, blob_id
 from .dtypes import DtypeInfo, dtype_info, numpy_word_dtype, word_view
 from .errors import ChainError, FormatError
-from .fingerprint import fingerprint_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint
+from .fingerprint import fingerprint_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint, words_range_delta
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
 from .positions import choose_position_mode, decode_bitmap, decode_gaps, encode_bitmap, encode_gaps
 from .values import Changes, changes_from_words, detokenize, tokenize
@@ -77,25 +77,35 @@ def _host_words(t: torch.Tensor, info: DtypeInfo) -> np.ndarray:
     return word_view(t).numpy().view(numpy_word_dtype(info.word_size))
 
 
+DENSE_FP = 16  # above one change in this many words, fingerprint the range instead of each change
+
+
 def find_changes(old_words: torch.Tensor, new_words: torch.Tensor, start: int, stop: int, info: DtypeInfo):
     """Changed positions in [start, stop) with their old and new words (numpy, unsigned) and the
     fingerprint change. Compares on the tensors' device; only the sparse result reaches the host."""
     ndt = numpy_word_dtype(info.word_size)
+    sdt = np.dtype(f"i{info.word_size}")
     if old_words.device.type == "cpu":
         o = old_words[start:stop].numpy().view(ndt)
         n = new_words[start:stop].numpy().view(ndt)
         rel = np.flatnonzero(o != n)
         p = rel + start
         ow, nw = o[rel], n[rel]
-        fpd = fingerprint_delta(torch.from_numpy(p), torch.from_numpy(ow.view(ow.dtype.str.replace("u", "i"))),
-                                torch.from_numpy(nw.view(nw.dtype.str.replace("u", "i"))), info.word_size)
+        if p.size * DENSE_FP > stop - start:
+            fpd = words_range_delta(old_words[start:stop], new_words[start:stop], start, info.word_size)
+        else:
+            fpd = fingerprint_delta(torch.from_numpy(p), torch.from_numpy(ow.view(sdt)),
+                                    torch.from_numpy(nw.view(sdt)), info.word_size)
         return p, ow, nw, fpd
     o = old_words[start:stop]
     n = new_words[start:stop]
     rel = torch.nonzero(o != n).squeeze(1)
     ow, nw = o[rel], n[rel]
     p = rel + start
-    fpd = fingerprint_delta(p, ow, nw, info.word_size)
+    if p.numel() * DENSE_FP > stop - start:
+        fpd = words_range_delta(o, n, start, info.word_size)
+    else:
+        fpd = fingerprint_delta(p, ow, nw, info.word_size)
     return p.cpu().numpy(), ow.cpu().numpy().view(ndt), nw.cpu().numpy().view(ndt), fpd
 
 

@@ -104,38 +104,70 @@ def tensor_fingerprint(tensor: torch.Tensor) -> int:
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     lanes = _lanes(tensor)
+    return (lanes_sum(lanes, 0) + lanes.numel() * _C0) & _MASK64
+
+
+def words_range_delta(old_words: torch.Tensor, new_words: torch.Tensor, start: int, word_size: int) -> int:
+    """Fingerprint change when words [start, start+len) go from ``old_words`` to ``new_words``
+    (both flat signed word views of that range). Two streaming passes: cheaper than
+    :func:`fingerprint_delta` once more than a few percent of the words change."""
+    per = max(word_size // 2, 1)
+    lane_dt = torch.int8 if word_size == 1 else torch.int16
+    lo = start * per
+    return (lanes_sum(new_words.view(lane_dt), lo) - lanes_sum(old_words.view(lane_dt), lo)) & _MASK64
+
+
+def lanes_sum(lanes: torch.Tensor, offset: int) -> int:
+    """sum_i lane_i * K(offset + i) mod 2**64 over a flat int8/int16 lane view."""
     n = lanes.numel()
+    if n == 0:
+        return 0
     mask = 0xFF if lanes.dtype == torch.int8 else 0xFFFF
-    if lanes.device.type == "cpu":  # unsigned views widen without a mask pass on CPU
-        lanes, mask = lanes.view(torch.uint8 if mask == 0xFF else torch.uint16), 0
     device = lanes.device
+    total = 0
+    head = min((-offset) % BLOCK, n)
+    if head:  # up to the first block boundary: per-lane keys
+        idx = torch.arange(offset, offset + head, dtype=torch.int64, device=device)
+        total += int(((lanes[:head].to(torch.int64) & mask) * lane_keys(idx)).sum().item())
+        lanes, offset, n = lanes[head:], offset + head, n - head
+        if n == 0:
+            return total & _MASK64
+    if device.type == "cpu":  # unsigned views widen without a mask pass on CPU
+        lanes, mask = lanes.view(torch.uint8 if mask == 0xFF else torch.uint16), 0
     table = _table(device)
     step = BLOCK * _CHUNK_BLOCKS
     nblocks = (n + BLOCK - 1) // BLOCK
-    buf = torch.empty(step, dtype=torch.int64, device=device)
+    buf = torch.empty(min(step, nblocks * BLOCK), dtype=torch.int64, device=device)
     sums = torch.empty(nblocks, dtype=torch.int64, device=device)
     for start in range(0, n, step):
         m = min(step, n - start)
-        if m < step:
+        rows = (m + BLOCK - 1) // BLOCK
+        if m < rows * BLOCK:
             buf.zero_()
         view = buf[:m]
         view.copy_(lanes[start : start + m])
         if mask:
             view.bitwise_and_(mask)
-        rows = (m + BLOCK - 1) // BLOCK
         mat = buf[: rows * BLOCK].view(rows, BLOCK)
         mat.mul_(table)
         first = start >> BLOCK_BITS
         torch.sum(mat, dim=1, out=sums[first : first + rows])
-    keys = _block_keys(torch.arange(nblocks, dtype=torch.int64, device=device))
-    total = int((sums * keys).sum().item()) if nblocks else 0
-    return (total + n * _C0) & _MASK64
+    first_block = offset >> BLOCK_BITS
+    keys = _block_keys(torch.arange(first_block, first_block + nblocks, dtype=torch.int64, device=device))
+    total += int((sums * keys).sum().item())
+    return total & _MASK64
 
 
 def lane_keys(index: torch.Tensor) -> torch.Tensor:
     """K(i) for int64 lane indices, on their device."""
     table = _table(index.device)
-    return table[index & (BLOCK - 1)] * _block_keys(index >> BLOCK_BITS)
+    blocks = index >> BLOCK_BITS
+    if index.numel() > 256:
+        b0, b1 = int(blocks.min()), int(blocks.max())
+        if b1 - b0 < index.numel():  # few distinct blocks: key each block once, then gather
+            keys = _block_keys(torch.arange(b0, b1 + 1, dtype=torch.int64, device=index.device))
+            return table[index & (BLOCK - 1)] * keys[blocks - b0]
+    return table[index & (BLOCK - 1)] * _block_keys(blocks)
 
 
 def _word_lanes(positions: torch.Tensor, words: torch.Tensor, word_size: int):

@@ -51,42 +51,53 @@ def changes_from_words(positions: np.ndarray, old: np.ndarray, new: np.ndarray, 
     bits = old.dtype.itemsize * 8
     with np.errstate(over="ignore"):
         d = new - old  # wraps: the modular step
-    raw = _too_big(d, bits)
+    _, mag = _magnitude(d)
+    raw = mag > _raw_limit(bits)
     if is_float:
         raw |= ((old ^ new) >> np.array(bits - 1, dtype=old.dtype)).astype(np.bool_)
     values = np.where(raw, new, d)
     return Changes(positions=positions, raw=raw, values=values)
 
 
-def _magnitude(d: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Unsigned modular steps -> (negative?, |d| as uint64)."""
-    signed = d.view(np.dtype(f"i{d.dtype.itemsize}"))
+def _raw_limit(bits: int) -> int:
+    # A step whose varint would be no shorter than the raw word is sent raw.
+    return _SMALL + (1 << (7 * max(bits // 8 - 1, 0)))
+
+
+def _magnitude(d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unsigned modular steps -> (negative?, |d|). |d| is int32/int64 for words up to 4 bytes
+    (fast path), uint64 for 8-byte words."""
+    w = d.dtype.itemsize
+    signed = d.view(np.dtype(f"i{w}"))
+    if w <= 4:
+        s = signed.astype(np.int32 if w <= 2 else np.int64)
+        return s < 0, np.abs(s)
     neg = signed < 0
     with np.errstate(over="ignore"):
-        mag = np.where(neg, (~d.astype(np.uint64) + np.uint64(1)) & np.uint64((1 << bits) - 1 if bits < 64 else (1 << 64) - 1), d.astype(np.uint64))
+        mag = np.where(neg, ~d + np.uint64(1), d)
     return neg, mag
-
-
-def _too_big(d: np.ndarray, bits: int) -> np.ndarray:
-    # A step whose varint would be no shorter than the raw word is sent raw.
-    _, mag = _magnitude(d, bits)
-    limit = _SMALL + (1 << (7 * max(bits // 8 - 1, 0)))
-    return mag > np.uint64(limit)
 
 
 def tokenize(changes: Changes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Changes -> (tokens uint8, ext varint bytes uint8, raw words)."""
-    bits = changes.values.dtype.itemsize * 8
-    tokens = np.full(changes.values.size, RAW, dtype=np.uint8)
-    step = ~changes.raw
-    neg, mag = _magnitude(changes.values[step], bits)
-    if (mag == 0).any():
+    if changes.raw.any():
+        tokens = np.full(changes.values.size, RAW, dtype=np.uint8)
+        step = ~changes.raw
+        neg, mag = _magnitude(changes.values[step])
+    else:
+        tokens = None
+        neg, mag = _magnitude(changes.values)
+    if mag.size and not mag.all():
         raise ValueError("a zero step is not a change")
-    m = mag - np.uint64(1)
-    small = m < np.uint64(_SMALL)
-    t = np.where(small, (np.minimum(m, np.uint64(_SMALL)) * np.uint64(2)).astype(np.uint8) + neg, np.where(neg, BIG_NEG, BIG_POS))
-    tokens[step] = t.astype(np.uint8)
-    ext = encode_varints(m[~small] - np.uint64(_SMALL))
+    m = mag - mag.dtype.type(1)
+    small = m < _SMALL
+    t = np.where(small, m * 2 + neg, np.where(neg, BIG_NEG, BIG_POS)).astype(np.uint8)
+    if tokens is None:
+        tokens = t
+    else:
+        tokens[step] = t
+    big = m[~small]
+    ext = encode_varints(big.astype(np.uint64) - np.uint64(_SMALL)) if big.size else np.empty(0, np.uint8)
     raw_words = changes.values[changes.raw]
     return tokens, ext, raw_words
 
@@ -102,16 +113,30 @@ def detokenize(positions: np.ndarray, tokens: np.ndarray, ext: np.ndarray, raw_w
     raw = tokens == RAW
     if int(raw.sum()) != raw_words.size:
         raise FormatError(f"values: {int(raw.sum())} raw tokens but {raw_words.size} raw words")
-    big = (tokens == BIG_POS) | (tokens == BIG_NEG)
-    m = (tokens >> 1).astype(np.uint64)
-    m[big] = decode_varints(ext, int(big.sum())) + np.uint64(_SMALL)
-    neg = np.where(big, tokens == BIG_NEG, (tokens & 1).astype(np.bool_))
-    with np.errstate(over="ignore"):
-        mag = m + np.uint64(1)
-        d = np.where(neg, ~mag + np.uint64(1), mag)
-        if bits < 64:
-            d &= np.uint64((1 << bits) - 1)
-    values = d.astype(wdt)
+    big = tokens >= BIG_POS
+    big[raw] = False
+    n_big = int(big.sum())
+    if word_size <= 4:
+        wide = np.int32 if word_size <= 2 else np.int64
+        m = (tokens >> 1).astype(wide)
+        if n_big:
+            ext_m = decode_varints(ext, n_big)
+            if ext_m.max() >= np.uint64(1 << (bits - 1)):
+                raise FormatError(f"values: a step larger than a {bits}-bit word")
+            m[big] = ext_m.astype(wide) + _SMALL
+            neg = np.where(big, tokens == BIG_NEG, (tokens & 1).astype(np.bool_))
+        else:
+            decode_varints(ext, 0)
+            neg = (tokens & 1).astype(np.bool_)
+        m += 1
+        values = np.where(neg, -m, m).astype(wdt)
+    else:
+        m = (tokens >> 1).astype(np.uint64)
+        m[big] = decode_varints(ext, n_big) + np.uint64(_SMALL)
+        neg = np.where(big, tokens == BIG_NEG, (tokens & 1).astype(np.bool_))
+        with np.errstate(over="ignore"):
+            mag = m + np.uint64(1)
+            values = np.where(neg, ~mag + np.uint64(1), mag)
     values[raw] = raw_words
     return Changes(positions=positions, raw=raw, values=values)
 
