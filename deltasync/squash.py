@@ -85,7 +85,7 @@ def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes]
                     part = Changes(positions=ch.positions[lo:hi], raw=ch.raw[lo:hi],
                                    values=ch.values[lo:hi].astype(numpy_word_dtype(info.word_size), copy=False))
                     packer.add(rec.name, info, s, e, part)
-                    count += hi - lo
+                    count += int(hi - lo)
         tensors.append((rec0, rec, count))
     packer.close_blob()
     records = tuple(

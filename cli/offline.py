@@ -1,0 +1,243 @@
+"""Offline commands: diff, replay, squash, inspect, verify (files only, no network)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from deltasync.blob import BlobReader
+from deltasync.codec import EncodeOptions, encode_delta
+from deltasync.apply import apply_delta
+from deltasync.deltafile import MAGIC as DELTA_MAGIC, read_delta_file, write_delta_file
+from deltasync.dtypes import dtype_info
+from deltasync.errors import ChainError
+from deltasync.fingerprint import fingerprint_state, fp_hex, state_fingerprint_of
+from deltasync.manifest import load_key
+from deltasync.squash import squash_chain
+from deltasync.statefile import read_state_file, write_state_file
+
+from .progress import Progress, say
+
+
+def _key(args) -> bytes | None:
+    return load_key(Path(args.key_file).read_text()) if getattr(args, "key_file", None) else None
+
+
+def _nbytes(state) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def register(sub) -> None:
+    p = sub.add_parser("diff", help="write one self-contained delta file from two safetensors states")
+    p.add_argument("old", help="base state (.safetensors)")
+    p.add_argument("new", help="target state (.safetensors)")
+    p.add_argument("-o", "--out", required=True, help="delta file to write")
+    p.add_argument("--model", default="model", help="model stream name (default: model)")
+    p.add_argument("--parent", type=int, default=0, help="version number of OLD (default 0)")
+    p.add_argument("--version", type=int, help="version number of NEW (default parent+1)")
+    p.add_argument("--key-file", help="sign the manifest with this hex key")
+    p.add_argument("--chunk-words", type=int, default=EncodeOptions().chunk_words)
+    p.add_argument("--level", type=int, default=1, help="zstd level (default 1)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("replay", help="apply a chain of delta files to a base state, verifying every fingerprint")
+    p.add_argument("base")
+    p.add_argument("deltas", nargs="+")
+    p.add_argument("-o", "--out", required=True, help="state to write (.safetensors); nothing is written on error")
+    p.add_argument("--key-file", help="refuse deltas whose signature does not verify with this key")
+    p.add_argument("--verify", choices=("incremental", "full"), default="incremental")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("squash", help="compose a chain of delta files into one")
+    p.add_argument("deltas", nargs="+")
+    p.add_argument("-o", "--out", required=True)
+    p.add_argument("--key-file", help="verify inputs and sign the result with this key")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_squash)
+
+    p = sub.add_parser("inspect", help="per-tensor table of a delta file or a safetensors state")
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("verify", help="is STATE exactly the delta's target (or base with --base)?")
+    p.add_argument("state")
+    p.add_argument("delta")
+    p.add_argument("--base", action="store_true", help="check against the delta's base instead of its target")
+    p.add_argument("--key-file")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_verify)
+
+
+def cmd_diff(args) -> int:
+    t0 = time.perf_counter()
+    old = read_state_file(args.old)
+    new = read_state_file(args.new)
+    version = args.version if args.version is not None else args.parent + 1
+    prog = Progress("diff", quiet=args.quiet)
+    enc = encode_delta(old, new, model=args.model, version=version, parent=args.parent,
+                       options=EncodeOptions(level=args.level, chunk_words=args.chunk_words), progress=prog.update)
+    prog.done()
+    manifest = enc.manifest
+    key = _key(args)
+    if key:
+        manifest = manifest.sign(key)
+    size = write_delta_file(args.out, manifest, enc.blobs)
+    dt = time.perf_counter() - t0
+    raw = _nbytes(new)
+    words = sum(t.words for t in manifest.tensors)
+    say(args, f"{args.out}: {len(manifest.tensors)} tensors, {manifest.changed_words:,} of {words:,} words changed "
+              f"({100 * manifest.changed_words / max(words, 1):.3f}%), {size:,} bytes, ratio {raw / max(size, 1):.1f}x "
+              f"vs {raw:,} raw bytes, {dt:.2f} s")
+    return 0
+
+
+def cmd_replay(args) -> int:
+    key = _key(args)
+    state = read_state_file(args.base)
+    fps = fingerprint_state(state)
+    prev = None
+    prog = Progress("replay", quiet=args.quiet)
+    for i, path in enumerate(args.deltas):
+        df = read_delta_file(path, key=key)
+        m = df.manifest
+        if prev is not None and m.parent != prev.version:
+            raise ChainError(f"{path}: starts at v{m.parent} but the chain is at v{prev.version} (a gap or wrong order)")
+        if prev is not None and m.model != prev.model:
+            raise ChainError(f"{path}: model {m.model!r}, chain is {prev.model!r}")
+        fps = apply_delta(state, m, df.blobs, fps, verify=args.verify)
+        prev = m
+        prog.update(i + 1, len(args.deltas))
+    prog.done()
+    size = write_state_file(args.out, state)
+    say(args, f"{args.out}: v{prev.version} of {prev.model!r}, {len(state)} tensors, {size:,} bytes, "
+              f"state {prev.state_fp} verified")
+    return 0
+
+
+def cmd_squash(args) -> int:
+    key = _key(args)
+    files = [read_delta_file(p, key=key) for p in args.deltas]
+    blobs: dict[str, bytes] = {}
+    for f in files:
+        blobs.update(f.blobs)
+    enc = squash_chain([f.manifest for f in files], blobs.__getitem__)
+    manifest = enc.manifest.sign(key) if key else enc.manifest
+    size = write_delta_file(args.out, manifest, enc.blobs)
+    total_in = sum(f.manifest.total_bytes for f in files)
+    say(args, f"{args.out}: v{manifest.parent}->v{manifest.version}, {manifest.changed_words:,} changed words, "
+              f"{size:,} bytes (chain was {total_in:,} bytes of blobs)")
+    return 0
+
+
+def _chunk_raw_bytes(rec: dict) -> int:
+    w = dtype_info(rec["dtype"]).word_size
+    length = rec["stop"] - rec["start"]
+    if rec["mode"] == "dense":
+        return length * w
+    pos = (length + 7) // 8 if rec["mode"] == "bitmap" else rec["ng"] + rec["ngx"]
+    return pos + rec["count"] + rec["ne"] + rec["nr"] * w
+
+
+def inspect_delta(path: str) -> dict:
+    df = read_delta_file(path)
+    m = df.manifest
+    per_tensor: dict[str, dict] = {t.name: {"modes": {}, "bytes": 0.0} for t in m.tensors}
+    if m.kind == "delta":
+        for ref in m.blobs:
+            reader = BlobReader(df.blobs[ref.id])
+            raws = [_chunk_raw_bytes(c) for c in reader.chunks]
+            total = sum(raws) or 1
+            for c, r in zip(reader.chunks, raws):
+                info = per_tensor[c["tensor"]]
+                info["modes"][c["mode"]] = info["modes"].get(c["mode"], 0) + 1
+                info["bytes"] += ref.size * r / total
+    rows = []
+    for t in m.tensors:
+        info = dtype_info(t.dtype)
+        raw = info.element_size * math.prod(t.shape)
+        rows.append({
+            "name": t.name, "dtype": t.dtype, "shape": list(t.shape), "changed": t.changed, "words": t.words,
+            "changed_pct": 100.0 * t.changed / max(t.words, 1),
+            "encoding": ",".join(f"{k}:{v}" for k, v in sorted(per_tensor[t.name]["modes"].items())) or
+                        ("keyframe" if m.kind == "keyframe" else "-"),
+            "bytes": round(per_tensor[t.name]["bytes"]) if m.kind == "delta" else raw,
+            "raw_bytes": raw, "fp_before": t.fp_before, "fp_after": t.fp_after,
+        })
+    return {"type": "delta-file", "model": m.model, "version": m.version, "parent": m.parent, "kind": m.kind,
+            "signed": m.signature is not None, "state_fp_before": m.state_fp_before, "state_fp": m.state_fp,
+            "blobs": len(m.blobs), "bytes": m.total_bytes, "raw_bytes": m.raw_bytes,
+            "changed_words": m.changed_words, "tensors": rows}
+
+
+def inspect_state(path: str) -> dict:
+    state = read_state_file(path)
+    fps = fingerprint_state(state)
+    rows = [{"name": n, "dtype": dtype_info(t.dtype).name, "shape": list(t.shape),
+             "bytes": t.numel() * t.element_size(), "fingerprint": fp_hex(fps[n])} for n, t in sorted(state.items())]
+    return {"type": "safetensors", "tensors": rows, "bytes": sum(r["bytes"] for r in rows),
+            "state_fp": state_fingerprint_of(state, fps)}
+
+
+def cmd_inspect(args) -> int:
+    with open(args.file, "rb") as f:
+        magic = f.read(8)
+    info = inspect_delta(args.file) if magic == DELTA_MAGIC else inspect_state(args.file)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    if info["type"] == "safetensors":
+        w = max([len(r["name"]) for r in info["tensors"]] + [6])
+        print(f"{'tensor':<{w}}  {'dtype':<16} {'shape':<20} {'bytes':>14}  fingerprint")
+        for r in info["tensors"]:
+            print(f"{r['name']:<{w}}  {r['dtype']:<16} {str(tuple(r['shape'])):<20} {r['bytes']:>14,}  {r['fingerprint']}")
+        print(f"total: {len(info['tensors'])} tensors, {info['bytes']:,} bytes, state fingerprint {info['state_fp']}")
+        return 0
+    w = max([len(r["name"]) for r in info["tensors"]] + [6])
+    print(f"{info['kind']} {info['model']!r} v{info['parent']}->v{info['version']}" if info["kind"] == "delta"
+          else f"keyframe {info['model']!r} v{info['version']}",
+          f"({'signed' if info['signed'] else 'unsigned'}, {info['blobs']} blobs)")
+    print(f"{'tensor':<{w}}  {'dtype':<16} {'shape':<20} {'changed%':>9} {'encoding':<18} {'bytes':>12}")
+    for r in info["tensors"]:
+        print(f"{r['name']:<{w}}  {r['dtype']:<16} {str(tuple(r['shape'])):<20} {r['changed_pct']:>8.3f}% "
+              f"{r['encoding']:<18} {r['bytes']:>12,}")
+    words = sum(r["words"] for r in info["tensors"])
+    print(f"total: {len(info['tensors'])} tensors, {info['changed_words']:,}/{words:,} words changed "
+          f"({100 * info['changed_words'] / max(words, 1):.3f}%), {info['bytes']:,} bytes for {info['raw_bytes']:,} raw "
+          f"({info['raw_bytes'] / max(info['bytes'], 1):.1f}x), state {info['state_fp']}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    df = read_delta_file(args.delta, key=_key(args))
+    m = df.manifest
+    if args.base and m.kind != "delta":
+        raise ChainError(f"{args.delta} is a keyframe: it has no base")
+    state = read_state_file(args.state)
+    fps = fingerprint_state(state)
+    want_version = m.parent if args.base else m.version
+    bad = []
+    for t in m.tensors:
+        want = t.fp_before if args.base else t.fp_after
+        have = state.get(t.name)
+        if have is None:
+            bad.append(f"{t.name}: missing")
+        elif dtype_info(have.dtype).name != t.dtype or tuple(have.shape) != t.shape:
+            bad.append(f"{t.name}: {dtype_info(have.dtype).name} {tuple(have.shape)}, expected {t.dtype} {t.shape}")
+        elif fp_hex(fps[t.name]) != want:
+            bad.append(f"{t.name}: fingerprint {fp_hex(fps[t.name])}, expected {want}")
+    extra = sorted(set(state) - {t.name for t in m.tensors})
+    bad += [f"{n}: not in v{want_version}" for n in extra]
+    if bad:
+        print(f"MISMATCH: {args.state} is not v{want_version} of {m.model!r}; {len(bad)} tensor(s) differ:")
+        for line in bad[:20]:
+            print("  " + line)
+        return 1
+    say(args, f"OK: {args.state} is exactly v{want_version} of {m.model!r} "
+              f"(state {m.state_fp_before if args.base else m.state_fp})")
+    return 0
