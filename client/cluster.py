@@ -1,0 +1,169 @@
+"""A relay tree on one machine: an origin and relays as subprocesses on loopback ports.
+
+The demo, the end-to-end tests and the benchmark run the real servers this way:
+``python -m deltasync.server.cli origin|relay --listen 127.0.0.1:0 ...``, each its own
+process (this module starts them; it never imports the server package). The port
+each server picked is read from its log line ``listening on http://HOST:PORT``.
+Processes are stopped by pid: SIGTERM, then SIGKILL after a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_LISTENING = re.compile(r"listening on (http://[^\s,()]+)")
+
+
+@dataclass(slots=True, kw_only=True)
+class ServerProcess:
+    """One running server."""
+
+    name: str
+    role: str
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    data_dir: Path
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL; returns the exit code."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGTERM)
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def start_server(role: str, name: str, root: Path, args: Sequence[str], *, timeout: float = 30.0,
+                 python: str = sys.executable, env: dict[str, str] | None = None) -> ServerProcess:
+    """Start ``deltasync.server.cli ROLE ARGS`` and wait for its listening line."""
+    root.mkdir(parents=True, exist_ok=True)
+    log_path = root / f"{name}.log"
+    argv = [python, "-m", "deltasync.server.cli", role, *args]
+    logf = open(log_path, "wb")
+    try:
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})})
+    finally:
+        logf.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace")
+        m = _LISTENING.search(text)
+        if m:
+            return ServerProcess(name=name, role=role, url=m.group(1).rstrip("/"), proc=proc, log_path=log_path,
+                                 data_dir=root / name, argv=argv)
+        if proc.poll() is not None:
+            raise RuntimeError(f"{role} {name} exited with {proc.returncode} before listening:\n{text[-3000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait(5)
+    raise RuntimeError(f"{role} {name} did not report a listening address within {timeout}s:\n"
+                       f"{log_path.read_text(errors='replace')[-3000:]}")
+
+
+class LocalCluster:
+    """An origin plus relays, all on 127.0.0.1. ``close()`` stops every process it started.
+
+    ``tree`` maps relay names to their parents' names (``"origin"`` or another relay),
+    most preferred first, in start order: ``{"eu": ["origin"], "eu-1": ["eu"], ...}``.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, key: bytes | None = None, token: str | None = None,
+                 retention: int = 16, fsync: bool = False, extra_args: Sequence[str] = ()) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.token = token or secrets.token_hex(16)
+        self.key = key
+        self.token_file = self.root / "token"
+        self.token_file.write_text(self.token + "\n")
+        self.key_file: Path | None = None
+        if key is not None:
+            self.key_file = self.root / "key"
+            self.key_file.write_text(key.hex() + "\n")
+        self.retention = retention
+        self.fsync = fsync
+        self.extra_args = list(extra_args)
+        self.servers: dict[str, ServerProcess] = {}
+
+    def _common(self) -> list[str]:
+        args = ["--listen", "127.0.0.1:0", "--retention", str(self.retention), "--log-level", "INFO", *self.extra_args]
+        if not self.fsync:
+            args.append("--no-fsync")
+        if self.key_file is not None:
+            args += ["--key-file", str(self.key_file)]
+        return args
+
+    def start_origin(self, name: str = "origin") -> ServerProcess:
+        store = self.root / name
+        s = start_server("origin", name, self.root,
+                         [*self._common(), "--store", str(store), "--token-file", str(self.token_file)])
+        self.servers[name] = s
+        return s
+
+    def start_relay(self, name: str, parents: Sequence[str]) -> ServerProcess:
+        urls = [self.servers[p].url if p in self.servers else p for p in parents]
+        args = [*self._common(), "--cache", str(self.root / name)]
+        for u in urls:
+            args += ["--parent", u]
+        s = start_server("relay", name, self.root, args)
+        self.servers[name] = s
+        return s
+
+    def start_tree(self, tree: dict[str, Sequence[str]]) -> None:
+        if "origin" not in self.servers:
+            self.start_origin()
+        for name, parents in tree.items():
+            self.start_relay(name, parents)
+
+    def url(self, name: str) -> str:
+        return self.servers[name].url
+
+    @property
+    def origin(self) -> str:
+        return self.servers["origin"].url
+
+    def close(self) -> None:
+        for s in reversed(list(self.servers.values())):
+            try:
+                s.stop(5)
+            except Exception:  # keep stopping the others
+                s.kill()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,43 @@
+"""Uploading a version to the origin: blobs in parallel, the manifest last.
+
+The origin refuses a manifest whose blobs it lacks, so a version becomes visible
+only once all its bytes are there. PUTs are idempotent: a retried upload of a blob
+the origin already holds is harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+from deltasync.manifest import Manifest
+
+from .http import HttpClient
+
+
+async def upload_blobs(client: HttpClient, blobs: Mapping[str, bytes], *, concurrency: int = 4) -> int:
+    """PUT every blob, at most ``concurrency`` at a time; returns the bytes sent."""
+    sem = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(bid: str, data: bytes) -> int:
+        async with sem:
+            await client.put_blob(bid, data)
+        return len(data)
+
+    sizes = await asyncio.gather(*(one(b, d) for b, d in blobs.items()))
+    return sum(sizes)
+
+
+async def commit_manifest(client: HttpClient, manifest: Manifest, *, key: bytes | None = None) -> Manifest:
+    """Sign (when a key is given) and PUT a manifest; returns what was sent."""
+    if key is not None:
+        manifest = manifest.sign(key)
+    await client.put_manifest(manifest.model, manifest.version, manifest.to_json())
+    return manifest
+
+
+async def upload_version(client: HttpClient, manifest: Manifest, blobs: Mapping[str, bytes], *,
+                         key: bytes | None = None, concurrency: int = 4) -> Manifest:
+    """Blobs first (in parallel), then the manifest."""
+    await upload_blobs(client, {b.id: blobs[b.id] for b in manifest.blobs}, concurrency=concurrency)
+    return await commit_manifest(client, manifest, key=key)
