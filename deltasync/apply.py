@@ -115,6 +115,34 @@ class _Undo:
         self.entries.clear()
 
 
+def find_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Names whose tensor is the very same memory as an earlier name's (tied weights) -> that name.
+
+    Tensors that overlap in memory without being identical views cannot be patched safely
+    and raise ApplyError."""
+    seen: dict[tuple, str] = {}
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    aliases: dict[str, str] = {}
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.numel() == 0:
+            continue
+        storage = t.untyped_storage().data_ptr()
+        key = (t.device, storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        lo = t.storage_offset() * t.element_size()
+        hi = lo + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        for a, b, other in spans.get(storage, ()):
+            if lo < b and a < hi:
+                raise ApplyError(f"{name} and {other} overlap in memory without being the same tensor; "
+                                 "cannot patch them independently")
+        spans.setdefault(storage, []).append((lo, hi, name))
+    return aliases
+
+
 def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Mapping[str, int]) -> None:
     """Refuse unless the tracked state is exactly the delta's base."""
     for rec in manifest.tensors:
@@ -146,11 +174,19 @@ def apply_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
     tensors = live_tensors(target)
     fps = dict(fps) if fps is not None else {n: tensor_fingerprint(t) for n, t in tensors.items()}
     check_base(manifest, tensors, fps)
+    aliases = find_aliases(tensors)
+    for alias, primary in aliases.items():
+        a, p = manifest.tensor(alias), manifest.tensor(primary)
+        if (a.fp_before, a.fp_after) != (p.fp_before, p.fp_after):
+            raise BaseMismatchError(
+                f"{alias} shares memory with {primary} (tied weights) but the delta changes them differently")
     undo = _Undo()
     new_fps = dict(fps)
     try:
         with torch.no_grad():
             for name, chunks in prepared.patches.items():
+                if name in aliases:  # tied weights: the primary's patch already wrote these words
+                    continue
                 new_fps[name] = _patch_tensor(tensors[name], chunks, fps[name], undo)
                 rec = manifest.tensor(name)
                 if verify == "full":
@@ -158,6 +194,8 @@ def apply_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
                 if fp_hex(new_fps[name]) != rec.fp_after:
                     raise IntegrityError(
                         f"{name}: fingerprint after patching is {fp_hex(new_fps[name])}, manifest says {rec.fp_after}; rolled back")
+            for alias, primary in aliases.items():
+                new_fps[alias] = new_fps[primary]
     except BaseException as e:
         undo.rollback()
         if isinstance(e, DeltaSyncError):

@@ -519,10 +519,6 @@ def _tied_states():
     return m, old, new
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: apply_prepared patches aliased tensors (tied weights: two state-dict "
-                   "names, one storage) once per name, so every step lands twice; the incremental fingerprint "
-                   "starts from the tracked fp_before, not from what it reads, so verification passes: silent "
-                   "corruption (verify='full' refuses instead)")
 @pytest.mark.parametrize("target_kind", ["module", "dict"])
 def test_apply_into_tied_weights(target_kind):
     m, old, new = _tied_states()
