@@ -1,0 +1,342 @@
+"""``deltasync publish``, ``deltasync subscribe`` and ``deltasync sidecar``.
+
+``register(subparsers)`` adds them to the project's CLI (``cli/main.py``);
+``python -m deltasync.client.cli COMMAND ...`` runs them standalone. Every command
+takes ``--quiet``; ``--key-file`` holds the manifest-signing key as hex (a publisher
+signs with it; a subscriber refuses any manifest that does not verify). Exit codes:
+0 success, 1 an error (printed on stderr), 2 bad usage, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from deltasync.errors import DeltaSyncError, NotFoundError
+from deltasync.fingerprint import state_fingerprint_of
+from deltasync.manifest import load_key
+from deltasync.statefile import read_state_file, write_state_file
+
+from .http import HttpClient, Timeouts
+from .publisher import Publisher
+from .sidecar import Sidecar, SidecarEvent
+from .subscriber import Subscriber, SyncEvent
+
+log = logging.getLogger("deltasync.client.cli")
+
+META_MODEL = "deltasync.model"
+META_VERSION = "deltasync.version"
+META_STATE_FP = "deltasync.state_fp"
+# Test-only fault injection (the end-to-end tests kill a subscriber mid-apply):
+# "V" makes `subscribe` SIGKILL itself right after applying version >= V in memory,
+# before the file is replaced. Never set it outside tests.
+FAULT_ENV = "DELTASYNC_TEST_KILL_AFTER_APPLY"
+
+
+def _say(args, text: str) -> None:
+    if not args.quiet:
+        print(text, flush=True)
+
+
+def _read_key(args) -> bytes | None:
+    return load_key(Path(args.key_file).read_text()) if args.key_file else None
+
+
+def _read_token(path: str) -> str:
+    token = Path(path).read_text().strip()
+    if not token:
+        raise DeltaSyncError(f"token file {path} is empty")
+    return token
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.2f} MB"
+
+
+def _setup_logging(args) -> None:
+    level = logging.ERROR if args.quiet else (logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING)
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# -- publish ---------------------------------------------------------------------------------------
+
+async def _head_state(url: str, model: str, key: bytes | None, like: dict[str, torch.Tensor], timeout: float):
+    """The head version's state, rebuilt from the servers into tensors shaped like ``like``;
+    None when the origin has no version or the layout differs."""
+    client = HttpClient([url])
+    try:
+        head = await client.get_head(model)
+    finally:
+        await client.close()
+    if head is None:
+        return None
+    target = {n: torch.empty_like(t) for n, t in like.items()}
+    sub = Subscriber([url], model, target, key=key, use_squash=True)
+    await sub.start()
+    try:
+        v = await sub.sync(timeout)
+    except DeltaSyncError as e:
+        log.warning("cannot rebuild %s v%s from the origin (%s); publishing a keyframe", model, head.version, e)
+        return head.version, None
+    finally:
+        await sub.close()
+    return v, (target, sub.fps)
+
+
+def cmd_publish(args) -> int:
+    _setup_logging(args)
+    token = _read_token(args.token_file)
+    key = _read_key(args)
+    state = read_state_file(args.state)
+    base = None
+    head_v = None
+    try:
+        got = asyncio.run(_head_state(args.origin, args.model, key, state, args.timeout))
+    except DeltaSyncError as e:
+        raise DeltaSyncError(f"cannot read {args.model}'s head from {args.origin}: {e}") from e
+    if got is not None:
+        head_v, rebuilt = got
+        if rebuilt is not None:
+            base = (head_v, rebuilt[0], rebuilt[1])
+    step = args.step if args.step is not None else (0 if head_v is None else head_v + 1)
+    if head_v is not None and step <= head_v:
+        print(f"deltasync publish: error: step {step} is not after the origin's head v{head_v}", file=sys.stderr)
+        return 1
+    if base is None and head_v is not None:
+        _say(args, f"origin has v{head_v} but its state could not be rebuilt here; publishing a keyframe")
+    pub = Publisher(args.origin, args.model, token, key, keyframe_every=0, base=base, check_origin=False)
+    try:
+        pending = pub.publish(step, state, keyframe=args.keyframe and base is not None)
+        res = pending.result(args.timeout)
+        pub.flush(args.timeout)
+    finally:
+        pub.close()
+    pct = 100.0 * res.blob_bytes / max(res.raw_bytes, 1)
+    side = f" + side keyframe {_mb(res.side_bytes)}" if res.side_keyframe else ""
+    _say(args, f"published {args.model} v{res.version}: {res.kind}, {_mb(res.blob_bytes)} ({pct:.2f}% of "
+               f"{_mb(res.raw_bytes)}){side}, {res.changed:,} words changed")
+    return 0
+
+
+# -- subscribe -------------------------------------------------------------------------------------
+
+def _clean_temp_files(out: Path) -> None:
+    """Remove temp files a killed writer left beside ``out`` (deltasync.deltafile.write_atomic's names)."""
+    for p in out.parent.glob(f".{out.name}.*.tmp"):
+        try:
+            p.unlink()
+        except OSError:
+            pass
+
+
+async def _subscribe(args, key: bytes | None) -> int:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _clean_temp_files(out)
+    timeouts = Timeouts(poll=args.poll)
+    version = None
+    target: dict[str, torch.Tensor] | None = None
+    if out.exists():
+        try:
+            import safetensors
+            with safetensors.safe_open(str(out), framework="pt") as f:
+                meta = f.metadata() or {}
+            target = {n: t.clone() for n, t in read_state_file(out).items()}
+            if meta.get(META_MODEL) == args.model and (meta.get(META_VERSION) or "").isdigit():
+                version = int(meta[META_VERSION])
+                _say(args, f"{out}: holds {args.model} v{version}; resuming")
+            else:
+                _say(args, f"{out}: not a {args.model} file written by deltasync subscribe; resyncing")
+                target = None
+        except DeltaSyncError as e:
+            _say(args, f"{out}: unreadable ({e}); resyncing from a keyframe")
+            target = None
+    if target is None:
+        client = HttpClient(args.sources, timeouts=timeouts)
+        try:
+            deadline = time.monotonic() + args.timeout
+            head = await client.get_head(args.model)
+            while head is None and not args.once and time.monotonic() < deadline:
+                await asyncio.sleep(1.0)  # the model has no version yet: wait for the first
+                head = await client.get_head(args.model)
+            if head is None:
+                raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
+        finally:
+            await client.close()
+        from deltasync.dtypes import dtype_info
+        from deltasync.manifest import parse_manifest
+        m = parse_manifest(head.body, key=key)
+        target = {t.name: torch.zeros(t.shape, dtype=dtype_info(t.dtype).torch_dtype) for t in m.tensors}
+    fault = os.environ.get(FAULT_ENV)
+    fault_v = int(fault) if fault and fault.isdigit() else None
+
+    def on_event(ev: SyncEvent) -> None:
+        if ev.kind in ("rollback", "refetch", "resync", "scrub", "error"):
+            _say(args, f"{ev.kind} v{ev.version}: {ev.detail}")
+
+    sub = Subscriber(args.sources, args.model, target, key=key, version=version, timeouts=timeouts,
+                     scrub_every=args.scrub_every, on_event=on_event)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await sub.start()
+    written = version
+    goal = args.until
+    if args.once:
+        h = await sub.client.get_head(args.model)
+        if h is None:
+            raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
+        goal = h.version
+    deadline = time.monotonic() + args.timeout if (args.once or goal is not None) else None
+    try:
+        while not stop.is_set():
+            v = sub.apply_pending()
+            if v is not None and v != written:
+                if fault_v is not None and v >= fault_v:
+                    os.kill(os.getpid(), signal.SIGKILL)  # test-only: die between the apply and the file write
+                sfp = state_fingerprint_of(target, sub.fps)
+                write_state_file(out, target, {META_MODEL: args.model, META_VERSION: str(v), META_STATE_FP: sfp})
+                written = v
+                st = sub.status
+                _say(args, f"{args.model} v{v} -> {out} (lag {st.lag}, {_mb(st.bytes_received)} received, verify {st.verify})")
+            if goal is not None and written is not None and written >= goal:
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                st = sub.status
+                print(f"deltasync subscribe: error: still at v{written} after {args.timeout:.0f}s (wanted v{goal}; "
+                      f"last error: {st.last_error})", file=sys.stderr)
+                return 1
+            try:
+                await asyncio.wait_for(stop.wait(), 0.2)
+            except asyncio.TimeoutError:
+                pass
+        return 0
+    finally:
+        await sub.close()
+
+
+def cmd_subscribe(args) -> int:
+    _setup_logging(args)
+    if args.once and args.until is not None:
+        print("deltasync subscribe: error: --once and --until exclude each other", file=sys.stderr)
+        return 2
+    return asyncio.run(_subscribe(args, _read_key(args)))
+
+
+# -- sidecar ----------------------------------------------------------------------------------------
+
+def cmd_sidecar(args) -> int:
+    _setup_logging(args)
+    token = _read_token(args.token_file)
+    key = _read_key(args)
+    if not Path(args.watch).is_dir():
+        print(f"deltasync sidecar: error: {args.watch} is not a directory", file=sys.stderr)
+        return 1
+
+    def on_event(ev: SidecarEvent) -> None:
+        if ev.kind in ("skipped", "error"):
+            print(f"deltasync sidecar: {ev.kind} {ev.path}: {ev.detail}", file=sys.stderr, flush=True)
+        else:
+            _say(args, f"{ev.kind} {Path(ev.path).name}" + (f": {ev.detail}" if ev.detail else ""))
+
+    car = Sidecar(args.watch, args.origin, args.model, token, key, keyframe_every=args.keyframe_every,
+                  delete_published=args.delete_published, marker=args.marker, poll=args.poll,
+                  state_file=args.state_file, on_event=on_event)
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await car.run(stop, once=args.once)
+        return 0
+
+    return asyncio.run(main())
+
+
+# -- wiring ---------------------------------------------------------------------------------------------
+
+def _sources(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="M", help="model stream name")
+    p.add_argument("--key-file", metavar="F", help="file holding the manifest-signing key (hex)")
+    p.add_argument("--quiet", "-q", action="store_true", help="print nothing but errors")
+
+
+def register(subparsers) -> None:
+    """Add ``publish``, ``subscribe`` and ``sidecar`` to an argparse subparsers object."""
+    p = subparsers.add_parser("publish", help="publish one state file to the origin (a delta when it can)",
+                              description="Publish one safetensors state as the next version: a delta against the "
+                                          "origin's head when its state can be rebuilt, else a keyframe.")
+    p.add_argument("--origin", required=True, metavar="URL", help="origin server URL")
+    p.add_argument("--token-file", required=True, metavar="F", help="file holding the origin's bearer token")
+    _sources(p)
+    p.add_argument("state", metavar="STATE.safetensors", help="the state to publish")
+    p.add_argument("--step", type=int, metavar="N", help="version number (default: the origin's head + 1, or 0)")
+    p.add_argument("--keyframe", action="store_true", help="also publish a keyframe of this state (side stream)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after S seconds (default 600)")
+    p.set_defaults(func=cmd_publish)
+
+    s = subparsers.add_parser("subscribe", help="keep a safetensors file in sync with a model stream",
+                              description="Follow a model stream through relays and keep a safetensors file at its "
+                                          "head (replaced atomically after each verified version).")
+    s.add_argument("--from", dest="sources", required=True, action="append", metavar="URL",
+                   help="relay or origin URL; repeat for fallbacks, nearest first")
+    _sources(s)
+    s.add_argument("--out", required=True, metavar="FILE.safetensors", help="the file to keep in sync")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--once", action="store_true", help="catch up to the current head, write, exit 0")
+    g.add_argument("--until", type=int, metavar="VERSION", help="exit 0 once VERSION (or newer) is written")
+    s.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="with --once/--until: exit 1 if not there after S seconds (default 300)")
+    s.add_argument("--poll", type=float, default=20.0, metavar="S", help="long-poll duration (default 20)")
+    s.add_argument("--scrub-every", type=int, default=0, metavar="N",
+                   help="re-fingerprint every tensor every N applies (default: never; incremental checks always run)")
+    s.set_defaults(func=cmd_subscribe)
+
+    c = subparsers.add_parser("sidecar", help="publish every checkpoint a trainer writes into a folder",
+                              description="Watch a folder for safetensors checkpoints (step number in the name; "
+                                          "complete once renamed into place, or once a marker file exists) and "
+                                          "publish each as a delta against the previous one.")
+    c.add_argument("--watch", required=True, metavar="DIR", help="folder the trainer writes checkpoints into")
+    c.add_argument("--origin", required=True, metavar="URL", help="origin server URL")
+    c.add_argument("--token-file", required=True, metavar="F", help="file holding the origin's bearer token")
+    _sources(c)
+    c.add_argument("--keyframe-every", type=int, default=20, metavar="K", help="side keyframe every K steps (0: never)")
+    c.add_argument("--delete-published", action="store_true",
+                   help="delete a checkpoint once its successor is published")
+    c.add_argument("--marker", metavar="SUFFIX",
+                   help="a checkpoint counts only once NAME+SUFFIX exists (e.g. .done); default: any renamed file")
+    c.add_argument("--poll", type=float, default=1.0, metavar="S", help="scan the folder every S seconds")
+    c.add_argument("--state-file", metavar="F", help="where to keep resume state (default DIR/.deltasync-sidecar.json)")
+    c.add_argument("--once", action="store_true", help="publish what is there now, then exit")
+    c.set_defaults(func=cmd_sidecar)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deltasync", description="deltasync publish / subscribe / sidecar")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DeltaSyncError as e:
+        print(f"deltasync {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        print(f"deltasync {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""The sidecar: publish every safetensors checkpoint a trainer drops into a folder.
+
+For any trainer (no code change): it writes ``step-N.safetensors`` files (atomically,
+or followed by a marker file, :mod:`deltasync.client.checkpoints`); the sidecar
+publishes each new complete checkpoint in step order as a delta against the previous
+one, diffing the two files through ``mmap`` (``deltasync.codec.encode_delta`` reads
+both files' pages; nothing is copied into the sidecar's memory but the changes).
+The first checkpoint (and one whose tensor layout changed) goes out as a keyframe;
+every ``keyframe_every`` steps a keyframe also goes to the side stream.
+
+Restart-safe: after each commit it writes its state (last step, that checkpoint's
+file stamp and fingerprints) atomically to ``.deltasync-sidecar.json`` in the folder.
+On restart it resumes from there, deltas included, provided the origin's head is that
+step and the file is unchanged; otherwise it starts over with a keyframe. A checkpoint
+the origin already holds (a crash after the commit, before the state was saved) is
+recognised by its state fingerprint and not sent again.
+
+A checkpoint that is truncated or unreadable is reported and skipped (never
+published), and not retried unless the file changes. With ``delete_published`` a
+checkpoint is deleted once its successor is published (it is no longer a base).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from deltasync.codec import EncodeOptions, encode_delta
+from deltasync.deltafile import write_atomic
+from deltasync.errors import ChainError, DeltaSyncError, NotFoundError
+from deltasync.fingerprint import fingerprint_state, fp_hex, state_fingerprint_of
+from deltasync.keyframe import encode_keyframe
+from deltasync.manifest import parse_manifest
+
+from .checkpoints import Checkpoint, CheckpointError, MappedCheckpoint, find_checkpoints
+from .http import HttpClient, Timeouts
+from .streams import keyframe_stream
+from .upload import upload_version
+
+log = logging.getLogger("deltasync.client.sidecar")
+
+STATE_NAME = ".deltasync-sidecar.json"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SidecarEvent:
+    """One thing the sidecar did: ``kind`` is published, skipped, adopted, deleted or error."""
+
+    kind: str
+    step: int | None
+    path: str
+    detail: str = ""
+    bytes: int = 0
+    raw_bytes: int = 0
+
+
+class Sidecar:
+    """Publishes checkpoints from ``watch_dir`` to ``origin`` (see the module docstring)."""
+
+    def __init__(self, watch_dir: str | os.PathLike, origin: str, model: str, token: str, key: bytes | None = None, *,
+                 keyframe_every: int = 20, delete_published: bool = False, marker: str | None = None,
+                 poll: float = 1.0, state_file: str | os.PathLike | None = None, options: EncodeOptions | None = None,
+                 timeouts: Timeouts | None = None, on_event: Callable[[SidecarEvent], None] | None = None) -> None:
+        self.dir = Path(watch_dir)
+        self.model = model
+        self.side_model = keyframe_stream(model)
+        self.key = key
+        self.keyframe_every = keyframe_every
+        self.delete_published = delete_published
+        self.marker = marker
+        self.poll = poll
+        self.state_path = Path(state_file) if state_file else self.dir / STATE_NAME
+        self.options = options or EncodeOptions()
+        self.client = HttpClient([origin], token=token, timeouts=timeouts or Timeouts())
+        self.on_event = on_event
+        # resumable state
+        self.version: int | None = None
+        self.last_keyframe: int | None = None
+        self.base: Checkpoint | None = None
+        self.base_fps: dict[str, int] | None = None
+        self.skipped: dict[str, tuple[int, int]] = {}
+        self._resumed = False
+
+    # -- state file ----------------------------------------------------------------------------
+    def _save_state(self) -> None:
+        obj = {
+            "model": self.model, "version": self.version, "last_keyframe": self.last_keyframe,
+            "base": None if self.base is None else {"path": self.base.path.name, "step": self.base.step,
+                                                    "size": self.base.size, "mtime_ns": self.base.mtime_ns},
+            "fps": None if self.base_fps is None else {n: fp_hex(v) for n, v in sorted(self.base_fps.items())},
+            "skipped": {k: list(v) for k, v in self.skipped.items()},
+        }
+        write_atomic(self.state_path, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+    def _load_state(self) -> dict | None:
+        try:
+            obj = json.loads(self.state_path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("sidecar state %s is unreadable (%s); starting over with a keyframe", self.state_path, e)
+            return None
+        if not isinstance(obj, dict) or obj.get("model") != self.model:
+            log.warning("sidecar state %s is for another model; starting over", self.state_path)
+            return None
+        return obj
+
+    async def resume(self) -> None:
+        """Pick up where a previous run left off (called once by ``run``/``scan``)."""
+        self._resumed = True
+        head = await self.client.get_head(self.model)
+        head_v = head.version if head is not None else None
+        obj = self._load_state()
+        if obj is None:
+            self.version = head_v
+            return
+        self.skipped = {k: (int(v[0]), int(v[1])) for k, v in (obj.get("skipped") or {}).items()}
+        self.last_keyframe = obj.get("last_keyframe")
+        saved = obj.get("version")
+        base = obj.get("base")
+        self.version = head_v
+        if saved is None or head_v != saved or not base:
+            if head_v != saved:
+                log.warning("origin head is v%s but this sidecar last published v%s; the next checkpoint goes out "
+                            "as a keyframe", head_v, saved)
+            return
+        path = self.dir / base["path"]
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            log.warning("base checkpoint %s is gone; the next checkpoint goes out as a keyframe", path)
+            return
+        if (st.st_size, st.st_mtime_ns) != (base["size"], base["mtime_ns"]):
+            log.warning("base checkpoint %s changed since it was published; next goes out as a keyframe", path)
+            return
+        self.base = Checkpoint(step=base["step"], path=path, size=st.st_size, mtime_ns=st.st_mtime_ns)
+        self.base_fps = {n: int(v, 16) for n, v in (obj.get("fps") or {}).items()}
+        log.info("resuming %s after v%s (base %s)", self.model, saved, path.name)
+
+    # -- one pass --------------------------------------------------------------------------------
+    def _emit(self, ev: SidecarEvent) -> None:
+        (log.error if ev.kind == "error" else log.warning if ev.kind == "skipped" else log.info)(
+            "%s step %s %s: %s", ev.kind, ev.step, ev.path, ev.detail)
+        if self.on_event is not None:
+            self.on_event(ev)
+
+    async def scan(self) -> list[SidecarEvent]:
+        """Publish every new complete checkpoint, oldest first; returns what happened."""
+        if not self._resumed:
+            await self.resume()
+        events: list[SidecarEvent] = []
+
+        def note(ev: SidecarEvent) -> None:
+            events.append(ev)
+            self._emit(ev)
+
+        for ck in find_checkpoints(self.dir, marker=self.marker):
+            if self.version is not None and ck.step <= self.version:
+                continue
+            if self.skipped.get(ck.path.name) == ck.stamp:
+                continue
+            try:
+                ev = await self._publish(ck)
+            except CheckpointError as e:
+                self.skipped[ck.path.name] = ck.stamp
+                self._save_state()
+                note(SidecarEvent(kind="skipped", step=ck.step, path=str(ck.path), detail=str(e)))
+                continue
+            note(ev)
+            if self.delete_published:
+                for old in find_checkpoints(self.dir, marker=self.marker):
+                    if old.step < ck.step and old.path.name not in self.skipped:
+                        self._delete(old)
+                        note(SidecarEvent(kind="deleted", step=old.step, path=str(old.path)))
+        return events
+
+    def _delete(self, ck: Checkpoint) -> None:
+        for p in (ck.path, Path(str(ck.path) + self.marker) if self.marker else None):
+            if p is not None:
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
+
+    async def _publish(self, ck: Checkpoint) -> SidecarEvent:
+        new = MappedCheckpoint(ck.path)
+        old = None
+        try:
+            if self.base is not None and self.version is not None and self.base_fps is not None:
+                try:
+                    old = MappedCheckpoint(self.base.path)
+                except CheckpointError as e:
+                    log.warning("base %s unreadable (%s); publishing a keyframe", self.base.path, e)
+            main, side, fps = await asyncio.to_thread(self._encode, ck, new, old)
+        finally:
+            new.close()
+            if old is not None:
+                old.close()
+        return await self._upload(ck, main, side, fps)
+
+    def _encode(self, ck: Checkpoint, new: MappedCheckpoint, old: MappedCheckpoint | None):
+        # runs in a worker thread: the encoding reads every page of both files
+        main = side = None
+        try:
+            if old is not None:
+                main = encode_delta(old.tensors, new.tensors, model=self.model, version=ck.step, parent=self.version,
+                                    base_fps=self.base_fps, options=self.options, meta={"source": ck.path.name})
+        except ChainError as e:
+            log.info("%s: %s; publishing a keyframe", ck.path.name, e)
+            main = None
+        except (OSError, ValueError, RuntimeError) as e:  # an I/O error reading a mapped page, ...
+            raise CheckpointError(f"{ck.path}: unreadable while diffing ({type(e).__name__}: {e})") from None
+        try:
+            if main is None:
+                main = encode_keyframe(new.tensors, model=self.model, version=ck.step, meta={"source": ck.path.name})
+            elif self.keyframe_every and (self.last_keyframe is None or ck.step - self.last_keyframe >= self.keyframe_every):
+                side = encode_keyframe(new.tensors, model=self.side_model, version=ck.step, fps=main.fps,
+                                       meta={"source": ck.path.name})
+        except (OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{ck.path}: unreadable ({type(e).__name__}: {e})") from None
+        fps = main.fps if main.fps else fingerprint_state(new.tensors)
+        # the file must not have changed under us while we read it
+        try:
+            st = ck.path.stat()
+        except FileNotFoundError:
+            raise CheckpointError(f"{ck.path}: removed while it was being published") from None
+        if (st.st_size, st.st_mtime_ns) != ck.stamp:
+            raise CheckpointError(f"{ck.path}: changed while it was being published")
+        return main, side, fps
+
+    async def _upload(self, ck: Checkpoint, main, side, fps: dict[str, int]) -> SidecarEvent:
+        existing = None
+        try:
+            existing = parse_manifest(await self.client.get_manifest(self.model, ck.step))
+        except NotFoundError:
+            pass
+        if existing is not None:
+            if existing.state_fp != main.manifest.state_fp:
+                raise DeltaSyncError(f"the origin already holds a different {self.model} v{ck.step}; not publishing {ck.path}")
+            kind = "adopted"  # committed by an earlier run that died before saving its state
+        else:
+            await upload_version(self.client, main.manifest, main.blobs, key=self.key)
+            kind = "published"
+        if side is not None:
+            await upload_version(self.client, side.manifest, side.blobs, key=self.key)
+        if main.manifest.kind == "keyframe" or side is not None:
+            self.last_keyframe = ck.step
+        self.version = ck.step
+        self.base = ck
+        self.base_fps = dict(fps)
+        self._save_state()
+        raw = main.manifest.raw_bytes
+        detail = f"{main.manifest.kind} v{ck.step}, {main.manifest.total_bytes} bytes ({raw} raw)" + (
+            f" + side keyframe {side.manifest.total_bytes} bytes" if side else "")
+        return SidecarEvent(kind=kind, step=ck.step, path=str(ck.path), detail=detail,
+                            bytes=main.manifest.total_bytes + (side.manifest.total_bytes if side else 0), raw_bytes=raw)
+
+    # -- the daemon -------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event | None = None, *, once: bool = False) -> None:
+        """Scan every ``poll`` seconds until ``stop`` is set (or after one scan with ``once``).
+        Transport errors are reported and retried at the next scan; nothing is skipped for them."""
+        stop = stop or asyncio.Event()
+        try:
+            while True:
+                try:
+                    await self.scan()
+                except DeltaSyncError as e:
+                    self._emit(SidecarEvent(kind="error", step=None, path=str(self.dir), detail=str(e)))
+                    if once:
+                        raise
+                if once or stop.is_set():
+                    return
+                try:
+                    await asyncio.wait_for(stop.wait(), self.poll)
+                except asyncio.TimeoutError:
+                    pass
+                if stop.is_set():
+                    return
+        finally:
+            await self.client.close()
+
+
+def checkpoint_state_fp(path: str | os.PathLike) -> str:
+    """The state fingerprint of a checkpoint file (a full read)."""
+    with MappedCheckpoint(path) as ck:
+        return state_fingerprint_of(ck.tensors)
