@@ -1,0 +1,1 @@
+"""Origin and relay servers (aiohttp on uvloop). Imports deltasync core, never deltasync.client."""

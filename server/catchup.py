@@ -1,0 +1,123 @@
+"""Squashed catch-up deltas: one delta A→B built from the chain A→…→B, for late joiners.
+
+The chain is found by walking parent links back from B to A (manifests pulled
+through from parents on a relay), every blob of it is made complete on disk
+(fetched on a relay) and leased so eviction cannot take it mid-build, and
+``deltasync.squash.squash_chain`` runs in a worker thread (one build at a time;
+concurrent requests for the same A→B share one build). The resulting blobs go
+into the blob store like any other and the manifest is cached under squash/.
+The server signs the squashed manifest only if it holds the key; a relay without
+the key serves it unsigned (see docs/PROTOCOL.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from deltasync.errors import BaseMismatchError, ChainError, FormatError
+from deltasync.manifest import Manifest, parse_manifest
+
+from .catalog import Catalog
+from .errors import UnavailableError
+from .fetcher import BlobFetcher
+from .metrics import Metrics
+from .store import DiskStore
+
+log = logging.getLogger("deltasync.server.catchup")
+
+
+class CatchupBuilder:
+    def __init__(self, *, store: DiskStore, catalog: Catalog, fetcher: BlobFetcher | None, metrics: Metrics,
+                 key: bytes | None, max_chain: int, fetch_timeout: float) -> None:
+        self.store = store
+        self.catalog = catalog
+        self.fetcher = fetcher
+        self.metrics = metrics
+        self.key = key
+        self.max_chain = max_chain
+        self.fetch_timeout = fetch_timeout
+        self._builds: dict[tuple[str, int, int], asyncio.Future[bytes]] = {}
+        self._cpu = asyncio.Semaphore(1)
+
+    async def delta(self, model: str, start: int, end: int) -> bytes:
+        """The manifest (JSON bytes) of one delta taking ``model`` from ``start`` to ``end``."""
+        if start >= end:
+            raise FormatError(f"from={start} must be older than to={end}")
+        cached = self.store.read_squash(model, start, end)
+        if cached is not None and all(self.store.has_blob(b.id) for b in parse_manifest(cached).blobs):
+            self.metrics.inc("squash_hits")
+            return cached
+        key = (model, start, end)
+        fut = self._builds.get(key)
+        if fut is not None:
+            return await asyncio.shield(fut)
+        fut = asyncio.get_running_loop().create_future()
+        self._builds[key] = fut
+        try:
+            data = await self._build(model, start, end)
+            fut.set_result(data)
+            return data
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()
+            raise
+        finally:
+            del self._builds[key]
+
+    async def chain(self, model: str, start: int, end: int) -> list[Manifest]:
+        """The deltas leading from ``start`` to ``end``, oldest first; ChainError if there is no such chain."""
+        out: list[Manifest] = []
+        v = end
+        while v != start:
+            if len(out) >= self.max_chain:
+                raise ChainError(f"{model}: the chain v{start}→v{end} is longer than {self.max_chain} deltas; "
+                                 "start from a keyframe instead")
+            m = await self.catalog.manifest(model, v)
+            if m.kind != "delta":
+                raise ChainError(f"{model}: v{start} is not an ancestor of v{end} (v{v} is a keyframe); "
+                                 "start from that keyframe")
+            if m.parent < start:
+                raise ChainError(f"{model}: v{start} is not an ancestor of v{end} (v{v} follows v{m.parent})")
+            out.append(m)
+            v = m.parent
+        out.reverse()
+        for prev, m in zip(out, out[1:]):
+            if m.state_fp_before != prev.state_fp:
+                raise BaseMismatchError(f"{model}: v{m.version} does not start from the state of v{prev.version}")
+        return out
+
+    async def _build(self, model: str, start: int, end: int) -> bytes:
+        chain = await self.chain(model, start, end)
+        if len(chain) == 1:
+            return await self.catalog.manifest_bytes(model, end)
+        try:
+            from deltasync.squash import squash_chain
+        except ImportError:
+            raise UnavailableError("this build has no deltasync.squash; fetch the chain instead") from None
+        ids = sorted({b.id for m in chain for b in m.blobs})
+        self.store.lease(ids)
+        try:
+            for bid in ids:
+                if not self.store.has_blob(bid):
+                    if self.fetcher is None:
+                        raise ChainError(f"blob {bid} of the chain is missing from the store")
+                    await self.fetcher.ensure(bid, timeout=self.fetch_timeout)
+            async with self._cpu:
+                t0 = time.monotonic()
+                encoded = await asyncio.to_thread(squash_chain, chain, self.store.read_blob)
+                took = time.monotonic() - t0
+        finally:
+            self.store.unlease(ids)
+        for bid, data in encoded.blobs.items():
+            await self.store.put_blob_bytes(bid, data)
+        m = encoded.manifest
+        if self.key is not None:
+            m = m.sign(self.key)
+        data = m.to_json()
+        await self.store.put_squash(model, start, end, data)
+        self.metrics.inc("squash_builds")
+        log.info("squashed %s v%d→v%d (%d deltas, %d bytes → %d bytes) in %.2f s", model, start, end, len(chain),
+                 sum(x.total_bytes for x in chain), m.total_bytes, took)
+        return data

@@ -1,0 +1,186 @@
+"""``deltasync origin`` and ``deltasync relay``: run a server until SIGTERM/SIGINT.
+
+``register(subparsers)`` adds both subcommands to the project's CLI;
+``python -m deltasync.server.cli origin|relay ...`` runs them standalone. The
+server logs one line per significant event to stderr, among them
+``listening on http://HOST:PORT`` once it accepts connections (with
+``--listen HOST:0`` the port is the one the OS picked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from deltasync.errors import DeltaSyncError
+from deltasync.manifest import load_key
+
+from .app import build_app
+from .config import ServerConfig, Timeouts
+
+log = logging.getLogger("deltasync.server")
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``123``, ``64M``, ``10GiB``, ``1T`` (binary units)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"size must be bytes with an optional K/M/G/T suffix, found {text!r}")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(m.group(1)) * _UNITS[unit]
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"--listen takes HOST:PORT, found {text!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def parse_parent(text: str) -> str:
+    if not re.match(r"^https?://[^/\s]+(/\S*)?$", text):
+        raise argparse.ArgumentTypeError(f"--parent takes a URL like http://host:port, found {text!r}")
+    return text.rstrip("/")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", required=True, type=parse_listen, metavar="HOST:PORT",
+                   help="address to serve on (port 0: any free port, logged at start)")
+    p.add_argument("--key-file", type=Path, help="hex HMAC key; when given, every manifest must verify with it")
+    p.add_argument("--retention", type=int, default=16, metavar="N",
+                   help="pin the blobs of each model's newest N versions (and newest keyframe); default 16")
+    p.add_argument("--heartbeat", type=float, default=10.0, metavar="S", help="event-stream keepalive period")
+    p.add_argument("--read-timeout", type=float, default=30.0, metavar="S",
+                   help="silence from a parent before it counts as dead")
+    p.add_argument("--write-timeout", type=float, default=60.0, metavar="S",
+                   help="a child that accepts no bytes for this long is cut off")
+    p.add_argument("--max-wait", type=float, default=60.0, metavar="S", help="longest long-poll a client may ask for")
+    p.add_argument("--no-fsync", action="store_true", help="skip fsync (tests and benchmarks only: not crash-safe)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def register(subparsers) -> None:
+    """Add the ``origin`` and ``relay`` subcommands to an argparse subparsers object."""
+    o = subparsers.add_parser("origin", help="run the origin: takes the publisher's writes, stores them durably",
+                              description="Run the origin server (root of the relay tree).")
+    _common(o)
+    o.add_argument("--store", required=True, type=Path, metavar="DIR", help="store directory")
+    o.add_argument("--token-file", required=True, type=Path, metavar="F", help="file holding the bearer token")
+    o.add_argument("--max-blob-size", type=parse_size, default=4 << 30, metavar="BYTES",
+                   help="largest blob upload accepted (default 4G)")
+    o.set_defaults(func=run_origin)
+
+    r = subparsers.add_parser("relay", help="run a relay: caches and serves what its parents have",
+                              description="Run a relay server (a cache tier of the tree).")
+    _common(r)
+    r.add_argument("--parent", required=True, action="append", type=parse_parent, metavar="URL",
+                   help="parent base URL; repeat for fallbacks, most preferred first")
+    r.add_argument("--cache", required=True, type=Path, metavar="DIR", help="cache directory")
+    r.add_argument("--cache-size", type=parse_size, default=None, metavar="BYTES",
+                   help="blob cache budget (K/M/G/T suffixes); default unbounded")
+    r.set_defaults(func=run_relay)
+
+
+def _timeouts(args) -> Timeouts:
+    return Timeouts(read=args.read_timeout, write=args.write_timeout, max_wait=args.max_wait,
+                    heartbeat=args.heartbeat)
+
+
+def _key(args) -> bytes | None:
+    return load_key(args.key_file.read_text()) if args.key_file else None
+
+
+def run_origin(args) -> int:
+    try:
+        token = args.token_file.read_text().strip()
+        if not token:
+            raise DeltaSyncError(f"token file {args.token_file} is empty")
+        config = ServerConfig(role="origin", host=args.listen[0], port=args.listen[1], store_dir=args.store,
+                              token=token, key=_key(args), retention=args.retention,
+                              max_blob_size=args.max_blob_size, fsync=not args.no_fsync, timeouts=_timeouts(args))
+    except (OSError, ValueError, DeltaSyncError) as e:
+        print(f"deltasync origin: {e}", file=sys.stderr)
+        return 2
+    return serve(config, log_level=args.log_level)
+
+
+def run_relay(args) -> int:
+    try:
+        config = ServerConfig(role="relay", host=args.listen[0], port=args.listen[1], store_dir=args.cache,
+                              parents=tuple(args.parent), cache_size=args.cache_size, key=_key(args),
+                              retention=args.retention, fsync=not args.no_fsync, timeouts=_timeouts(args))
+    except (OSError, ValueError, DeltaSyncError) as e:
+        print(f"deltasync relay: {e}", file=sys.stderr)
+        return 2
+    return serve(config, log_level=args.log_level)
+
+
+def serve(config: ServerConfig, *, log_level: str = "INFO") -> int:
+    """Run the server on uvloop until SIGTERM or SIGINT; returns the exit code."""
+    logging.basicConfig(level=log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:
+        import uvloop
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop) if hasattr(asyncio, "Runner") else None
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        uvloop = None
+        runner = None
+    if runner is not None:
+        with runner:
+            return runner.run(_serve(config))
+    if uvloop is not None:  # pragma: no cover - Python 3.10
+        uvloop.install()
+    return asyncio.run(_serve(config))
+
+
+async def _serve(config: ServerConfig) -> int:
+    app = build_app(config)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=config.timeouts.shutdown)
+    try:
+        await runner.setup()
+    except (OSError, DeltaSyncError) as e:
+        log.error("cannot start: %s", e)
+        return 1
+    site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, e)
+        await runner.cleanup()
+        return 1
+    host, port = runner.addresses[0][:2]
+    shown = f"[{host}]" if ":" in host else host
+    extra = f", parents {', '.join(config.parents)}" if config.parents else ""
+    log.info("%s listening on http://%s:%d (store %s%s)", config.role, shown, port, config.store_dir, extra)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await runner.cleanup()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deltasync", description="deltasync origin and relay servers")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""What a server is told at start: its role, where it listens, stores and fetches, and its limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROLES = ("origin", "relay")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timeouts:
+    """Every wait a server makes, in seconds. None of them is unbounded."""
+
+    connect: float = 5.0  # TCP connect to a parent
+    read: float = 30.0  # silence on a parent connection (headers or body) before it counts as dead
+    write: float = 60.0  # a child that accepts no bytes for this long is cut off
+    first_byte: float = 60.0  # a reader waiting for a blob that is being fetched
+    max_wait: float = 60.0  # the longest long-poll a client may ask for (?wait=)
+    heartbeat: float = 10.0  # SSE comment sent this often so followers can tell a live parent from a dead one
+    parent_cooldown: float = 5.0  # a parent that failed is skipped this long while others are tried
+    shutdown: float = 5.0  # requests still running this long after SIGTERM are cut
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    role: str  # "origin" | "relay"
+    host: str
+    port: int
+    store_dir: Path
+    token: str | None = None  # origin: bearer token for writes
+    key: bytes | None = None  # HMAC key: when set, manifests must verify
+    parents: tuple[str, ...] = ()  # relay: base URLs, most preferred first
+    cache_size: int | None = None  # byte budget for blobs; None = unbounded
+    retention: int = 16  # newest versions per model whose blobs are pinned
+    max_blob_size: int = 4 << 30  # PUT bodies larger than this are refused (413)
+    max_manifest_size: int = 64 << 20
+    max_squash_chain: int = 1024  # longest chain a squashed catch-up delta may cover
+    sse_queue: int = 1024  # events buffered per SSE client before it is dropped as too slow
+    fsync: bool = True
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, found {self.role!r}")
+        if self.role == "origin" and not self.token:
+            raise ValueError("an origin needs a bearer token for writes (--token-file)")
+        if self.role == "relay" and not self.parents:
+            raise ValueError("a relay needs at least one --parent URL")
+        if self.retention < 1:
+            raise ValueError("retention must be at least 1 version")
+
+    @property
+    def is_origin(self) -> bool:
+        return self.role == "origin"

@@ -1,0 +1,146 @@
+"""Announcing committed versions: to SSE streams, long-polls, and back from a parent's stream.
+
+``EventHub`` fans a commit out to every subscriber's bounded queue; a subscriber
+whose queue is full (it stopped reading) is dropped rather than allowed to hold
+anyone up, and reconnects to catch up. ``format_event`` writes one server-sent
+event; ``SSEDecoder`` is the incremental parser the relays use to follow their
+parent (bytes in, events out, no I/O).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+from .compat import timeout as timeout_after
+from .store import VersionInfo
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SSEEvent:
+    event: str
+    data: str
+    id: str | None = None
+
+    def json(self) -> dict:
+        return json.loads(self.data)
+
+
+def format_event(event: str, data: dict, *, id: str | None = None) -> bytes:
+    lines = [f"event: {event}"]
+    if id is not None:
+        lines.append(f"id: {id}")
+    lines.append("data: " + json.dumps(data, separators=(",", ":"), sort_keys=True))
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+class SSEDecoder:
+    """Incremental text/event-stream parser (the WHATWG rules we need: event, data, id; comments ignored)."""
+
+    MAX_LINE = 1 << 20
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._event = ""
+        self._data: list[str] = []
+        self._id: str | None = None
+
+    def feed(self, data: bytes) -> list[SSEEvent]:
+        self._buf += data
+        out: list[SSEEvent] = []
+        while True:
+            i = self._buf.find(b"\n")
+            if i < 0:
+                if len(self._buf) > self.MAX_LINE:
+                    raise ValueError("event-stream line longer than 1 MiB")
+                return out
+            line = self._buf[:i].rstrip(b"\r").decode("utf-8", "replace")
+            self._buf = self._buf[i + 1:]
+            if not line:
+                if self._data:
+                    out.append(SSEEvent(event=self._event or "message", data="\n".join(self._data), id=self._id))
+                self._event, self._data = "", []
+                continue
+            if line.startswith(":"):
+                continue
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "event":
+                self._event = value
+            elif name == "data":
+                self._data.append(value)
+            elif name == "id":
+                self._id = value
+
+
+class Subscription:
+    def __init__(self, model: str | None, size: int) -> None:
+        self.model = model  # None: every model
+        self.queue: asyncio.Queue[VersionInfo | None] = asyncio.Queue(maxsize=size)
+        self.dropped = False
+
+
+class EventHub:
+    def __init__(self, *, queue_size: int = 1024) -> None:
+        self._queue_size = queue_size
+        self._subs: set[Subscription] = set()
+        self._changed: dict[str, asyncio.Event] = {}
+        self.closed = False
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subs)
+
+    def subscribe(self, model: str | None) -> Subscription:
+        sub = Subscription(model, self._queue_size)
+        if self.closed:
+            sub.queue.put_nowait(None)
+        self._subs.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        self._subs.discard(sub)
+
+    def publish(self, info: VersionInfo) -> None:
+        for sub in list(self._subs):
+            if sub.model is not None and sub.model != info.model:
+                continue
+            try:
+                sub.queue.put_nowait(info)
+            except asyncio.QueueFull:
+                self._drop(sub)
+        ev = self._changed.pop(info.model, None)
+        if ev is not None:
+            ev.set()
+
+    def _drop(self, sub: Subscription) -> None:
+        """Cut off a subscriber that stopped reading: empty its queue and leave only the end marker."""
+        sub.dropped = True
+        self._subs.discard(sub)
+        while not sub.queue.empty():
+            sub.queue.get_nowait()
+        sub.queue.put_nowait(None)
+
+    async def wait_change(self, model: str, timeout: float) -> bool:
+        """Wait for the next commit of ``model``; False on timeout or shutdown."""
+        if self.closed:
+            return False
+        ev = self._changed.get(model)
+        if ev is None:
+            ev = self._changed[model] = asyncio.Event()
+        try:
+            async with timeout_after(timeout):
+                await ev.wait()
+        except asyncio.TimeoutError:
+            return False
+        return not self.closed
+
+    def close(self) -> None:
+        """Shutdown: end every stream and wake every long-poll."""
+        self.closed = True
+        for sub in list(self._subs):
+            self._drop(sub)
+        for ev in self._changed.values():
+            ev.set()
+        self._changed.clear()

@@ -1,0 +1,107 @@
+"""The origin's write path: blob uploads and version commits, with every check the protocol promises.
+
+A blob is stored only if its bytes hash to its id and fit the size limit; a version
+is committed only if its manifest parses (and verifies, with a key), names only
+blobs already stored with the sizes it claims, increases the model's version, and
+links to a committed parent whose state fingerprint it starts from (or is a
+keyframe). Commits of one model are serialized; a version becomes visible (head,
+events, GET) in one step after its manifest file is durably in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from deltasync.errors import BaseMismatchError, ChainError, FormatError, IntegrityError
+from deltasync.manifest import Manifest, parse_manifest
+
+from .errors import MissingBlobsError, TooLargeError
+from .events import EventHub
+from .metrics import Metrics
+from .store import DiskStore, VersionInfo
+
+log = logging.getLogger("deltasync.server.intake")
+
+
+class Intake:
+    def __init__(self, *, store: DiskStore, hub: EventHub, metrics: Metrics, key: bytes | None,
+                 max_blob_size: int) -> None:
+        self.store = store
+        self.hub = hub
+        self.metrics = metrics
+        self.key = key
+        self.max_blob_size = max_blob_size
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def put_blob(self, blob_id: str, body: AsyncIterator[bytes], *, declared: int | None) -> tuple[int, bool]:
+        """Store an uploaded blob; returns (size, created). Nothing is kept unless every check passes."""
+        size = self.store.blob_size(blob_id)
+        if size is not None:
+            return size, False
+        if declared is not None and declared > self.max_blob_size:
+            raise TooLargeError(f"blob of {declared} bytes exceeds this origin's limit of {self.max_blob_size}")
+        part = self.store.new_partial(blob_id)
+        try:
+            async for chunk in body:
+                if part.written + len(chunk) > self.max_blob_size:
+                    raise TooLargeError(f"blob body exceeds this origin's limit of {self.max_blob_size} bytes")
+                part.write(chunk)
+                self.metrics.inc("bytes_in", len(chunk))
+            if declared is not None and part.written != declared:
+                raise FormatError(f"upload ended after {part.written} of {declared} declared bytes (truncated)")
+            try:
+                part.verify()
+            except IntegrityError:
+                self.metrics.inc("hash_failures")
+                raise
+            self.store.make_room(part.written)
+            await part.commit()
+        finally:
+            part.close()
+        self.metrics.inc("uploads")
+        log.info("stored blob %s (%d bytes)", blob_id, part.written)
+        return part.written, True
+
+    async def commit(self, model: str, version: int, body: bytes) -> tuple[VersionInfo, bool]:
+        """Commit a version; returns (info, created). Re-sending a committed manifest is a no-op."""
+        m = parse_manifest(body, key=self.key)
+        if m.model != model or m.version != version:
+            raise FormatError(f"manifest is for {m.model} v{m.version} but was sent to {model} v{version}")
+        lock = self._locks.setdefault(model, asyncio.Lock())
+        async with lock:
+            existing = self.store.info(model, version)
+            if existing is not None:
+                if self.store.read_manifest(model, version) == m.to_json():
+                    return existing, False
+                raise ChainError(f"{model} v{version} is already committed with different content; "
+                                 "publish a new version instead")
+            self._check(m)
+            info = await self.store.put_manifest(m, announce=True)
+        self.metrics.inc("versions")
+        self.hub.publish(info)
+        log.info("committed %s v%d (%s, parent %s, %d blobs, %d bytes)", model, version, m.kind, m.parent,
+                 len(m.blobs), m.total_bytes)
+        return info, True
+
+    def _check(self, m: Manifest) -> None:
+        head = self.store.head(m.model)
+        if head is not None and m.version <= head:
+            raise ChainError(f"{m.model} v{m.version} is not newer than the head v{head}; versions must increase")
+        missing = [b.id for b in m.blobs if not self.store.has_blob(b.id)]
+        if missing:
+            raise MissingBlobsError(f"{m.model} v{m.version} names {len(missing)} blob(s) this origin does not have; "
+                                    "upload them first", missing=missing)
+        for b in m.blobs:
+            size = self.store.blob_size(b.id)
+            if size != b.size:
+                raise IntegrityError(f"blob {b.id} is {size} bytes but the manifest says {b.size}")
+        if m.kind == "delta":
+            parent = self.store.info(m.model, m.parent)
+            if parent is None:
+                raise ChainError(f"{m.model} v{m.version} is a delta from v{m.parent}, which is not committed; "
+                                 "commit the parent first or publish a keyframe")
+            if parent.state_fp != m.state_fp_before:
+                raise BaseMismatchError(f"{m.model} v{m.version} starts from state {m.state_fp_before} but "
+                                        f"v{m.parent} is state {parent.state_fp}")

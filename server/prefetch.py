@@ -1,0 +1,207 @@
+"""Prefetch: a relay follows its parent's event stream and pulls every new version at once.
+
+On each announced version the relay fetches the manifest (signature checked when it
+holds a key) and starts fetching every blob it lacks, at most ``concurrency`` at a
+time. It announces the version to its own children (head, SSE, long-polls) once
+every blob is on disk or streaming in, so children start pulling while the bytes
+are still arriving (cut-through) and a version flows down the tree tier by tier
+without waiting for any subscriber.
+
+The stream is followed from the most preferred healthy parent; when it breaks or
+stays silent past three heartbeats, the next parent is followed. On every
+(re)connect the parent first sends each model's head, so versions committed while
+disconnected are caught up: the relay walks back from the parent's head through
+the parent links to what it already has (at most ``retention`` versions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from deltasync.errors import DeltaSyncError
+from deltasync.manifest import MODEL_RE, Manifest
+
+from .catalog import Catalog
+from .config import Timeouts
+from .errors import UpstreamError
+from .events import EventHub, SSEDecoder
+from .fetcher import BlobFetcher
+from .metrics import Metrics
+from .store import DiskStore
+from .upstream import Upstream, _describe
+
+log = logging.getLogger("deltasync.server.prefetch")
+
+RETRY_DELAYS = (0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class Prefetcher:
+    def __init__(self, *, store: DiskStore, catalog: Catalog, upstream: Upstream, fetcher: BlobFetcher,
+                 hub: EventHub, metrics: Metrics, timeouts: Timeouts, retention: int, concurrency: int = 8) -> None:
+        self.store = store
+        self.catalog = catalog
+        self.upstream = upstream
+        self.fetcher = fetcher
+        self.hub = hub
+        self.metrics = metrics
+        self.timeouts = timeouts
+        self.retention = retention
+        self._slots = asyncio.Semaphore(concurrency)
+        self.parent_heads: dict[str, int] = {}
+        self._wake: dict[str, asyncio.Event] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self.following: str | None = None
+
+    def start(self) -> None:
+        self._spawn(self._follow_forever(), "prefetch-follow")
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def lag(self, model: str) -> int:
+        parent = self.parent_heads.get(model)
+        if parent is None:
+            return 0
+        own = self.store.head(model)
+        return parent - own if own is not None else parent + 1
+
+    # -- following the parent's events -----------------------------------------------------
+    async def _follow_forever(self) -> None:
+        failures = 0
+        while True:
+            for parent in self.upstream.candidates():
+                try:
+                    await self._follow(parent)
+                    failures = 0
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError,
+                        UpstreamError) as e:
+                    self.upstream.mark_failed(parent, f"event stream: {_describe(e)}")
+                finally:
+                    self.following = None
+            failures += 1
+            await asyncio.sleep(RETRY_DELAYS[min(failures, len(RETRY_DELAYS)) - 1])
+
+    async def _follow(self, parent: str) -> None:
+        async with self.upstream.events_request(parent, read_timeout=3 * self.timeouts.heartbeat) as resp:
+            if resp.status != 200:
+                raise UpstreamError(f"events answered {resp.status}")
+            self.following = parent
+            self.upstream.mark_ok(parent)
+            log.info("following events of %s", parent)
+            decoder = SSEDecoder()
+            while True:
+                chunk = await resp.content.readany()
+                if not chunk:
+                    log.warning("event stream of %s ended", parent)
+                    return
+                for ev in decoder.feed(chunk):
+                    if ev.event in ("head", "version"):
+                        data = ev.json()
+                        model, version = data["model"], data["version"]
+                        if isinstance(model, str) and MODEL_RE.match(model) and isinstance(version, int):
+                            self.want(model, version)
+
+    # -- syncing models --------------------------------------------------------------------
+    def want(self, model: str, version: int) -> None:
+        """The parent has ``version`` of ``model``: make sure this relay gets it."""
+        if version <= self.parent_heads.get(model, -1):
+            return
+        self.parent_heads[model] = version
+        ev = self._wake.get(model)
+        if ev is None:
+            ev = self._wake[model] = asyncio.Event()
+            self._spawn(self._model_worker(model, ev), f"prefetch-{model}")
+        ev.set()
+
+    async def _model_worker(self, model: str, wake: asyncio.Event) -> None:
+        failures = 0
+        while True:
+            await wake.wait()
+            wake.clear()
+            target = self.parent_heads[model]
+            head = self.store.head(model)
+            if head is not None and head >= target:
+                continue
+            try:
+                await self._sync(model, target)
+                failures = 0
+            except (DeltaSyncError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                failures += 1
+                delay = RETRY_DELAYS[min(failures, len(RETRY_DELAYS)) - 1]
+                log.warning("prefetch of %s v%d failed (%s); retrying in %.1f s", model, target, _describe(e), delay)
+                await asyncio.sleep(delay)
+                wake.set()
+
+    async def _sync(self, model: str, target: int) -> None:
+        head = self.store.head(model)
+        chain: list[Manifest] = []
+        v: int | None = target
+        while v is not None:
+            m = await self.catalog.manifest(model, v)
+            chain.append(m)
+            if m.kind == "keyframe" or len(chain) >= self.retention:
+                break
+            if head is not None and m.parent is not None and m.parent <= head:
+                break
+            v = m.parent
+        for m in reversed(chain):
+            if (h := self.store.head(model)) is not None and m.version <= h:
+                continue
+            await self._make_servable(m)
+            if self.store.announce(model, m.version):
+                info = self.store.info(model, m.version)
+                self.metrics.inc("versions")
+                self.hub.publish(info)
+                log.info("announced %s v%d (%s, %d blobs, %d bytes)", model, m.version, m.kind, len(m.blobs),
+                         m.total_bytes)
+
+    async def _make_servable(self, m: Manifest) -> None:
+        """Return once every blob of ``m`` is on disk or streaming in (fetches continue in the background)."""
+        waits = []
+        for b in m.blobs:
+            if self.store.has_blob(b.id):
+                self.store.touch(b.id)
+                continue
+            started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._spawn(self._pull_blob(b.id, started), f"prefetch-blob-{b.id}")
+            waits.append(started)
+        if waits:
+            results = await asyncio.gather(*waits, return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+
+    async def _pull_blob(self, blob_id: str, started: asyncio.Future[None]) -> None:
+        try:
+            async with self._slots:
+                if self.store.has_blob(blob_id):
+                    started.set_result(None)
+                    return
+                blob, _ = self.fetcher.get(blob_id)
+                blob.attach()
+                try:
+                    await blob.wait_started(self.timeouts.first_byte)
+                    started.set_result(None)
+                    await blob.wait_done(self.timeouts.read * 4)
+                finally:
+                    blob.detach()
+        except asyncio.CancelledError:
+            if not started.done():
+                started.cancel()
+            raise
+        except Exception as e:  # any failure must reach the version waiting on ``started``
+            if not started.done():
+                started.set_exception(e)
+            else:
+                log.warning("prefetch of blob %s failed after it started: %s", blob_id, e)

@@ -1,0 +1,441 @@
+"""The HTTP API (docs/PROTOCOL.md): the one place where errors become responses.
+
+Every route is the same on an origin and a relay, except the writes (origin only;
+a relay answers them 405) and what a miss means (an origin answers 404, a relay
+asks its parents).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import re
+
+import aiohttp
+from aiohttp import web
+
+from deltasync.blob import check_blob_id
+from deltasync.errors import DeltaSyncError, FormatError, NotFoundError
+from deltasync.manifest import MAX_VERSION, MODEL_RE
+
+from .compat import timeout as timeout_after
+from .errors import (
+    MissingBlobsError,
+    RangeError,
+    ReadOnlyError,
+    TooLargeError,
+    UnauthorizedError,
+    UnavailableError,
+    error_code,
+)
+from .events import format_event
+from .inflight import InflightBlob
+from .ranges import etag_matches, if_range_allows, parse_range
+from .sendfile import send_file_range
+from .services import Services
+
+log = logging.getLogger("deltasync.server.routes")
+
+SERVICES = web.AppKey("services", Services)
+IMMUTABLE = "public, max-age=31536000, immutable"
+JSON = "application/json"
+_VERSION_RE = re.compile(r"^[0-9]{1,19}$")
+REPLAY_LIMIT = 1024
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/healthz", healthz)
+    r.add_get("/metrics", metrics)
+    r.add_get("/v1/blobs/{id}", get_blob)  # add_get also routes HEAD here
+    r.add_put("/v1/blobs/{id}", put_blob)
+    r.add_get("/v1/models", list_models)
+    r.add_get("/v1/events", all_events)
+    r.add_get("/v1/models/{model}/head", get_head)
+    r.add_get("/v1/models/{model}/versions/{version}", get_version)
+    r.add_put("/v1/models/{model}/versions/{version}", put_version)
+    r.add_get("/v1/models/{model}/events", model_events)
+    r.add_get("/v1/models/{model}/delta", get_delta)
+
+
+# -- errors -------------------------------------------------------------------------------
+
+def error_response(status: int, code: str, message: str, **extra) -> web.Response:
+    body = {"error": {"status": status, "code": code, "message": message, **extra}}
+    return web.Response(status=status, body=json.dumps(body).encode(), content_type=JSON)
+
+
+_HTTP_CODES = {400: "format", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except DeltaSyncError as e:
+        extra: dict = {}
+        resp_headers: dict[str, str] = {}
+        if isinstance(e, MissingBlobsError):
+            extra["missing"] = e.missing
+        if isinstance(e, RangeError):
+            resp_headers["Content-Range"] = f"bytes */{e.size}"
+        if isinstance(e, UnauthorizedError):
+            resp_headers["WWW-Authenticate"] = 'Bearer realm="deltasync"'
+        if isinstance(e, ReadOnlyError):
+            resp_headers["Allow"] = "GET, HEAD"
+        resp = error_response(e.http_status, error_code(e), str(e), **extra)
+        resp.headers.update(resp_headers)
+        return resp
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        resp = error_response(e.status, _HTTP_CODES.get(e.status, "http"), e.reason or "error")
+        for h in ("Allow",):
+            if h in e.headers:
+                resp.headers[h] = e.headers[h]
+        return resp
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as e:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return error_response(500, "internal", f"internal error: {type(e).__name__}")
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+def _svc(request: web.Request) -> Services:
+    return request.app[SERVICES]
+
+
+def _model(request: web.Request) -> str:
+    model = request.match_info["model"]
+    if not MODEL_RE.match(model):
+        raise FormatError(f"model name {model!r} must match {MODEL_RE.pattern}")
+    return model
+
+
+def _version(text: str, what: str = "version") -> int:
+    if not _VERSION_RE.match(text) or int(text) > MAX_VERSION:
+        raise FormatError(f"{what} must be a non-negative integer, found {text!r}")
+    return int(text)
+
+
+def _query_int(request: web.Request, name: str) -> int | None:
+    text = request.query.get(name)
+    return None if text is None else _version(text, name)
+
+
+def _check_token(svc: Services, request: web.Request) -> None:
+    if not svc.config.is_origin:
+        raise ReadOnlyError("relays are read-only; send writes to the origin")
+    auth = request.headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    expected = svc.config.token or ""
+    if scheme.lower() != "bearer" or not token:
+        raise UnauthorizedError("writes need 'Authorization: Bearer <token>'")
+    if not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise UnauthorizedError("the bearer token is not valid for this origin")
+
+
+def _manifest_response(data: bytes, *, version: int, etag: str, cache: str) -> web.Response:
+    return web.Response(body=data, content_type=JSON, headers={
+        "ETag": etag, "Cache-Control": cache, "X-Deltasync-Version": str(version)})
+
+
+# -- health and metrics -----------------------------------------------------------------------
+
+async def healthz(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    body = {"status": "shutting_down" if svc.hub.closed else "ok", "role": svc.config.role,
+            "models": {name: svc.store.head(name) for name in sorted(svc.store.models)}}
+    if svc.prefetcher is not None:
+        body["following"] = svc.prefetcher.following
+        body["parents"] = list(svc.config.parents)
+    return web.json_response(body, status=503 if svc.hub.closed else 200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(text=_svc(request).metrics.render(), content_type="text/plain",
+                        headers={"X-Content-Type-Options": "nosniff"}, charset="utf-8")
+
+
+# -- blobs --------------------------------------------------------------------------------------
+
+def _blob_headers(blob_id: str) -> dict[str, str]:
+    return {"ETag": f'"{blob_id}"', "Cache-Control": IMMUTABLE, "Accept-Ranges": "bytes",
+            "Content-Type": "application/octet-stream"}
+
+
+async def get_blob(request: web.Request) -> web.StreamResponse:
+    svc = _svc(request)
+    blob_id = check_blob_id(request.match_info["id"])
+    svc.metrics.inc("blob_requests")
+    etag = f'"{blob_id}"'
+    if etag_matches(request.headers.get("If-None-Match"), etag):
+        return web.Response(status=304, headers={"ETag": etag, "Cache-Control": IMMUTABLE})
+    store = svc.store
+    size = store.blob_size(blob_id)
+    fd = None
+    if size is not None:
+        try:
+            fd = os.open(store.blob_path(blob_id), os.O_RDONLY)
+        except FileNotFoundError:  # evicted a moment ago
+            size = None
+    if fd is not None:
+        svc.metrics.inc("cache_hits")
+        store.touch(blob_id)
+        try:
+            async def body(resp: web.StreamResponse, start: int, end: int) -> None:
+                sent = await send_file_range(request, resp, fd, start, end - start, timeout=svc.config.timeouts.write)
+                svc.metrics.inc("bytes_out", sent)
+            return await _send_blob(request, svc, blob_id, size, body, cache="hit")
+        finally:
+            os.close(fd)
+    if svc.fetcher is None:
+        raise NotFoundError(f"blob {blob_id} is not on this origin")
+    svc.metrics.inc("cache_misses")
+    if request.method == "HEAD" and svc.fetcher.inflight(blob_id) is None:
+        size = await svc.upstream.head_blob(blob_id)
+        if size is None:
+            raise NotFoundError(f"blob {blob_id} is not on this relay nor on any of its parents")
+        resp = web.StreamResponse(headers={**_blob_headers(blob_id), "X-Deltasync-Cache": "miss"})
+        resp.content_length = size
+        await resp.prepare(request)
+        return resp
+    blob, started = svc.fetcher.get(blob_id)
+    if not started:
+        svc.metrics.inc("coalesced")
+    blob.attach()
+    try:
+        size = await blob.wait_size(svc.config.timeouts.first_byte)
+        return await _send_blob(request, svc, blob_id, size, _inflight_body(request, svc, blob), cache="miss")
+    finally:
+        blob.detach()
+
+
+def _inflight_body(request: web.Request, svc: Services, blob: InflightBlob):
+    t = svc.config.timeouts
+
+    def sent(n: int) -> None:
+        svc.metrics.inc("bytes_out", n)
+
+    async def body(resp: web.StreamResponse, start: int, end: int) -> None:
+        await blob.send_range(request, resp, start, end, stall_timeout=t.first_byte, write_timeout=t.write,
+                              on_sent=sent)
+    return body
+
+
+async def _send_blob(request: web.Request, svc: Services, blob_id: str, size: int, body, *, cache: str
+                     ) -> web.StreamResponse:
+    etag = f'"{blob_id}"'
+    rng = None
+    if if_range_allows(request.headers.get("If-Range"), etag):
+        rng = parse_range(request.headers.get("Range"), size)
+    headers = {**_blob_headers(blob_id), "X-Deltasync-Cache": cache}
+    start, end = rng if rng is not None else (0, size)
+    if rng is not None:
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+    resp = web.StreamResponse(status=206 if rng is not None else 200, headers=headers)
+    resp.content_length = end - start
+    await resp.prepare(request)
+    if request.method == "HEAD" or end == start:
+        await resp.write_eof()
+        return resp
+    svc.streams.blobs += 1
+    try:
+        await body(resp, start, end)
+    except (DeltaSyncError, ConnectionError, EOFError, OSError, asyncio.TimeoutError) as e:
+        # The status line is out; the only honest signal left is a truncated body.
+        svc.metrics.inc("send_aborts")
+        log.info("blob %s: response to %s cut off: %s", blob_id, request.remote, e)
+        if request.transport is not None:
+            request.transport.abort()
+        return resp
+    finally:
+        svc.streams.blobs -= 1
+    await resp.write_eof()
+    return resp
+
+
+async def put_blob(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    try:
+        _check_token(svc, request)
+        blob_id = check_blob_id(request.match_info["id"])
+        assert svc.intake is not None
+        try:
+            size, created = await svc.intake.put_blob(blob_id, request.content.iter_any(),
+                                                      declared=request.content_length)
+        except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError) as e:
+            raise FormatError(f"upload of blob {blob_id} was cut short: {e}") from None
+    except DeltaSyncError:
+        svc.metrics.inc("upload_rejections")
+        raise
+    return web.json_response({"id": blob_id, "size": size, "created": created}, status=201 if created else 200,
+                             headers={"ETag": f'"{blob_id}"', "Location": f"/v1/blobs/{blob_id}"})
+
+
+# -- manifests ------------------------------------------------------------------------------------
+
+async def list_models(request: web.Request) -> web.Response:
+    store = _svc(request).store
+    models = [{"model": name, "head": idx.head, "versions": len(idx.order)} for name, idx in sorted(store.models.items())
+              if idx.head is not None]
+    return web.json_response({"models": models}, headers={"Cache-Control": "no-cache"})
+
+
+async def get_version(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    model = _model(request)
+    version = _version(request.match_info["version"])
+    data = await svc.catalog.manifest_bytes(model, version)
+    info = svc.store.info(model, version)
+    if etag_matches(request.headers.get("If-None-Match"), info.etag):
+        return web.Response(status=304, headers={"ETag": info.etag, "Cache-Control": IMMUTABLE})
+    return _manifest_response(data, version=version, etag=info.etag, cache=IMMUTABLE)
+
+
+async def get_head(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    model = _model(request)
+    after = _query_int(request, "after")
+    wait_text = request.query.get("wait")
+    if wait_text is not None and after is None:
+        raise FormatError("wait= needs after=")
+    if after is not None:
+        try:
+            wait = float(wait_text) if wait_text is not None else 0.0
+        except ValueError:
+            raise FormatError(f"wait must be a number of seconds, found {wait_text!r}") from None
+        if not 0 <= wait < float("inf"):
+            raise FormatError(f"wait must be a non-negative number of seconds, found {wait_text!r}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(wait, svc.config.timeouts.max_wait)
+        while True:
+            head = svc.store.head(model)
+            if head is not None and head > after:
+                break
+            left = deadline - loop.time()
+            if left <= 0 or svc.hub.closed:
+                headers = {"Cache-Control": "no-cache"}
+                if head is not None:
+                    headers["X-Deltasync-Head"] = str(head)
+                return web.Response(status=204, headers=headers)
+            await svc.hub.wait_change(model, left)
+    head = svc.store.head(model)
+    if head is None:
+        raise NotFoundError(f"model {model!r} has no versions here")
+    info = svc.store.info(model, head)
+    return _manifest_response(svc.store.read_manifest(model, head), version=head, etag=info.etag, cache="no-cache")
+
+
+async def put_version(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    try:
+        _check_token(svc, request)
+        model = _model(request)
+        version = _version(request.match_info["version"])
+        limit = svc.config.max_manifest_size
+        if request.content_length is not None and request.content_length > limit:
+            raise TooLargeError(f"manifest of {request.content_length} bytes exceeds the {limit}-byte limit")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise TooLargeError(f"manifest exceeds the {limit}-byte limit") from None
+        except (aiohttp.ClientPayloadError, ConnectionError) as e:
+            raise FormatError(f"manifest upload was cut short: {e}") from None
+        assert svc.intake is not None
+        info, created = await svc.intake.commit(model, version, body)
+    except DeltaSyncError:
+        svc.metrics.inc("upload_rejections")
+        raise
+    return web.json_response({"model": model, "version": version, "created": created, "etag": info.etag},
+                             status=201 if created else 200,
+                             headers={"Location": f"/v1/models/{model}/versions/{version}"})
+
+
+async def get_delta(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    model = _model(request)
+    start = _query_int(request, "from")
+    if start is None:
+        raise FormatError("from= is required")
+    end = _query_int(request, "to")
+    if end is None:
+        end = svc.store.head(model)
+        if end is None:
+            raise NotFoundError(f"model {model!r} has no versions here")
+    data = await svc.catchup.delta(model, start, end)
+    return web.Response(body=data, content_type=JSON, headers={
+        "Cache-Control": "no-cache", "X-Deltasync-Version": str(end), "X-Deltasync-Squashed": f"{start}-{end}"})
+
+
+# -- events ---------------------------------------------------------------------------------------
+
+async def all_events(request: web.Request) -> web.StreamResponse:
+    return await _stream_events(request, None, None)
+
+
+async def model_events(request: web.Request) -> web.StreamResponse:
+    model = _model(request)
+    after = _query_int(request, "after")
+    last_id = request.headers.get("Last-Event-ID")
+    if after is None and last_id:
+        after = _version(last_id.strip(), "Last-Event-ID")
+    return await _stream_events(request, model, after)
+
+
+async def _stream_events(request: web.Request, model: str | None, after: int | None) -> web.StreamResponse:
+    svc = _svc(request)
+    if svc.hub.closed:
+        raise UnavailableError("shutting down")
+    t = svc.config.timeouts
+    sub = svc.hub.subscribe(model)  # before the snapshot, so nothing committed in between is missed
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    svc.streams.events += 1
+    try:
+        await resp.prepare(request)
+        sent: dict[str, int] = {}
+        out = [b"retry: 2000\n\n"]
+        names = [model] if model is not None else sorted(svc.store.models)
+        for name in names:
+            idx = svc.store.index(name)
+            if idx is None or idx.head is None:
+                continue
+            if model is not None and after is not None:
+                for info in idx.after(after, limit=REPLAY_LIMIT):
+                    out.append(format_event("version", info.event(), id=str(info.version)))
+            else:
+                info = idx.infos[idx.head]
+                out.append(format_event("head", info.event(), id=str(info.version) if model else None))
+            sent[name] = idx.head
+        await _write(resp, b"".join(out), t.write)
+        while True:
+            try:
+                async with timeout_after(t.heartbeat):
+                    info = await sub.queue.get()
+            except asyncio.TimeoutError:
+                await _write(resp, b": keepalive\n\n", t.write)
+                continue
+            if info is None:
+                break
+            if info.version <= sent.get(info.model, -1):
+                continue
+            sent[info.model] = info.version
+            await _write(resp, format_event("version", info.event(), id=str(info.version) if model else None),
+                         t.write)
+    except (ConnectionError, asyncio.TimeoutError):
+        pass  # the client left or stopped reading
+    finally:
+        svc.hub.unsubscribe(sub)
+        svc.streams.events -= 1
+    return resp
+
+
+async def _write(resp: web.StreamResponse, data: bytes, timeout: float) -> None:
+    async with timeout_after(timeout):
+        await resp.write(data)

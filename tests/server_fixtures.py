@@ -1,0 +1,297 @@
+"""Helpers for the server tests: real server processes on 127.0.0.1, a controllable TCP proxy,
+hand-made blobs and manifests (the server treats blobs as opaque bytes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from deltasync.blob import blob_id
+from deltasync.manifest import BlobRef, Manifest
+from deltasync.server.metrics import parse_metrics
+
+TOKEN = "test-token-0123456789"
+KEY_HEX = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"
+KEY = bytes.fromhex(KEY_HEX)
+_LISTEN = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
+
+
+class ServerProc:
+    """One ``python -m deltasync.server.cli`` process; its log goes to a file."""
+
+    def __init__(self, role: str, workdir: Path, name: str, args: list[str], *, port: int | None = None) -> None:
+        self.role, self.name, self.args = role, name, list(args)
+        self.workdir = workdir
+        self.log_path = workdir / f"{name}.log"
+        self.port = free_port() if port is None else port
+        self.proc: subprocess.Popen | None = None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerProc:
+        cmd = [sys.executable, "-m", "deltasync.server.cli", self.role, "--listen", f"127.0.0.1:{self.port}",
+               *self.args]
+        self._log = open(self.log_path, "ab")
+        self._log_start = self.log_path.stat().st_size
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> ServerProc:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                m = _LISTEN.search(f.read().decode(errors="replace"))
+            if m:
+                self.url = m.group(1)
+                self.port = int(self.url.rsplit(":", 1)[1])
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} did not start within {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL if it does not exit in time; returns the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait(5)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+            self._log.close()
+
+    def restart(self) -> ServerProc:
+        """Stop and start again on the same port with the same store."""
+        self.stop()
+        return self.start().wait_ready()
+
+
+def free_port() -> int:
+    """A port nobody listens on right now (the server binds it a moment later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stop_all(*servers: ServerProc) -> list[int]:
+    """SIGTERM every server at once, then collect exit codes (SIGKILL after a timeout)."""
+    for s in servers:
+        if s.proc is not None and s.proc.poll() is None:
+            os.kill(s.proc.pid, signal.SIGTERM)
+    return [s.stop() for s in servers]
+
+
+def start_all(*servers: ServerProc) -> None:
+    """Start processes in parallel (each import takes a second or so) and wait until all listen."""
+    for s in servers:
+        if s.proc is None or s.proc.poll() is not None:
+            s.start()
+    for s in servers:
+        s.wait_ready()
+
+
+def origin(workdir: Path, name: str = "origin", *extra: str, key: bool = False) -> ServerProc:
+    (workdir / "token").write_text(TOKEN + "\n")
+    args = ["--store", str(workdir / name), "--token-file", str(workdir / "token"), *extra]
+    if key:
+        (workdir / "key").write_text(KEY_HEX + "\n")
+        args += ["--key-file", str(workdir / "key")]
+    return ServerProc("origin", workdir, name, args)
+
+
+def relay(workdir: Path, name: str, parents: list[str], *extra: str, key: bool = False) -> ServerProc:
+    args = ["--cache", str(workdir / name), "--heartbeat", "1", "--read-timeout", "5", *extra]
+    for p in parents:
+        args += ["--parent", p]
+    if key:
+        (workdir / "key").write_text(KEY_HEX + "\n")
+        args += ["--key-file", str(workdir / "key")]
+    return ServerProc("relay", workdir, name, args)
+
+
+# -- data -----------------------------------------------------------------------------------
+
+def make_blob(size: int, seed: int) -> tuple[str, bytes]:
+    data = random.Random(seed).randbytes(size)
+    return blob_id(data), data
+
+
+def fp(n: int) -> str:
+    return f"{n:016x}"
+
+
+def keyframe(model: str, version: int, blobs: list[tuple[str, bytes]], *, key: bytes | None = KEY) -> Manifest:
+    m = Manifest(model=model, version=version, parent=None, kind="keyframe", tensors=(),
+                 blobs=tuple(BlobRef(id=b, size=len(d)) for b, d in blobs), state_fp=fp(version))
+    return m.sign(key) if key else m
+
+
+def delta(model: str, version: int, parent: int, blobs: list[tuple[str, bytes]], *, key: bytes | None = KEY,
+          base_fp: str | None = None) -> Manifest:
+    m = Manifest(model=model, version=version, parent=parent, kind="delta", tensors=(),
+                 blobs=tuple(BlobRef(id=b, size=len(d)) for b, d in blobs), state_fp=fp(version),
+                 state_fp_before=base_fp or fp(parent))
+    return m.sign(key) if key else m
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def session(**kw) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60, sock_read=20), auto_decompress=False, **kw)
+
+
+async def put_blob(s: aiohttp.ClientSession, url: str, bid: str, data: bytes, *, token: str = TOKEN) -> int:
+    async with s.put(f"{url}/v1/blobs/{bid}", data=data, headers={"Authorization": f"Bearer {token}"}) as r:
+        await r.read()
+        return r.status
+
+
+async def put_manifest(s: aiohttp.ClientSession, url: str, m: Manifest, *, body: bytes | None = None) -> tuple[int, dict]:
+    async with s.put(f"{url}/v1/models/{m.model}/versions/{m.version}", data=body if body is not None else m.to_json(),
+                     headers=AUTH) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def publish(s: aiohttp.ClientSession, url: str, m: Manifest, blobs: list[tuple[str, bytes]]) -> None:
+    for bid, data in blobs:
+        assert await put_blob(s, url, bid, data) in (200, 201)
+    status, body = await put_manifest(s, url, m)
+    assert status in (200, 201), body
+
+
+async def get_bytes(s: aiohttp.ClientSession, url: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    async with s.get(url, headers=headers or {}) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+async def metrics(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with s.get(f"{url}/metrics") as r:
+        return parse_metrics(await r.text())
+
+
+async def wait_for(pred, timeout: float = 20.0, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+async def wait_head(s: aiohttp.ClientSession, url: str, model: str, version: int, timeout: float = 20.0) -> None:
+    async def ok():
+        async with s.get(f"{url}/v1/models/{model}/head", params={"after": str(version - 1), "wait": "2"}) as r:
+            if r.status == 200:
+                return int(r.headers["X-Deltasync-Version"]) >= version
+            return False
+    await wait_for(ok, timeout, what=f"{url} to announce {model} v{version}")
+
+
+# -- a TCP proxy the test controls ----------------------------------------------------------
+
+class GateProxy:
+    """Forwards TCP to ``target``; the downstream direction (target → client) can be paused after
+    a byte budget, resumed, or every connection cut. Runs in the test's event loop."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.budget: int | None = None  # bytes still allowed downstream while gated; None: open
+        self._open = asyncio.Event()
+        self._open.set()
+        self._conns: set[asyncio.StreamWriter] = set()
+        self.forwarded = 0
+        self.server: asyncio.Server | None = None
+        self.url = ""
+
+    async def start(self) -> GateProxy:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    def hold_after(self, nbytes: int) -> None:
+        """Let ``nbytes`` more bytes through downstream, then stall until ``release``."""
+        self.budget = nbytes
+        self._open.clear()
+
+    def release(self) -> None:
+        self.budget = None
+        self._open.set()
+
+    def cut(self) -> None:
+        for w in list(self._conns):
+            w.transport.abort()
+
+    async def close(self) -> None:
+        self.release()
+        self.cut()
+        if self.server is not None:
+            self.server.close()
+
+    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        try:
+            ur, uw = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            cw.transport.abort()
+            return
+        self._conns.update((cw, uw))
+
+        async def up():
+            while data := await cr.read(1 << 16):
+                uw.write(data)
+                await uw.drain()
+            uw.close()
+
+        async def down():
+            while True:
+                while not self._open.is_set() and self.budget is not None and self.budget <= 0:
+                    await self._open.wait()
+                n = 1 << 16 if self.budget is None else max(1, min(1 << 16, self.budget))
+                data = await ur.read(n)
+                if not data:
+                    break
+                if self.budget is not None:
+                    self.budget -= len(data)
+                self.forwarded += len(data)
+                cw.write(data)
+                await cw.drain()
+            cw.close()
+
+        try:
+            await asyncio.gather(up(), down())
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            for w in (cw, uw):
+                self._conns.discard(w)
+                w.transport.abort()
