@@ -1,0 +1,181 @@
+"""Golden bytes for one tiny delta.
+
+IF THIS FAILS, THE WIRE FORMAT CHANGED. Blobs and manifests already published (and subscribers
+already deployed) read the old bytes. If the change is intended: bump the format version
+(``deltasync.blob.VERSION`` and/or ``deltasync.manifest.FORMAT_VERSION``), describe the new layout in
+docs/FORMAT.md, keep a reader for the old version if deployed data must stay readable, and only then
+regenerate the constants below.
+
+The one exception: ``test_golden_blob_bytes`` also pins zstd's output. The frames here are tiny
+"raw" blocks, so a zstd upgrade is very unlikely to change them; if only that test fails while
+``test_golden_streams_below_zstd`` and ``test_golden_bytes_still_decode`` pass, the container is
+unchanged and only the compressor's choice moved.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from deltasync.apply import apply_delta
+from deltasync.blob import BlobReader, blob_id
+from deltasync.codec import decode_blob, encode_delta
+from deltasync.deltafile import pack_delta_file, unpack_delta_file
+from deltasync.fingerprint import fp_hex, tensor_fingerprint
+from deltasync.manifest import parse_manifest
+
+KEY = bytes(range(32))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def golden_states():
+    a0 = (torch.arange(300, dtype=torch.float32) * 0.37 - 10.0).to(torch.bfloat16)
+    a0[5], a0[6], a0[7] = float("nan"), float("-inf"), -0.0
+    a1 = a0.clone().view(torch.int16)
+    a1[0] += 1  # +1 ULP
+    a1[3] -= 1  # -1 ULP
+    a1[10] += 200  # a big step: token 252 + a varint in the ext stream
+    a1[40] ^= -32768  # sign flip: a raw word
+    a1[299] += 1  # after a gap of 258 words: escaped to the gapx stream
+    b0 = torch.tensor([[1.0, -2.0], [0.25, 1.0]], dtype=torch.float32)
+    b1 = b0.clone()
+    b1[1, 1] = -1.0  # sign flip in a small tensor: bitmap mode, raw word
+    c0 = torch.tensor([1, -2, 3], dtype=torch.int64)  # unchanged: no chunks
+    d0 = torch.tensor([1.0, -2.0, 0.5, 448.0], dtype=torch.float32).to(torch.float8_e5m2)
+    d1 = (d0.view(torch.uint8) ^ 0x80).view(torch.float8_e5m2)  # every word rewritten: dense mode
+    old = {"a": a0, "b": b0, "c": c0, "d": d0}
+    new = {"a": a1.view(torch.bfloat16), "b": b1, "c": c0.clone(), "d": d1}
+    return old, new
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+GOLDEN_BLOB_HEX = (
+    "4453594e43424c4201000000e40100007b226368756e6b73223a5b7b22636f756e74223a352c226474797065223a2262"
+    "666c6f61743136222c226d6f6465223a22676170222c226e65223a312c226e67223a352c226e6778223a312c226e7222"
+    "3a312c227374617274223a302c2273746f70223a3330302c2274656e736f72223a2261227d2c7b22636f756e74223a31"
+    "2c226474797065223a22666c6f61743332222c226d6f6465223a226269746d6170222c226e65223a302c226e67223a30"
+    "2c226e6778223a302c226e72223a312c227374617274223a302c2273746f70223a342c2274656e736f72223a2262227d"
+    "2c7b22636f756e74223a342c226474797065223a22666c6f6174385f65356d32222c226d6f6465223a2264656e736522"
+    "2c226e65223a302c226e67223a302c226e6778223a302c226e72223a302c227374617274223a302c2273746f70223a34"
+    "2c2274656e736f72223a2264227d5d2c2273747265616d73223a7b226269746d6170223a5b302c31302c315d2c226465"
+    "6e736531223a5b31302c31332c345d2c22657874223a5b32332c31302c315d2c22676170223a5b33332c31342c355d2c"
+    "2267617078223a5b34372c31302c315d2c2272617732223a5b35372c31312c325d2c2272617734223a5b36382c31332c"
+    "345d2c22746f6b223a5b38312c31352c365d7d7d28b52ffd20010900000828b52ffd2004210000bc40b8df28b52ffd20"
+    "010900004928b52ffd20052900000002061dff28b52ffd20010900000328b52ffd20021100009ac028b52ffd20042100"
+    "00000080bf28b52ffd20063100000001fcfe00fe"
+)
+GOLDEN_MANIFEST = (
+    '{"blobs":[{"id":"3d0967263d8a5bcf897fb395f5bd0f36","size":596}],"format":1,"kind":"delta","meta":{},'
+    '"model":"policy","parent":1,"signature":null,"state_fp":"7c53280750e88324","state_fp_before":"83399e'
+    '61d36f45d3","tensors":[{"changed":5,"chunks":[{"blob":"3d0967263d8a5bcf897fb395f5bd0f36","index":0}]'
+    ',"dtype":"bfloat16","fp_after":"2fb6990bb1c93e6c","fp_before":"001d964929711a3f","name":"a","shape":'
+    '[300]},{"changed":1,"chunks":[{"blob":"3d0967263d8a5bcf897fb395f5bd0f36","index":1}],"dtype":"float3'
+    '2","fp_after":"1340bb0ec7e3db68","fp_before":"83e4949d27fe5b68","name":"b","shape":[2,2]},{"changed"'
+    ':0,"chunks":[],"dtype":"int64","fp_after":"7bfc05a38f444ad3","fp_before":"7bfc05a38f444ad3","name":"'
+    'c","shape":[3]},{"changed":4,"chunks":[{"blob":"3d0967263d8a5bcf897fb395f5bd0f36","index":2}],"dtype'
+    '":"float8_e5m2","fp_after":"18c53af8b22bb773","fp_before":"4b2b7f268342dc73","name":"d","shape":[4]}'
+    '],"version":2}'
+)
+GOLDEN_BLOB = bytes.fromhex("".join(GOLDEN_BLOB_HEX))
+GOLDEN_BLOB_ID = "3d0967263d8a5bcf897fb395f5bd0f36"
+GOLDEN_SIGNATURE = "hmac-sha256:091c6e8895b0c8dd014d75416a670e6999bfc1620954389d4b38f20392e40401"
+# decompressed streams, concatenated over the blob's chunks (docs/FORMAT.md "blob", "positions", "values")
+GOLDEN_STREAMS = {
+    "bitmap": "08",  # b: word 3 changed
+    "dense1": "bc40b8df",  # d: every fp8 word with its sign flipped
+    "ext": "49",  # a[10]: m - 126 = 199 - 126 = 73
+    "gap": "0002061dff",  # a: positions 0, 3, 10, 40, then 255 = escape ...
+    "gapx": "03",  # ... 258 - 255 = 3 -> position 299
+    "raw2": "9ac0",  # a[40] with its sign flipped
+    "raw4": "000080bf",  # b[1, 1] = -1.0f
+    "tok": "0001fcfe00fe",  # a: +1, -1, big +, raw, +1; b: raw
+}
+GOLDEN_CHUNKS = [
+    {"count": 5, "dtype": "bfloat16", "mode": "gap", "ne": 1, "ng": 5, "ngx": 1, "nr": 1, "start": 0, "stop": 300,
+     "tensor": "a"},
+    {"count": 1, "dtype": "float32", "mode": "bitmap", "ne": 0, "ng": 0, "ngx": 0, "nr": 1, "start": 0, "stop": 4,
+     "tensor": "b"},
+    {"count": 4, "dtype": "float8_e5m2", "mode": "dense", "ne": 0, "ng": 0, "ngx": 0, "nr": 0, "start": 0, "stop": 4,
+     "tensor": "d"},
+]
+GOLDEN_DELTA_FILE_PREFIX = "4453594e43444c5401000000000000009203000000000000"  # DSYNCDLT, v1, reserved 0, mlen
+
+
+def test_golden_blob_bytes():
+    old, new = golden_states()
+    enc = encode_delta(old, new, model="policy", version=2, parent=1)
+    assert list(enc.blobs) == [GOLDEN_BLOB_ID]
+    assert enc.blobs[GOLDEN_BLOB_ID].hex() == GOLDEN_BLOB.hex()
+    assert blob_id(GOLDEN_BLOB) == GOLDEN_BLOB_ID
+
+
+def test_golden_manifest_json():
+    old, new = golden_states()
+    enc = encode_delta(old, new, model="policy", version=2, parent=1)
+    assert enc.manifest.to_json().decode() == "".join(GOLDEN_MANIFEST)
+    # the fingerprints in it are those of the states (pins the fingerprint function too)
+    m = json.loads("".join(GOLDEN_MANIFEST))
+    for rec in m["tensors"]:
+        assert rec["fp_before"] == fp_hex(tensor_fingerprint(old[rec["name"]]))
+        assert rec["fp_after"] == fp_hex(tensor_fingerprint(new[rec["name"]]))
+
+
+def test_golden_streams_below_zstd():
+    magic, version, hlen = struct.unpack_from("<8sII", GOLDEN_BLOB)
+    assert (magic, version) == (b"DSYNCBLB", 1)
+    header = json.loads(GOLDEN_BLOB[16:16 + hlen])
+    assert header["chunks"] == GOLDEN_CHUNKS
+    reader = BlobReader(GOLDEN_BLOB)
+    got = {n: reader.stream(n).view(np.uint8).tobytes().hex() for n in sorted(reader.stream_names)}
+    assert got == GOLDEN_STREAMS
+    # streams are laid out back to back in name order
+    offsets = [header["streams"][n][0] for n in sorted(header["streams"])]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+
+
+def test_golden_bytes_still_decode():
+    """A reader must keep decoding the pinned bytes (whatever today's encoder writes)."""
+    old, new = golden_states()
+    patches = decode_blob(GOLDEN_BLOB)
+    assert [(p.tensor, p.dtype, p.start, p.stop, p.count) for p in patches] == [
+        ("a", "bfloat16", 0, 300, 5), ("b", "float32", 0, 4, 1), ("d", "float8_e5m2", 0, 4, 4)]
+    a = patches[0].changes
+    assert a.positions.tolist() == [0, 3, 10, 40, 299]
+    assert a.raw.tolist() == [False, False, False, True, False]
+    assert a.values.tolist() == [1, 0xFFFF, 200, int(new["a"].view(torch.int16)[40]) & 0xFFFF, 1]
+    assert patches[2].dense.tolist() == list(tensor_bytes(new["d"]))
+    m = parse_manifest("".join(GOLDEN_MANIFEST))
+    target = {n: t.clone() for n, t in old.items()}
+    apply_delta(target, m, {GOLDEN_BLOB_ID: GOLDEN_BLOB})
+    assert {n: tensor_bytes(t) for n, t in target.items()} == {n: tensor_bytes(t) for n, t in new.items()}
+
+
+def test_golden_signature():
+    m = parse_manifest("".join(GOLDEN_MANIFEST))
+    signed = m.sign(KEY)
+    assert signed.signature == GOLDEN_SIGNATURE
+    assert parse_manifest(signed.to_json(), key=KEY) == signed
+
+
+def test_golden_delta_file():
+    m = parse_manifest("".join(GOLDEN_MANIFEST))
+    data = pack_delta_file(m, {GOLDEN_BLOB_ID: GOLDEN_BLOB})
+    mj = "".join(GOLDEN_MANIFEST).encode()
+    assert data == bytes.fromhex(GOLDEN_DELTA_FILE_PREFIX) + mj + GOLDEN_BLOB
+    assert struct.unpack_from("<Q", data, 16)[0] == len(mj)
+    df = unpack_delta_file(data)
+    assert df.manifest == m and df.blobs == {GOLDEN_BLOB_ID: GOLDEN_BLOB}
