@@ -69,6 +69,11 @@ class ServerProcess:
 def start_server(role: str, name: str, root: Path, args: Sequence[str], *, timeout: float = 30.0,
                  python: str = sys.executable, env: dict[str, str] | None = None) -> ServerProcess:
     """Start ``deltasync.server.cli ROLE ARGS`` and wait for its listening line."""
+    return _wait_listening(*_spawn(role, name, root, args, python=python, env=env), timeout=timeout)
+
+
+def _spawn(role: str, name: str, root: Path, args: Sequence[str], *, python: str = sys.executable,
+           env: dict[str, str] | None = None):
     root.mkdir(parents=True, exist_ok=True)
     log_path = root / f"{name}.log"
     argv = [python, "-m", "deltasync.server.cli", role, *args]
@@ -78,6 +83,11 @@ def start_server(role: str, name: str, root: Path, args: Sequence[str], *, timeo
                                 env={**os.environ, **(env or {})})
     finally:
         logf.close()
+    return role, name, root, proc, log_path, argv
+
+
+def _wait_listening(role: str, name: str, root: Path, proc: subprocess.Popen, log_path: Path, argv: list[str], *,
+                    timeout: float = 30.0) -> ServerProcess:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log_path.read_text(errors="replace")
@@ -143,10 +153,31 @@ class LocalCluster:
         return s
 
     def start_tree(self, tree: dict[str, Sequence[str]]) -> None:
+        """Start the origin (if not yet) and the relays; relays whose parents are all up start together."""
         if "origin" not in self.servers:
             self.start_origin()
-        for name, parents in tree.items():
-            self.start_relay(name, parents)
+        todo = dict(tree)
+        while todo:
+            wave = [n for n, ps in todo.items() if all(p in self.servers or "://" in p for p in ps)]
+            if not wave:
+                raise ValueError(f"relays {sorted(todo)} name parents that are never started")
+            pending = []
+            for name in wave:
+                urls = [self.servers[p].url if p in self.servers else p for p in todo[name]]
+                args = [*self._common(), "--cache", str(self.root / name)]
+                for u in urls:
+                    args += ["--parent", u]
+                pending.append((name, _spawn("relay", name, self.root, args)))
+            try:
+                for name, started in pending:
+                    self.servers[name] = _wait_listening(*started)
+                    del todo[name]
+            except BaseException:
+                for name, started in pending:
+                    if name not in self.servers and started[3].poll() is None:
+                        started[3].kill()
+                        started[3].wait(5)
+                raise
 
     def url(self, name: str) -> str:
         return self.servers[name].url

@@ -227,9 +227,14 @@ class HttpClient:
         body, _, _, _ = await self._read(f"/v1/models/{quote(model)}/versions/{version}")
         return body
 
-    async def get_squashed(self, model: str, start: int, end: int) -> bytes:
-        """The server's squashed catch-up delta ``start → end``: a manifest whose blobs are fetched as usual."""
-        body, _, _, _ = await self._read(f"/v1/models/{quote(model)}/delta?from={start}&to={end}")
+    async def get_squashed(self, model: str, start: int, end: int, *, timeout: float | None = None) -> bytes:
+        """The server's squashed catch-up delta ``start → end``: a manifest whose blobs are fetched as usual.
+        A server builds it on demand, so ``timeout`` bounds the wait (the chain is the fallback)."""
+        t = self.timeouts
+        ct = None
+        if timeout is not None:
+            ct = aiohttp.ClientTimeout(total=timeout, connect=t.connect, sock_connect=t.connect, sock_read=timeout)
+        body, _, _, _ = await self._read(f"/v1/models/{quote(model)}/delta?from={start}&to={end}", timeout=ct)
         return body
 
     async def get_blob(self, bid: str, size: int | None = None) -> bytes:

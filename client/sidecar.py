@@ -260,6 +260,9 @@ class Sidecar:
         return SidecarEvent(kind=kind, step=ck.step, path=str(ck.path), detail=detail,
                             bytes=main.manifest.total_bytes + (side.manifest.total_bytes if side else 0), raw_bytes=raw)
 
+    async def close(self) -> None:
+        await self.client.close()
+
     # -- the daemon -------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None, *, once: bool = False) -> None:
         """Scan every ``poll`` seconds until ``stop`` is set (or after one scan with ``once``).

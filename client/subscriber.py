@@ -127,7 +127,7 @@ class Subscriber:
     def __init__(self, urls: str | Sequence[str], model: str, target, *, key: bytes | None = None, auto: bool = False,
                  verify: str = "incremental", scrub_every: int = 0, version: int | None = None,
                  timeouts: Timeouts | None = None, max_ready: int = 8, download_concurrency: int = 4,
-                 use_squash: bool = True, max_refetch: int = 1,
+                 use_squash: bool = True, squash_min_chain: int = 3, squash_timeout: float = 15.0, max_refetch: int = 1,
                  on_event: Callable[[SyncEvent], None] | None = None,
                  on_applied: Callable[[int], None] | None = None) -> None:
         if verify not in ("incremental", "full"):
@@ -143,6 +143,8 @@ class Subscriber:
         self.max_ready = max(1, max_ready)
         self.download_concurrency = download_concurrency
         self.use_squash = use_squash
+        self.squash_min_chain = squash_min_chain
+        self.squash_timeout = squash_timeout
         self.max_refetch = max_refetch
         self.on_event = on_event
         self.on_applied = on_applied
@@ -598,7 +600,7 @@ class Subscriber:
         self._check_gen(gen)
         reaches = v == pv
         squash: Manifest | None = None
-        if self.use_squash and (not reaches or len(deltas) > 1):
+        if self.use_squash and (not reaches or len(deltas) >= self.squash_min_chain):
             squash = await self._squash(pv, target)
             if squash is not None:
                 deltas[(pv, target)] = squash.total_bytes
@@ -629,7 +631,8 @@ class Subscriber:
 
     async def _squash(self, pv: int, target: int) -> Manifest | None:
         try:
-            sq = parse_manifest(await self.client.get_squashed(self.model, pv, target), key=self.key)
+            sq = parse_manifest(await self.client.get_squashed(self.model, pv, target, timeout=self.squash_timeout),
+                                key=self.key)
         except SignatureError as e:
             log.info("%s: squashed delta v%d→v%d is not signed with our key (%s); walking the chain", self.model, pv, target, e)
             return None
