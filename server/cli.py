@@ -146,7 +146,8 @@ def serve(config: ServerConfig, *, log_level: str = "INFO") -> int:
 
 async def _serve(config: ServerConfig) -> int:
     app = build_app(config)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=config.timeouts.shutdown)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=config.timeouts.shutdown,
+                           lingering_time=1.0)
     try:
         await runner.setup()
     except (OSError, DeltaSyncError) as e:

@@ -73,6 +73,13 @@ _HTTP_CODES = {400: "format", 401: "unauthorized", 404: "not_found", 405: "metho
 
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    resp = await _handle(request, handler)
+    if resp.status >= 400 and request.body_exists and not request.content.is_eof():
+        resp.force_close()  # a refused upload's unread body is not worth draining: drop the connection
+    return resp
+
+
+async def _handle(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except DeltaSyncError as e:

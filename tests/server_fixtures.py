@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ class ServerProc:
     def start(self) -> ServerProc:
         cmd = [sys.executable, "-m", "deltasync.server.cli", self.role, "--listen", f"127.0.0.1:{self.port}",
                *self.args]
+        self._term_sent = False
         self._log = open(self.log_path, "ab")
         self._log_start = self.log_path.stat().st_size
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -71,7 +73,8 @@ class ServerProc:
         """SIGTERM, then SIGKILL if it does not exit in time; returns the exit code."""
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
-        os.kill(self.proc.pid, signal.SIGTERM)
+        if not self._term_sent:
+            self.terminate()
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -79,6 +82,11 @@ class ServerProc:
             return self.proc.wait(5)
         finally:
             self._log.close()
+
+    def terminate(self) -> None:
+        """Send SIGTERM once (a second one would kill a server that is already shutting down)."""
+        self._term_sent = True
+        os.kill(self.proc.pid, signal.SIGTERM)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -103,7 +111,7 @@ def stop_all(*servers: ServerProc) -> list[int]:
     """SIGTERM every server at once, then collect exit codes (SIGKILL after a timeout)."""
     for s in servers:
         if s.proc is not None and s.proc.poll() is None:
-            os.kill(s.proc.pid, signal.SIGTERM)
+            s.terminate()
     return [s.stop() for s in servers]
 
 
@@ -221,77 +229,150 @@ async def wait_head(s: aiohttp.ClientSession, url: str, model: str, version: int
 # -- a TCP proxy the test controls ----------------------------------------------------------
 
 class GateProxy:
-    """Forwards TCP to ``target``; the downstream direction (target → client) can be paused after
-    a byte budget, resumed, or every connection cut. Runs in the test's event loop."""
+    """Forwards TCP to ``target_port`` on its own threads (so it outlives any one test's event loop).
+
+    The downstream direction (target → client) can be held after a byte budget shared by all
+    connections (``hold_after``), let go (``release``), or every connection cut (``cut``).
+    """
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
-        self.budget: int | None = None  # bytes still allowed downstream while gated; None: open
-        self._open = asyncio.Event()
-        self._open.set()
-        self._conns: set[asyncio.StreamWriter] = set()
+        self._cond = threading.Condition()
+        self._budget: int | None = None
+        self._socks: set[socket.socket] = set()
         self.forwarded = 0
-        self.server: asyncio.Server | None = None
-        self.url = ""
-
-    async def start(self) -> GateProxy:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-        return self
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
 
     def hold_after(self, nbytes: int) -> None:
-        """Let ``nbytes`` more bytes through downstream, then stall until ``release``."""
-        self.budget = nbytes
-        self._open.clear()
+        with self._cond:
+            self._budget = nbytes
 
     def release(self) -> None:
-        self.budget = None
-        self._open.set()
+        with self._cond:
+            self._budget = None
+            self._cond.notify_all()
 
     def cut(self) -> None:
-        for w in list(self._conns):
-            w.transport.abort()
+        with self._cond:
+            socks = list(self._socks)
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        self._closed = True
         self.release()
         self.cut()
-        if self.server is not None:
-            self.server.close()
+        self._listener.close()
 
-    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._cond:
+                self._socks.update((client, upstream))
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, gated: bool) -> None:
         try:
-            ur, uw = await asyncio.open_connection("127.0.0.1", self.target_port)
-        except OSError:
-            cw.transport.abort()
-            return
-        self._conns.update((cw, uw))
-
-        async def up():
-            while data := await cr.read(1 << 16):
-                uw.write(data)
-                await uw.drain()
-            uw.close()
-
-        async def down():
             while True:
-                while not self._open.is_set() and self.budget is not None and self.budget <= 0:
-                    await self._open.wait()
-                n = 1 << 16 if self.budget is None else max(1, min(1 << 16, self.budget))
-                data = await ur.read(n)
+                n = 1 << 16
+                if gated:
+                    with self._cond:
+                        while self._budget is not None and self._budget <= 0 and not self._closed:
+                            self._cond.wait(0.1)
+                        if self._budget is not None:
+                            n = max(1, min(n, self._budget))
+                data = src.recv(n)
                 if not data:
                     break
-                if self.budget is not None:
-                    self.budget -= len(data)
-                self.forwarded += len(data)
-                cw.write(data)
-                await cw.drain()
-            cw.close()
-
-        try:
-            await asyncio.gather(up(), down())
-        except (ConnectionError, OSError):
+                if gated:
+                    with self._cond:
+                        if self._budget is not None:
+                            self._budget -= len(data)
+                        self.forwarded += len(data)
+                dst.sendall(data)
+        except OSError:
             pass
         finally:
-            for w in (cw, uw):
-                self._conns.discard(w)
-                w.transport.abort()
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            with self._cond:
+                self._socks.discard(src)
+                self._socks.discard(dst)
+            src.close()
+
+
+class FakeParent:
+    """A minimal HTTP parent on its own threads that serves the blob bytes it is given (right or
+    wrong), an event stream that only ever sends keepalives, and 404 for anything else; it shows
+    how a relay treats a parent that lies."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        blobs = self.blobs = {}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_HEAD(self):
+                m = re.match(r"^/v1/blobs/([0-9a-f]{32})$", self.path)
+                data = blobs.get(m.group(1)) if m else None
+                self.send_response(404 if data is None else 200)
+                self.send_header("Content-Length", str(0 if data is None else len(data)))
+                self.end_headers()
+
+            def do_GET(self):
+                if self.path == "/v1/events":
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    try:
+                        while True:
+                            self.wfile.write(b": keepalive\n\n")
+                            self.wfile.flush()
+                            time.sleep(0.5)
+                    except OSError:
+                        return
+                m = re.match(r"^/v1/blobs/([0-9a-f]{32})$", self.path)
+                data = blobs.get(m.group(1)) if m else None
+                if data is None:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
