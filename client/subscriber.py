@@ -615,7 +615,14 @@ class Subscriber:
             except NotFoundError:
                 pass
         self._check_gen(gen)
-        plan = plan_catchup(pv, target, deltas=deltas, keyframes=keyframes)
+        try:
+            plan = plan_catchup(pv, target, deltas=deltas, keyframes=keyframes)
+        except NotFoundError as e:  # the chain from pv is gone (retention) and no keyframe is newer: resync
+            log.warning("%s: no path from v%d to v%d (%s); resyncing from a keyframe", self.model, pv, target, e)
+            with self._lock:
+                self._check_gen(gen)
+                self._need_keyframe = True
+            return
         single = target in chain and chain[target].kind == "delta" and chain[target].parent == pv
         for st in plan.steps:
             if st.kind == "keyframe":
