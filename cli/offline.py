@@ -141,7 +141,7 @@ def _chunk_raw_bytes(rec: dict) -> int:
     if rec["mode"] == "dense":
         return length * w
     pos = (length + 7) // 8 if rec["mode"] == "bitmap" else rec["ng"] + rec["ngx"]
-    return pos + rec["count"] + rec["ne"] + rec["nr"] * w
+    return pos + (rec["count"] + 3) // 4 + rec["nt"] + rec["ne"] + rec["nr"] * w
 
 
 def inspect_delta(path: str) -> dict:

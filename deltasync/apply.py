@@ -217,7 +217,7 @@ def _patch_tensor(live: torch.Tensor, chunks: list[ChunkPatch], fp: int, undo: _
             where = slice(c.start, c.stop)
             old = words[where].clone()
             undo.entries.append((words, where, old, None if work is live else live, work))
-            new = torch.from_numpy(c.dense.view(np.dtype(f"i{info.word_size}"))).to(device)
+            new = torch.from_numpy(np.require(c.dense, requirements="W").view(np.dtype(f"i{info.word_size}"))).to(device)
             words[where] = new
             fp = update_fingerprint(fp, words_range_delta(old, words[where], c.start, info.word_size))
             continue

@@ -31,10 +31,10 @@ MAGIC = b"DSYNCBLB"
 VERSION = 1
 _PREFIX = struct.Struct("<8sII")
 MAX_HEADER = 64 << 20
-MAX_STREAM = 1 << 40
+MAX_STREAM = 1 << 30  # no stream of a blob we write comes near; bounds what a forged header can make us allocate
 BLOB_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 WORD_STREAMS = {f"{kind}{w}": w for kind in ("raw", "dense") for w in (1, 2, 4, 8)}
-BYTE_STREAMS = {"gap", "gapx", "bitmap", "tok", "ext"}
+BYTE_STREAMS = {"gap", "gapx", "bitmap", "sym", "tok", "ext"}
 STREAMS = BYTE_STREAMS | set(WORD_STREAMS)
 
 
@@ -131,8 +131,8 @@ class BlobReader:
             raise FormatError(f"blob header of {hlen} bytes runs past the end ({len(view)} bytes)")
         try:
             header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + hlen]))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"blob header is not JSON: {e}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise FormatError(f"blob header is not JSON: {type(e).__name__}: {e}") from None
         if not isinstance(header, dict) or set(header) != {"streams", "chunks"}:
             raise FormatError("blob header must be an object with exactly 'streams' and 'chunks'")
         streams, chunks = header["streams"], header["chunks"]
@@ -174,8 +174,17 @@ class BlobReader:
             arr = np.empty(0, dtype=np.uint8)
         else:
             off, clen, rlen = entry
+            frame = self._body[off : off + clen]
             try:
-                raw = self._dctx.decompress(self._body[off : off + clen], max_output_size=rlen)
+                declared = zstandard.frame_content_size(frame)
+            except zstandard.ZstdError as e:
+                raise FormatError(f"blob stream {name!r} is not a zstd frame: {e}") from None
+            if declared != rlen:
+                # Our frames always carry their content size; requiring it to match the header means
+                # a forged length can never make us allocate more than the frame really holds.
+                raise FormatError(f"blob stream {name!r}: frame holds {declared} bytes, header says {rlen}")
+            try:
+                raw = self._dctx.decompress(frame, max_output_size=rlen)
             except zstandard.ZstdError as e:
                 raise FormatError(f"blob stream {name!r} does not decompress: {e}") from None
             if len(raw) != rlen:

@@ -28,7 +28,7 @@ from .errors import ChainError, FormatError
 from .fingerprint import fingerprint_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint, words_range_delta
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
 from .positions import choose_position_mode, decode_bitmap, decode_gaps, encode_bitmap, encode_gaps
-from .values import Changes, changes_from_words, detokenize, tokenize
+from .values import Changes, changes_from_words, decode_values, encode_values
 
 DEFAULT_CHUNK_WORDS = 4 << 20
 DEFAULT_BLOB_TARGET = 32 << 20
@@ -135,10 +135,10 @@ class ChunkPacker:
         if count == length and changes.raw.all():
             self.add_dense(name, info, start, stop, changes.values)
             return
-        tokens, ext, raw = tokenize(changes)
+        sym, tokens, ext, raw = encode_values(changes)
         mode = choose_position_mode(count, length)
         rel = changes.positions - start
-        streams: dict[str, np.ndarray] = {"tok": tokens, "ext": ext, f"raw{w}": raw}
+        streams: dict[str, np.ndarray] = {"sym": sym, "tok": tokens, "ext": ext, f"raw{w}": raw}
         if mode == "gap":
             small, big = encode_gaps(rel)
             streams["gap"], streams["gapx"] = small, big
@@ -146,12 +146,12 @@ class ChunkPacker:
         else:
             streams["bitmap"] = encode_bitmap(rel, length)
             record.update(mode="bitmap", ng=0, ngx=0)
-        record.update(ne=int(ext.size), nr=int(raw.size))
+        record.update(nt=int(tokens.size), ne=int(ext.size), nr=int(raw.size))
         self._add(name, record, streams)
 
     def add_dense(self, name: str, info: DtypeInfo, start: int, stop: int, words: np.ndarray) -> None:
         record = {"tensor": name, "dtype": info.name, "start": start, "stop": stop, "count": stop - start,
-                  "mode": "dense", "ng": 0, "ngx": 0, "ne": 0, "nr": 0}
+                  "mode": "dense", "ng": 0, "ngx": 0, "nt": 0, "ne": 0, "nr": 0}
         self._add(name, record, {f"dense{info.word_size}": np.ascontiguousarray(words)})
 
     def _add(self, name: str, record: dict, streams: dict[str, np.ndarray]) -> None:
@@ -268,13 +268,16 @@ def _manifest(*, model, version, parent, new, names, fps_before, fps_after, chan
 
 # -- decoding ---------------------------------------------------------------------------------
 
-_CHUNK_KEYS = {"tensor", "dtype", "start", "stop", "count", "mode", "ng", "ngx", "ne", "nr"}
+_CHUNK_KEYS = {"tensor", "dtype", "start", "stop", "count", "mode", "ng", "ngx", "nt", "ne", "nr"}
+
+
+MAX_WORDS = 1 << 48  # the largest tensor (in words) a chunk may address
 
 
 def _nonneg(rec: dict, key: str) -> int:
     v = rec[key]
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise FormatError(f"blob chunk: {key} must be a non-negative integer, found {v!r}")
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > MAX_WORDS:
+        raise FormatError(f"blob chunk: {key} must be an integer in [0, 2**48], found {v!r}")
     return v
 
 
@@ -306,8 +309,8 @@ def decode_blob(data: bytes | bytearray | memoryview) -> list[ChunkPatch]:
         if length <= 0 or count == 0 or count > length:
             raise FormatError(f"blob chunk {name}[{start}:{stop}] with {count} changes is inconsistent")
         if mode == "dense":
-            if count != length:
-                raise FormatError("blob chunk: a dense chunk changes every word")
+            if count != length or any(_nonneg(rec, k) for k in ("ng", "ngx", "nt", "ne", "nr")):
+                raise FormatError("blob chunk: a dense chunk changes every word and has no ng/ngx/nt/ne/nr")
             patches.append(ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop,
                                       dense=take(f"dense{w}", length, wdt)))
             continue
@@ -317,8 +320,10 @@ def decode_blob(data: bytes | bytearray | memoryview) -> list[ChunkPatch]:
             rel = decode_bitmap(take("bitmap", (length + 7) // 8), count, length)
         else:
             raise FormatError(f"blob chunk: unknown mode {mode!r}")
-        tokens = take("tok", count)
-        changes = detokenize(rel + start, tokens, take("ext", _nonneg(rec, "ne")), take(f"raw{w}", _nonneg(rec, "nr"), wdt), w)
+        sym = take("sym", (count + 3) // 4)
+        tokens = take("tok", _nonneg(rec, "nt"))
+        changes = decode_values(rel + start, sym, tokens, take("ext", _nonneg(rec, "ne")),
+                                take(f"raw{w}", _nonneg(rec, "nr"), wdt), w)
         patches.append(ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, changes=changes))
     for stream, at in cursors.items():
         if at != reader.stream(stream).size:

@@ -23,6 +23,7 @@ FORMAT_VERSION = 1
 KINDS = ("keyframe", "delta")
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FP_RE = re.compile(r"^[0-9a-f]{16}$")
+_SIG_RE = re.compile(r"^[a-z0-9-]{1,32}:[0-9a-f]{16,256}$")
 MAX_VERSION = (1 << 63) - 1
 MAX_MANIFEST_BYTES = 256 << 20
 
@@ -131,7 +132,7 @@ class Manifest:
         if self.signature is None:
             raise SignatureError(f"{self.model} v{self.version}: manifest is unsigned but a key is configured")
         expected = hmac_signature(key, self.canonical_bytes())
-        if not hmac.compare_digest(expected, self.signature):
+        if not hmac.compare_digest(expected.encode(), self.signature.encode("utf-8", "replace")):
             raise SignatureError(
                 f"{self.model} v{self.version}: manifest signature does not verify with the configured key "
                 "(forged, altered in transit, or signed with another key)"
@@ -235,7 +236,8 @@ def _from_obj(obj: Any) -> Manifest:
     meta = obj["meta"]
     _expect(isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()), "meta must map strings to strings")
     sig = obj["signature"]
-    _expect(sig is None or (isinstance(sig, str) and len(sig) < 256), "signature must be a string or null")
+    _expect(sig is None or (isinstance(sig, str) and bool(_SIG_RE.match(sig))),
+            "signature must be null or 'ALG:HEX' (e.g. hmac-sha256:<64 hex digits>)")
 
     blobs_obj = obj["blobs"]
     _expect(isinstance(blobs_obj, list), "blobs must be a list")

@@ -42,9 +42,14 @@ def decode_gaps(small: np.ndarray, big: np.ndarray, count: int, length: int) -> 
     gaps = small.astype(np.int64)
     esc = small == ESCAPE
     n_esc = int(esc.sum())
-    gaps[esc] = decode_varints(big, n_esc).astype(np.int64) + ESCAPE
-    if (gaps < 0).any():
-        raise FormatError("gap stream: a gap overflows int64")
+    if n_esc:
+        big_gaps = decode_varints(big, n_esc)
+        if big_gaps.max() >= np.uint64(max(length, 1)):
+            raise FormatError(f"gap stream: a gap leaves the chunk of {length} words")
+        gaps[esc] = big_gaps.astype(np.int64) + ESCAPE
+    else:
+        decode_varints(big, 0)
+    # Every gap is < length + 255 now, so the sum fits int64 for any chunk we accept (< 2**48 words).
     positions = np.cumsum(gaps + 1) - 1
     if count and (positions[-1] >= length or positions[-1] < 0):
         raise FormatError(f"gap stream: position {positions[-1]} outside a chunk of {length} words")

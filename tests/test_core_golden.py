@@ -64,35 +64,36 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 GOLDEN_BLOB_HEX = (
-    "4453594e43424c4201000000e40100007b226368756e6b73223a5b7b22636f756e74223a352c226474797065223a2262"
+    "4453594e43424c4201000000090200007b226368756e6b73223a5b7b22636f756e74223a352c226474797065223a2262"
     "666c6f61743136222c226d6f6465223a22676170222c226e65223a312c226e67223a352c226e6778223a312c226e7222"
-    "3a312c227374617274223a302c2273746f70223a3330302c2274656e736f72223a2261227d2c7b22636f756e74223a31"
-    "2c226474797065223a22666c6f61743332222c226d6f6465223a226269746d6170222c226e65223a302c226e67223a30"
-    "2c226e6778223a302c226e72223a312c227374617274223a302c2273746f70223a342c2274656e736f72223a2262227d"
-    "2c7b22636f756e74223a342c226474797065223a22666c6f6174385f65356d32222c226d6f6465223a2264656e736522"
-    "2c226e65223a302c226e67223a302c226e6778223a302c226e72223a302c227374617274223a302c2273746f70223a34"
-    "2c2274656e736f72223a2264227d5d2c2273747265616d73223a7b226269746d6170223a5b302c31302c315d2c226465"
-    "6e736531223a5b31302c31332c345d2c22657874223a5b32332c31302c315d2c22676170223a5b33332c31342c355d2c"
-    "2267617078223a5b34372c31302c315d2c2272617732223a5b35372c31312c325d2c2272617734223a5b36382c31332c"
-    "345d2c22746f6b223a5b38312c31352c365d7d7d28b52ffd20010900000828b52ffd2004210000bc40b8df28b52ffd20"
-    "010900004928b52ffd20052900000002061dff28b52ffd20010900000328b52ffd20021100009ac028b52ffd20042100"
-    "00000080bf28b52ffd20063100000001fcfe00fe"
+    "3a312c226e74223a322c227374617274223a302c2273746f70223a3330302c2274656e736f72223a2261227d2c7b2263"
+    "6f756e74223a312c226474797065223a22666c6f61743332222c226d6f6465223a226269746d6170222c226e65223a30"
+    "2c226e67223a302c226e6778223a302c226e72223a312c226e74223a312c227374617274223a302c2273746f70223a34"
+    "2c2274656e736f72223a2262227d2c7b22636f756e74223a342c226474797065223a22666c6f6174385f65356d32222c"
+    "226d6f6465223a2264656e7365222c226e65223a302c226e67223a302c226e6778223a302c226e72223a302c226e7422"
+    "3a302c227374617274223a302c2273746f70223a342c2274656e736f72223a2264227d5d2c2273747265616d73223a7b"
+    "226269746d6170223a5b302c31302c315d2c2264656e736531223a5b31302c31332c345d2c22657874223a5b32332c31"
+    "302c315d2c22676170223a5b33332c31342c355d2c2267617078223a5b34372c31302c315d2c2272617732223a5b3537"
+    "2c31312c325d2c2272617734223a5b36382c31332c345d2c2273796d223a5b38312c31322c335d2c22746f6b223a5b39"
+    "332c31322c335d7d7d28b52ffd20010900000828b52ffd2004210000bc40b8df28b52ffd20010900004928b52ffd2005"
+    "2900000002061dff28b52ffd20010900000328b52ffd20021100009ac028b52ffd2004210000000080bf28b52ffd2003"
+    "190000a4000228b52ffd2003190000fcfefe"
 )
 GOLDEN_MANIFEST = (
-    '{"blobs":[{"id":"3d0967263d8a5bcf897fb395f5bd0f36","size":596}],"format":1,"kind":"delta","meta":{},'
+    '{"blobs":[{"id":"5bda32f1eaa742416b2140871afeda4a","size":642}],"format":1,"kind":"delta","meta":{},'
     '"model":"policy","parent":1,"signature":null,"state_fp":"7c53280750e88324","state_fp_before":"83399e'
-    '61d36f45d3","tensors":[{"changed":5,"chunks":[{"blob":"3d0967263d8a5bcf897fb395f5bd0f36","index":0}]'
+    '61d36f45d3","tensors":[{"changed":5,"chunks":[{"blob":"5bda32f1eaa742416b2140871afeda4a","index":0}]'
     ',"dtype":"bfloat16","fp_after":"2fb6990bb1c93e6c","fp_before":"001d964929711a3f","name":"a","shape":'
-    '[300]},{"changed":1,"chunks":[{"blob":"3d0967263d8a5bcf897fb395f5bd0f36","index":1}],"dtype":"float3'
+    '[300]},{"changed":1,"chunks":[{"blob":"5bda32f1eaa742416b2140871afeda4a","index":1}],"dtype":"float3'
     '2","fp_after":"1340bb0ec7e3db68","fp_before":"83e4949d27fe5b68","name":"b","shape":[2,2]},{"changed"'
     ':0,"chunks":[],"dtype":"int64","fp_after":"7bfc05a38f444ad3","fp_before":"7bfc05a38f444ad3","name":"'
-    'c","shape":[3]},{"changed":4,"chunks":[{"blob":"3d0967263d8a5bcf897fb395f5bd0f36","index":2}],"dtype'
+    'c","shape":[3]},{"changed":4,"chunks":[{"blob":"5bda32f1eaa742416b2140871afeda4a","index":2}],"dtype'
     '":"float8_e5m2","fp_after":"18c53af8b22bb773","fp_before":"4b2b7f268342dc73","name":"d","shape":[4]}'
     '],"version":2}'
 )
 GOLDEN_BLOB = bytes.fromhex("".join(GOLDEN_BLOB_HEX))
-GOLDEN_BLOB_ID = "3d0967263d8a5bcf897fb395f5bd0f36"
-GOLDEN_SIGNATURE = "hmac-sha256:091c6e8895b0c8dd014d75416a670e6999bfc1620954389d4b38f20392e40401"
+GOLDEN_BLOB_ID = "5bda32f1eaa742416b2140871afeda4a"
+GOLDEN_SIGNATURE = "hmac-sha256:5513aaa32639be9a7f1214ea956b1581f1ffb6cad575913a3f876ee83718fcd0"
 # decompressed streams, concatenated over the blob's chunks (docs/FORMAT.md "blob", "positions", "values")
 GOLDEN_STREAMS = {
     "bitmap": "08",  # b: word 3 changed
@@ -102,15 +103,13 @@ GOLDEN_STREAMS = {
     "gapx": "03",  # ... 258 - 255 = 3 -> position 299
     "raw2": "9ac0",  # a[40] with its sign flipped
     "raw4": "000080bf",  # b[1, 1] = -1.0f
-    "tok": "0001fcfe00fe",  # a: +1, -1, big +, raw, +1; b: raw
+    "sym": "a40002",  # a: +1, -1, token, token, +1 (2-bit symbols, 4 per byte); b: token
+    "tok": "fcfefe",  # a: big +, raw; b: raw
 }
 GOLDEN_CHUNKS = [
-    {"count": 5, "dtype": "bfloat16", "mode": "gap", "ne": 1, "ng": 5, "ngx": 1, "nr": 1, "start": 0, "stop": 300,
-     "tensor": "a"},
-    {"count": 1, "dtype": "float32", "mode": "bitmap", "ne": 0, "ng": 0, "ngx": 0, "nr": 1, "start": 0, "stop": 4,
-     "tensor": "b"},
-    {"count": 4, "dtype": "float8_e5m2", "mode": "dense", "ne": 0, "ng": 0, "ngx": 0, "nr": 0, "start": 0, "stop": 4,
-     "tensor": "d"},
+    {"count": 5, "dtype": "bfloat16", "mode": "gap", "ne": 1, "ng": 5, "ngx": 1, "nr": 1, "nt": 2, "start": 0, "stop": 300, "tensor": "a"},
+    {"count": 1, "dtype": "float32", "mode": "bitmap", "ne": 0, "ng": 0, "ngx": 0, "nr": 1, "nt": 1, "start": 0, "stop": 4, "tensor": "b"},
+    {"count": 4, "dtype": "float8_e5m2", "mode": "dense", "ne": 0, "ng": 0, "ngx": 0, "nr": 0, "nt": 0, "start": 0, "stop": 4, "tensor": "d"},
 ]
 GOLDEN_DELTA_FILE_PREFIX = "4453594e43444c5401000000000000009203000000000000"  # DSYNCDLT, v1, reserved 0, mlen
 
