@@ -1,4 +1,5 @@
-"""Cut-through, coalescing, hash failures and slow readers, with the upstream pace under test control."""
+"""Relay behaviour: cut-through, coalescing, hash failures, slow readers (upstream pace under test control),
+and the cache size budget."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import aiohttp
 import pytest
 
 from server_fixtures import (
-    FakeParent, GateProxy, make_blob, metrics, origin, put_blob, relay, session, start_all, stop_all, wait_for,
+    FakeParent, GateProxy, delta, keyframe, make_blob, metrics, origin, publish, put_blob, relay, session,
+    start_all, stop_all, wait_for, wait_head,
 )
 
 
@@ -21,16 +23,17 @@ def servers(tmp_path_factory):
     bad = FakeParent()
     r = relay(work, "relay", [gate.url], "--read-timeout", "15", "--write-timeout", "2")
     r2 = relay(work, "relay2", [bad.url, o.url])
-    start_all(o, r, r2)
-    yield o, gate, r, r2, bad
+    small = relay(work, "small", [o.url], "--cache-size", "3M", "--retention", "1")
+    start_all(o, r, r2, small)
+    yield o, gate, r, r2, bad, small
     gate.release()
-    assert stop_all(r, r2, o) == [0, 0, 0]
+    assert stop_all(r, r2, small, o) == [0, 0, 0, 0]
     gate.close()
     bad.close()
 
 
 async def test_cut_through_child_gets_first_bytes_before_relay_has_the_last(servers):
-    o, gate, r, _, _ = servers
+    o, gate, r, *_ = servers
     bid, data = make_blob(8 << 20, 100)
     async with session() as s:
         assert await put_blob(s, o.url, bid, data) == 201
@@ -64,7 +67,7 @@ async def test_cut_through_child_gets_first_bytes_before_relay_has_the_last(serv
 
 
 async def test_32_concurrent_requests_cause_one_upstream_fetch(servers):
-    o, gate, r, _, _ = servers
+    o, gate, r, *_ = servers
     bid, data = make_blob(4 << 20, 101)
     async with session(connector=aiohttp.TCPConnector(limit=0)) as s:
         assert await put_blob(s, o.url, bid, data) == 201
@@ -92,7 +95,7 @@ async def test_32_concurrent_requests_cause_one_upstream_fetch(servers):
 
 
 async def test_blob_failing_its_hash_is_discarded_refetched_and_never_served_complete(servers):
-    o, _, _, r2, bad = servers
+    o, _, _, r2, bad, _ = servers
     bid, data = make_blob(3 << 20, 102)
     corrupt = bytearray(data)
     corrupt[len(data) // 2] ^= 0xFF
@@ -120,7 +123,7 @@ async def test_blob_failing_its_hash_is_discarded_refetched_and_never_served_com
 
 
 async def test_a_blob_no_parent_has_is_404(servers):
-    _, _, _, r2, _ = servers
+    _, _, _, r2, *_ = servers
     async with session() as s:
         async with s.get(f"{r2.url}/v1/blobs/{'0' * 32}") as resp:
             assert resp.status == 404, await resp.text()
@@ -130,7 +133,7 @@ async def test_a_blob_no_parent_has_is_404(servers):
 
 
 async def test_a_stalled_reader_does_not_hold_up_others_and_is_cut_off(servers):
-    o, _, r, _, _ = servers
+    o, _, r, *_ = servers
     bid, data = make_blob(16 << 20, 103)
     async with session() as s:
         assert await put_blob(s, o.url, bid, data) == 201
@@ -154,3 +157,32 @@ async def test_a_stalled_reader_does_not_hold_up_others_and_is_cut_off(servers):
             await wait_for(cut_off, 15, what="the stalled reader to be cut off (write timeout 2 s)")
         finally:
             stalled.close()
+
+
+async def test_cache_budget_evicts_unpinned_blobs_and_refetches_them_on_demand(servers):
+    o, *_, small = servers
+    model = "budget"
+    versions = [(keyframe(model, 1, b := [make_blob(1 << 20, 300)], key=None), b)]
+    for v in range(2, 6):
+        versions.append((delta(model, v, v - 1, b := [make_blob(1 << 20, 300 + v)], key=None), b))
+    async with session() as s:
+        for m, blobs in versions:
+            await publish(s, o.url, m, blobs)
+            await wait_head(s, small.url, model, m.version)
+
+        async def settled():
+            mt = await metrics(s, small.url)
+            return mt["deltasync_inflight_blobs"] == 0 and mt["deltasync_evictions_total"] >= 2
+        await wait_for(settled, what="evictions at the small relay")
+        mt = await metrics(s, small.url)
+        assert mt["deltasync_store_bytes"] <= 3 << 20
+        assert mt["deltasync_store_pinned_bytes"] == 2 << 20  # newest version (retention 1) + newest keyframe
+        assert mt["deltasync_store_budget_bytes"] == 3 << 20
+        for m, blobs in (versions[0], versions[-1]):  # pinned: still here
+            async with s.get(f"{small.url}/v1/blobs/{blobs[0][0]}") as r:
+                assert r.headers["X-Deltasync-Cache"] == "hit" and await r.read() == blobs[0][1]
+        for m, blobs in versions[1:-1]:  # evicted or not, every blob is still served, bit-exact
+            async with s.get(f"{small.url}/v1/blobs/{blobs[0][0]}") as r:
+                assert r.status == 200 and await r.read() == blobs[0][1]
+        mt = await metrics(s, small.url)
+        assert mt["deltasync_cache_misses_total"] >= 1

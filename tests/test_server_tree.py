@@ -127,3 +127,73 @@ async def _next_event(resp):
             eid = line[4:]
         elif line == "" and data is not None:
             return kind, data, eid
+
+
+# -- squashed catch-up deltas, built from real codec output ----------------------------------------
+
+def _states(n: int) -> list[dict]:
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    state = {"a.weight": torch.randn(300, 257, generator=g).to(torch.bfloat16),
+             "b.bias": torch.randn(1000, generator=g).to(torch.float32)}
+    out = [state]
+    for _ in range(n - 1):
+        new = {}
+        for name, t in out[-1].items():
+            t = t.clone()
+            flat = t.view(-1)
+            idx = torch.randint(0, flat.numel(), (flat.numel() // 50,), generator=g)
+            flat[idx] = (flat[idx].float() * 1.01 + 1e-3).to(t.dtype)
+            new[name] = t
+        out.append(new)
+    return out
+
+
+async def test_squashed_catch_up_delta_from_origin_and_leaf(tree):
+    import torch
+
+    from deltasync.apply import apply_delta
+    from deltasync.codec import encode_delta
+    from deltasync.keyframe import encode_keyframe
+    from deltasync.manifest import parse_manifest
+
+    o, _, leaves = tree
+    leaf = leaves[1]
+    model = "squashy"
+    states = _states(5)  # v1 keyframe, v2..v5 deltas
+    encoded = [encode_keyframe(states[0], model=model, version=1)]
+    for v in range(2, 6):
+        encoded.append(encode_delta(states[v - 2], states[v - 1], model=model, version=v, parent=v - 1))
+    async with session() as s:
+        for enc in encoded:
+            await publish(s, o.url, enc.manifest.sign(KEY), list(enc.blobs.items()))
+        await wait_head(s, leaf.url, model, 5)
+        for url in (o.url, leaf.url):
+            async with s.get(f"{url}/v1/models/{model}/delta", params={"from": "2", "to": "5"}) as r:
+                assert r.status == 200, await r.text()
+                assert r.headers["X-Deltasync-Squashed"] == "2-5"
+                m = parse_manifest(await r.read(), key=KEY)  # both hold the key: signed
+            assert (m.parent, m.version, m.kind) == (2, 5, "delta")
+            blobs = {}
+            for ref in m.blobs:
+                async with s.get(f"{leaf.url}/v1/blobs/{ref.id}") as r:
+                    blobs[ref.id] = await r.read()
+            live = {k: t.clone() for k, t in states[1].items()}
+            apply_delta(live, m, blobs)
+            for name, t in states[4].items():
+                assert torch.equal(live[name].view(torch.uint8), t.view(torch.uint8)), name
+        before = await metrics(s, leaf.url)
+        async with s.get(f"{leaf.url}/v1/models/{model}/delta", params={"from": "2", "to": "5"}) as r:
+            assert r.status == 200
+        assert (await metrics(s, leaf.url))["deltasync_squash_hits_total"] == before["deltasync_squash_hits_total"] + 1
+        # a single step is the version itself; bad requests have their statuses
+        async with s.get(f"{leaf.url}/v1/models/{model}/delta", params={"from": "3", "to": "4"}) as r:
+            assert await r.read() == encoded[3].manifest.sign(KEY).to_json()
+        async with s.get(f"{leaf.url}/v1/models/{model}/delta", params={"from": "1"}) as r:
+            assert r.status == 200 and r.headers["X-Deltasync-Squashed"] == "1-5"
+        for params, status, code in ((("5", "2"), 400, "format"), (("0", "5"), 409, "chain"),
+                                     (("1", "9"), 404, "not_found")):
+            async with s.get(f"{leaf.url}/v1/models/{model}/delta", params={"from": params[0], "to": params[1]}) as r:
+                assert r.status == status, await r.text()
+                assert (await r.json())["error"]["code"] == code
