@@ -152,16 +152,18 @@ SYM_PLUS, SYM_MINUS, SYM_TOKEN = 0, 1, 2
 def encode_values(changes: Changes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Changes -> (packed 2-bit symbols, tokens of the other changes, ext bytes, raw words)."""
     v = changes.values
-    minus_one = np.iinfo(v.dtype).max
-    sym = np.full(v.size, SYM_TOKEN, dtype=np.uint8)
-    step = ~changes.raw
-    sym[step & (v == 1)] = SYM_PLUS
-    sym[step & (v == minus_one)] = SYM_MINUS
+    with np.errstate(over="ignore"):
+        t = v + v.dtype.type(1)  # +1 -> 2, -1 -> 0
+    sym = (t != 2).astype(np.uint8)
+    sym += t > 2  # 0: +1, 1: -1, 2: other (t == 1 would be a zero step, which is no change)
+    if changes.raw.any():
+        sym[changes.raw] = SYM_TOKEN
     other = sym == SYM_TOKEN
     if other.all():
         tokens, ext, raw = tokenize(changes)
     else:
-        tokens, ext, raw = tokenize(Changes(positions=changes.positions[other], raw=changes.raw[other], values=v[other]))
+        empty = np.empty(0, np.int64)
+        tokens, ext, raw = tokenize(Changes(positions=empty, raw=changes.raw[other], values=v[other]))
     return pack_symbols(sym), tokens, ext, raw
 
 
@@ -171,16 +173,16 @@ def decode_values(positions: np.ndarray, packed: np.ndarray, tokens: np.ndarray,
     count = positions.size
     sym = unpack_symbols(packed, count)
     other = sym == SYM_TOKEN
-    n_other = int(other.sum())
+    n_other = int(np.count_nonzero(other))
     if tokens.size != n_other:
         raise FormatError(f"values: {n_other} changes need a token, found {tokens.size} tokens")
     wdt = numpy_word_dtype(word_size)
     if n_other == count:
         return detokenize(positions, tokens, ext, raw_words, word_size)
-    values = np.where(sym == SYM_PLUS, wdt.type(1), np.iinfo(wdt).max).astype(wdt)
+    values = np.array([1, np.iinfo(wdt).max, 0, 0], dtype=wdt).take(sym)
     raw = np.zeros(count, dtype=np.bool_)
     if n_other:
-        sub = detokenize(positions[other], tokens, ext, raw_words, word_size)
+        sub = detokenize(positions[:n_other], tokens, ext, raw_words, word_size)
         values[other] = sub.values
         raw[other] = sub.raw
     else:
@@ -191,23 +193,27 @@ def decode_values(positions: np.ndarray, packed: np.ndarray, tokens: np.ndarray,
 def pack_symbols(sym: np.ndarray) -> np.ndarray:
     """2-bit symbols, four per byte, first symbol in the lowest bits; padding symbols are 0."""
     n = sym.size
-    padded = np.zeros((n + 3) // 4 * 4, dtype=np.uint8)
-    padded[:n] = sym
-    q = padded.reshape(-1, 4)
-    return q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)
+    if n % 4:
+        sym = np.concatenate([sym, np.zeros(4 - n % 4, dtype=np.uint8)])
+    q = sym.reshape(-1, 4)
+    out = q[:, 3] << 6
+    out |= q[:, 2] << 4
+    out |= q[:, 1] << 2
+    out |= q[:, 0]
+    return out
+
+
+_UNPACK = np.array([[(b >> (2 * k)) & 3 for k in range(4)] for b in range(256)], dtype=np.uint8)
 
 
 def unpack_symbols(packed: np.ndarray, count: int) -> np.ndarray:
     if packed.size != (count + 3) // 4:
         raise FormatError(f"values: {count} symbols need {(count + 3) // 4} bytes, found {packed.size}")
-    sym = np.empty((packed.size, 4), dtype=np.uint8)
-    for k in range(4):
-        sym[:, k] = (packed >> (2 * k)) & 3
-    sym = sym.reshape(-1)
+    sym = _UNPACK.take(packed, axis=0).reshape(-1)
     if sym[count:].any():
         raise FormatError("values: padding symbols must be 0")
     sym = sym[:count]
-    if (sym == 3).any():
+    if count and sym.max() == 3:
         raise FormatError("values: symbol 3 is reserved")
     return sym
 
