@@ -5,6 +5,10 @@ whose queue is full (it stopped reading) is dropped rather than allowed to hold
 anyone up, and reconnects to catch up. ``format_event`` writes one server-sent
 event; ``SSEDecoder`` is the incremental parser the relays use to follow their
 parent (bytes in, events out, no I/O).
+
+An event's data is the version summary (``VersionInfo.event()``) and, when the
+manifest is at most ``INLINE_MANIFEST_MAX`` bytes, the manifest itself under
+``"manifest"``: a follower then starts fetching blobs without another round trip.
 """
 
 from __future__ import annotations
@@ -17,6 +21,25 @@ from .compat import timeout as timeout_after
 from .store import VersionInfo
 
 
+INLINE_MANIFEST_MAX = 64 << 10
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Announcement:
+    """A committed version as the event streams send it: its summary and the event's JSON data."""
+
+    info: VersionInfo
+    payload: bytes
+
+
+def event_payload(info: VersionInfo, manifest: bytes | None) -> bytes:
+    """The JSON data of a version event; the manifest is inlined when small."""
+    base = json.dumps(info.event(), separators=(",", ":"), sort_keys=True).encode()
+    if manifest is None or len(manifest) > INLINE_MANIFEST_MAX:
+        return base
+    return base[:-1] + b',"manifest":' + manifest + b"}"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SSEEvent:
     event: str
@@ -27,12 +50,11 @@ class SSEEvent:
         return json.loads(self.data)
 
 
-def format_event(event: str, data: dict, *, id: str | None = None) -> bytes:
-    lines = [f"event: {event}"]
-    if id is not None:
-        lines.append(f"id: {id}")
-    lines.append("data: " + json.dumps(data, separators=(",", ":"), sort_keys=True))
-    return ("\n".join(lines) + "\n\n").encode()
+def format_event(event: str, data: dict | bytes, *, id: str | None = None) -> bytes:
+    """One server-sent event; ``data`` is a JSON object or its encoding (one line)."""
+    head = f"event: {event}\n" + (f"id: {id}\n" if id is not None else "")
+    body = data if isinstance(data, bytes) else json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+    return head.encode() + b"data: " + body + b"\n\n"
 
 
 class SSEDecoder:
@@ -77,7 +99,7 @@ class SSEDecoder:
 class Subscription:
     def __init__(self, model: str | None, size: int) -> None:
         self.model = model  # None: every model
-        self.queue: asyncio.Queue[VersionInfo | None] = asyncio.Queue(maxsize=size)
+        self.queue: asyncio.Queue[Announcement | None] = asyncio.Queue(maxsize=size)
         self.dropped = False
 
 
@@ -102,12 +124,14 @@ class EventHub:
     def unsubscribe(self, sub: Subscription) -> None:
         self._subs.discard(sub)
 
-    def publish(self, info: VersionInfo) -> None:
+    def publish(self, info: VersionInfo, manifest: bytes | None = None) -> None:
+        """Announce a committed version (``manifest``: its JSON, inlined in events when small)."""
+        ann = Announcement(info=info, payload=event_payload(info, manifest))
         for sub in list(self._subs):
             if sub.model is not None and sub.model != info.model:
                 continue
             try:
-                sub.queue.put_nowait(info)
+                sub.queue.put_nowait(ann)
             except asyncio.QueueFull:
                 self._drop(sub)
         ev = self._changed.pop(info.model, None)

@@ -91,10 +91,6 @@ class InflightBlob:
             raise UpstreamTimeout(f"no parent started sending blob {self.id} within {timeout:.0f} s") from None
         return self.size
 
-    async def wait_started(self, timeout: float) -> None:
-        """Wait until the blob is streaming (size known) or complete; raises the fetch's error."""
-        await self.wait_size(timeout)
-
     async def wait_done(self, stall_timeout: float) -> None:
         """Wait until the blob is verified (complete); raises the fetch's error, or UpstreamTimeout
         after ``stall_timeout`` seconds without any progress."""

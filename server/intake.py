@@ -80,7 +80,7 @@ class Intake:
             self._check(m)
             info = await self.store.put_manifest(m, announce=True)
         self.metrics.inc("versions")
-        self.hub.publish(info)
+        self.hub.publish(info, m.to_json())
         log.info("committed %s v%d (%s, parent %s, %d blobs, %d bytes)", model, version, m.kind, m.parent,
                  len(m.blobs), m.total_bytes)
         return info, True

@@ -1,11 +1,13 @@
 """Prefetch: a relay follows its parent's event stream and pulls every new version at once.
 
-On each announced version the relay fetches the manifest (signature checked when it
-holds a key) and starts fetching every blob it lacks, at most ``concurrency`` at a
-time. It announces the version to its own children (head, SSE, long-polls) once
-every blob is on disk or streaming in, so children start pulling while the bytes
-are still arriving (cut-through) and a version flows down the tree tier by tier
-without waiting for any subscriber.
+On each announced version the relay takes the manifest from the event (or fetches
+it when the event does not carry it), checks its signature when it holds a key, and
+starts fetching every blob it lacks, at most ``concurrency`` at a time. It
+announces the version to its own children (head, SSE, long-polls) once every blob
+is on disk or its fetch is under way: a child's request then joins that fetch
+(coalescing) and receives bytes as they arrive (cut-through), so a version flows
+down the tree at about one round trip per tier plus one transfer, without waiting
+for any subscriber.
 
 The stream is followed from the most preferred healthy parent; when it breaks or
 stays silent past three heartbeats, the next parent is followed. On every
@@ -22,7 +24,7 @@ import logging
 import aiohttp
 
 from deltasync.errors import DeltaSyncError
-from deltasync.manifest import MODEL_RE, Manifest
+from deltasync.manifest import MODEL_RE, Manifest, parse_manifest
 
 from .catalog import Catalog
 from .config import Timeouts
@@ -51,6 +53,7 @@ class Prefetcher:
         self.retention = retention
         self._slots = asyncio.Semaphore(concurrency)
         self.parent_heads: dict[str, int] = {}
+        self._inline: dict[tuple[str, int], dict] = {}  # manifests that came with events, not yet used
         self._wake: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task] = set()
         self.following: str | None = None
@@ -110,14 +113,18 @@ class Prefetcher:
                         data = ev.json()
                         model, version = data["model"], data["version"]
                         if isinstance(model, str) and MODEL_RE.match(model) and isinstance(version, int):
-                            self.want(model, version)
+                            self.want(model, version, data.get("manifest"))
 
     # -- syncing models --------------------------------------------------------------------
-    def want(self, model: str, version: int) -> None:
+    def want(self, model: str, version: int, manifest: dict | None = None) -> None:
         """The parent has ``version`` of ``model``: make sure this relay gets it."""
         if version <= self.parent_heads.get(model, -1):
             return
         self.parent_heads[model] = version
+        if isinstance(manifest, dict):
+            for key in [k for k in self._inline if k[0] == model]:
+                del self._inline[key]  # keep only the newest per model
+            self._inline[(model, version)] = manifest
         ev = self._wake.get(model)
         if ev is None:
             ev = self._wake[model] = asyncio.Event()
@@ -148,7 +155,7 @@ class Prefetcher:
         chain: list[Manifest] = []
         v: int | None = target
         while v is not None:
-            m = await self.catalog.manifest(model, v)
+            m = await self._manifest(model, v)
             chain.append(m)
             if m.kind == "keyframe" or len(chain) >= self.retention:
                 break
@@ -166,8 +173,23 @@ class Prefetcher:
                 log.info("announced %s v%d (%s, %d blobs, %d bytes)", model, m.version, m.kind, len(m.blobs),
                          m.total_bytes)
 
+    async def _manifest(self, model: str, version: int) -> Manifest:
+        obj = self._inline.pop((model, version), None)
+        if obj is not None and self.store.info(model, version) is None:
+            try:
+                m = parse_manifest(obj, key=self.upstream.key)
+                if m.model == model and m.version == version:
+                    await self.catalog.put(m)
+                    self.metrics.inc("manifest_fetches")
+                    return m
+                log.error("event for %s v%d carried the manifest of %s v%d; fetching it instead", model, version,
+                          m.model, m.version)
+            except DeltaSyncError as e:
+                log.error("manifest of %s v%d in the event stream refused: %s", model, version, e)
+        return await self.catalog.manifest(model, version)
+
     async def _make_servable(self, m: Manifest) -> None:
-        """Return once every blob of ``m`` is on disk or streaming in (fetches continue in the background)."""
+        """Return once every blob of ``m`` is on disk or being fetched (fetches continue in the background)."""
         waits = []
         for b in m.blobs:
             if self.store.has_blob(b.id):
@@ -191,8 +213,7 @@ class Prefetcher:
                 blob, _ = self.fetcher.get(blob_id)
                 blob.attach()
                 try:
-                    await blob.wait_started(self.timeouts.first_byte)
-                    started.set_result(None)
+                    started.set_result(None)  # a child asking now joins this fetch
                     await blob.wait_done(self.timeouts.read * 4)
                 finally:
                     blob.detach()

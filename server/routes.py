@@ -31,7 +31,7 @@ from .errors import (
     UnavailableError,
     error_code,
 )
-from .events import format_event
+from .events import INLINE_MANIFEST_MAX, event_payload, format_event
 from .inflight import InflightBlob
 from .ranges import etag_matches, if_range_allows, parse_range
 from .sendfile import send_file_range
@@ -415,25 +415,26 @@ async def _stream_events(request: web.Request, model: str | None, after: int | N
                 continue
             if model is not None and after is not None:
                 for info in idx.after(after, limit=REPLAY_LIMIT):
-                    out.append(format_event("version", info.event(), id=str(info.version)))
+                    out.append(format_event("version", _payload(svc, info), id=str(info.version)))
             else:
                 info = idx.infos[idx.head]
-                out.append(format_event("head", info.event(), id=str(info.version) if model else None))
+                out.append(format_event("head", _payload(svc, info), id=str(info.version) if model else None))
             sent[name] = idx.head
         await _write(resp, b"".join(out), t.write)
         while True:
             try:
                 async with timeout_after(t.heartbeat):
-                    info = await sub.queue.get()
+                    ann = await sub.queue.get()
             except asyncio.TimeoutError:
                 await _write(resp, b": keepalive\n\n", t.write)
                 continue
-            if info is None:
+            if ann is None:
                 break
+            info = ann.info
             if info.version <= sent.get(info.model, -1):
                 continue
             sent[info.model] = info.version
-            await _write(resp, format_event("version", info.event(), id=str(info.version) if model else None),
+            await _write(resp, format_event("version", ann.payload, id=str(info.version) if model else None),
                          t.write)
     except (ConnectionError, asyncio.TimeoutError):
         pass  # the client left or stopped reading
@@ -441,6 +442,11 @@ async def _stream_events(request: web.Request, model: str | None, after: int | N
         svc.hub.unsubscribe(sub)
         svc.streams.events -= 1
     return resp
+
+
+def _payload(svc: Services, info) -> bytes:
+    small = info.manifest_size <= INLINE_MANIFEST_MAX
+    return event_payload(info, svc.store.read_manifest(info.model, info.version) if small else None)
 
 
 async def _write(resp: web.StreamResponse, data: bytes, timeout: float) -> None:

@@ -88,9 +88,11 @@ async def test_leaf_events_and_long_poll_follow_new_versions(tree):
             assert ev.headers["Content-Type"] == "text/event-stream"
             first = await _next_event(ev)
             assert first[0] == "head" and first[1]["version"] == 3
-            await publish(s, o.url, delta(MODEL, 4, 3, blobs4, key=KEY), blobs4)
+            m4 = delta(MODEL, 4, 3, blobs4, key=KEY)
+            await publish(s, o.url, m4, blobs4)
             kind, data, eid = await _next_event(ev)
             assert (kind, data["version"], data["parent"], eid) == ("version", 4, 3, "4")
+            assert data["manifest"] == json.loads(m4.to_json())  # small manifests ride along
             # announced only once servable: the blob is there for the asking
             async with s.get(f"{leaf.url}/v1/blobs/{blobs4[0][0]}") as r:
                 assert await r.read() == blobs4[0][1]
