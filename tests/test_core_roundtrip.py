@@ -543,3 +543,47 @@ def test_apply_into_tied_weights_full_verify_refuses_and_rolls_back():
         assert tensor_bytes(m.embed.weight) == tensor_bytes(old["embed.weight"])
     else:
         assert tensor_bytes(m.embed.weight) == tensor_bytes(new["embed.weight"])
+
+
+# -- odd but legal inputs ---------------------------------------------------------------------------
+
+def test_parameters_that_require_grad_encode_and_apply():
+    torch.manual_seed(3)
+    old = {"w": torch.nn.Parameter(torch.randn(5, 4)), "b": torch.nn.Parameter(torch.randn(4))}
+    new = {k: torch.nn.Parameter(v.detach() * 1.5) for k, v in old.items()}
+    enc = encode_delta(old, new, model="m", version=2, parent=1)
+    live = {k: torch.nn.Parameter(v.detach().clone()) for k, v in old.items()}
+    ptrs = {k: v.data_ptr() for k, v in live.items()}
+    apply_delta(live, enc.manifest, enc.blobs)
+    assert_state_equal(live, new)
+    assert all(v.requires_grad and v.data_ptr() == ptrs[k] for k, v in live.items())
+
+
+def test_unusual_tensor_names_round_trip():
+    names = ["\u00fc/\u5c42.weight", "a b", "x.y-z_0", "n" * 1024, "\u2603"]
+    old = {n: torch.full((3,), float(i)) for i, n in enumerate(names)}
+    new = {n: t + 1 for n, t in old.items()}
+    enc, target, _ = roundtrip(old, new, SMALL)
+    assert_state_equal(target, new)
+
+
+def test_empty_state_round_trips():
+    enc, target, fps = roundtrip({}, {})
+    assert target == {} and fps == {} and enc.manifest.tensors == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dt", DTYPE_NAMES)
+def test_gpu_encode_and_apply_match_cpu(dt):
+    old, new = make_pair(zlib.crc32(dt.encode()), [("a", dt, (300, 7), "tenth", "mixed", "contig", "transposed"),
+                                                     ("b", dt, (5,), "all", "raw", "contig", "contig")])
+    cpu = encode_delta(old, new, model="m", version=2, parent=1, options=SMALL)
+    gpu = encode_delta({n: t.cuda() for n, t in old.items()}, {n: t.cuda() for n, t in new.items()},
+                       model="m", version=2, parent=1, options=SMALL)
+    assert gpu.manifest == cpu.manifest and gpu.blobs == cpu.blobs  # only the sparse result crossed to the host
+    live = {n: from_words(words_of(t), t.dtype, t.shape).cuda() for n, t in old.items()}
+    ptrs = {n: t.data_ptr() for n, t in live.items()}
+    apply_delta(live, cpu.manifest, cpu.blobs)
+    assert {n: t.data_ptr() for n, t in live.items()} == ptrs
+    assert_state_equal({n: t.cpu() for n, t in live.items()}, new)
