@@ -169,7 +169,7 @@ class Prefetcher:
             if self.store.announce(model, m.version):
                 info = self.store.info(model, m.version)
                 self.metrics.inc("versions")
-                self.hub.publish(info)
+                self.hub.publish(info, m.to_json())
                 log.info("announced %s v%d (%s, %d blobs, %d bytes)", model, m.version, m.kind, len(m.blobs),
                          m.total_bytes)
 
