@@ -630,3 +630,87 @@ def test_detokenize_garbage(tokens, ext, nraw, word):
     r = only_our_errors(detokenize, np.arange(tok.size, dtype=np.int64), tok, np.frombuffer(ext, np.uint8), raw, word)
     if not isinstance(r, DeltaSyncError):
         assert r.values.dtype == np.dtype(f"<u{word}") and r.values.size == tok.size
+
+
+@st.composite
+def changes_st(draw):
+    from deltasync.values import Changes
+
+    word = draw(st.sampled_from([1, 2, 4, 8]))
+    n = draw(st.integers(0, 40))
+    bits = 8 * word
+    raw = np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)
+    small = st.sampled_from([1, (1 << bits) - 1, 2, (1 << bits) - 2, 127, 128, 129, (1 << bits) - 129])
+    vals = draw(st.lists(st.one_of(small, st.integers(1, (1 << bits) - 1)), min_size=n, max_size=n))
+    values = np.array(vals, dtype=np.uint64).astype(f"<u{word}")
+    return Changes(positions=np.arange(n, dtype=np.int64) * 3, raw=raw, values=values), word
+
+
+def _same_changes(a, b):
+    assert a.positions.tolist() == b.positions.tolist()
+    assert a.raw.tolist() == b.raw.tolist()
+    assert a.values.dtype == b.values.dtype
+    assert a.values.tolist() == b.values.tolist()
+
+
+@FUZZ
+@given(changes_st())
+def test_values_coding_round_trips(cw):
+    from deltasync.values import tokenize
+
+    ch, word = cw
+    tokens, ext, raw = tokenize(ch)
+    _same_changes(detokenize(ch.positions, tokens, ext, raw, word), ch)
+    try:
+        from deltasync.values import decode_values, encode_values
+    except ImportError:  # an older value coding without 2-bit symbols
+        return
+    sym, tok, ext, raw = encode_values(ch)
+    _same_changes(decode_values(ch.positions, sym, tok, ext, raw, word), ch)
+
+
+@FUZZ
+@given(sym=st.binary(max_size=12), tokens=st.binary(max_size=20), ext=st.binary(max_size=12),
+       count=st.integers(0, 40), nraw=st.integers(0, 10), word=st.sampled_from([1, 2, 4, 8]))
+def test_decode_values_garbage(sym, tokens, ext, count, nraw, word):
+    decode_values = pytest.importorskip("deltasync.values").__dict__.get("decode_values")
+    if decode_values is None:
+        pytest.skip("no 2-bit symbol coding in this build")
+    r = only_our_errors(decode_values, np.arange(count, dtype=np.int64), np.frombuffer(sym, np.uint8),
+                        np.frombuffer(tokens, np.uint8), np.frombuffer(ext, np.uint8),
+                        np.zeros(nraw, dtype=f"<u{word}"), word)
+    if not isinstance(r, DeltaSyncError):
+        assert r.values.size == r.raw.size == count and r.values.dtype == np.dtype(f"<u{word}")
+        assert bool((r.values[~r.raw] != 0).all()), "a decoded step of zero is not a change"
+
+
+def test_write_and_read_delta_file(tmp_path):
+    from deltasync.deltafile import read_delta_file, write_delta_file
+
+    path = tmp_path / "v7.dsd"
+    n = write_delta_file(path, SIGNED, ENC.blobs)
+    assert n == path.stat().st_size == len(DELTA_FILE)
+    df = read_delta_file(path, key=KEY)
+    assert df.manifest == SIGNED and df.blobs == ENC.blobs
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v7.dsd"]  # no temp file left behind
+    write_delta_file(path, SIGNED, ENC.blobs)  # replacing is atomic and fine
+    assert read_delta_file(path).manifest == SIGNED
+
+
+@pytest.mark.xfail(strict=True, reason="BUG (minor): values.detokenize range-checks the ext varint of a big step for "
+                   "1/2/4-byte words but not for 8-byte words: ext = 2**64-127 decodes to a step of 0 (a 'change' "
+                   "that changes nothing) and ext >= 2**63 wraps to an alias of a small step. Fix: in the 8-byte "
+                   "branch refuse ext > 2**63 - 127 like the narrow branch does")
+@pytest.mark.parametrize("token,ext", [(252, 2**64 - 127), (253, 2**64 - 127), (252, 2**64 - 1), (252, 2**63)])
+def test_detokenize_refuses_out_of_range_8_byte_steps(token, ext):
+    r = only_our_errors(detokenize, np.arange(1, dtype=np.int64), np.array([token], np.uint8),
+                        encode_varints(np.array([ext], np.uint64)), np.zeros(0, np.uint64), 8)
+    assert isinstance(r, FormatError), f"decoded step {r.values.tolist()}"
+
+
+def test_detokenize_refuses_out_of_range_narrow_steps():
+    for word in (1, 2, 4):
+        bits = 8 * word
+        r = only_our_errors(detokenize, np.arange(1, dtype=np.int64), np.array([252], np.uint8),
+                            encode_varints(np.array([1 << (bits - 1)], np.uint64)), np.zeros(0, f"<u{word}"), word)
+        assert isinstance(r, FormatError), word
