@@ -388,3 +388,64 @@ def test_missing_blob_is_not_found(what):
         else:
             kf = encode_keyframe(old, model="m", version=1)
             load_keyframe(kf.manifest, {})
+
+
+# -- live tensors that share memory -----------------------------------------------------------------------
+
+def _shared_buffer_states():
+    buf = torch.arange(12, dtype=torch.float32)
+    old = {"a": buf[0:6].clone(), "b": buf[4:10].clone()}
+    new = {"a": old["a"] + 1, "b": old["b"] + 2}
+    return buf, old, new
+
+
+def test_overlapping_live_views_are_refused_untouched():
+    buf, old, new = _shared_buffer_states()
+    enc = encode_delta(old, new, model="m", version=2, parent=1)
+    before = tensor_bytes(buf)
+    with pytest.raises(DeltaSyncError):  # ApplyError: cannot patch overlapping views independently
+        apply_delta({"a": buf[0:6], "b": buf[4:10]}, enc.manifest, enc.blobs)
+    assert tensor_bytes(buf) == before
+    reinterpreted = {"a": buf[0:6], "b": buf[0:6].view(torch.int32)}  # same bytes, another dtype
+    old2 = {"a": reinterpreted["a"].clone(), "b": reinterpreted["b"].clone()}
+    new2 = {"a": old2["a"] * 2, "b": old2["b"]}
+    enc2 = encode_delta(old2, new2, model="m", version=2, parent=1)
+    with pytest.raises(DeltaSyncError):
+        apply_delta(reinterpreted, enc2.manifest, enc2.blobs)
+    assert tensor_bytes(buf) == before
+
+
+def test_disjoint_views_of_one_buffer_apply():
+    buf = torch.arange(12, dtype=torch.float32)
+    live = {"a": buf[0:5], "b": buf[5:12]}
+    old = {k: v.clone() for k, v in live.items()}
+    new = {"a": old["a"] + 1, "b": -old["b"]}
+    enc = encode_delta(old, new, model="m", version=2, parent=1)
+    apply_delta(live, enc.manifest, enc.blobs)
+    assert tensor_bytes(buf) == tensor_bytes(torch.cat([new["a"], new["b"]]))
+
+
+def test_aliases_changed_differently_are_refused():
+    w = torch.arange(6, dtype=torch.float32)
+    old = {"embed": w.clone(), "head": w.clone()}
+    new = {"embed": w + 1, "head": w + 2}  # a delta that unties them cannot be applied to tied weights
+    enc = encode_delta(old, new, model="m", version=2, parent=1)
+    live = torch.arange(6, dtype=torch.float32)
+    with pytest.raises(BaseMismatchError):
+        apply_delta({"embed": live, "head": live}, enc.manifest, enc.blobs)
+    assert tensor_bytes(live) == tensor_bytes(w)
+
+
+def test_tied_weights_roll_back_together():
+    w = torch.arange(6, dtype=torch.float32)
+    old = {"embed": w.clone(), "head": w.clone(), "z": torch.zeros(3)}
+    new = {"embed": w + 1, "head": w + 1, "z": torch.ones(3)}
+    enc = encode_delta(old, new, model="m", version=2, parent=1)
+    m = with_fp_after(enc.manifest, "z", flip_fp(enc.manifest.tensor("z").fp_after))
+    live = w.clone()
+    z = torch.zeros(3)
+    with pytest.raises(IntegrityError):
+        apply_delta({"embed": live, "head": live, "z": z}, m, enc.blobs)
+    assert tensor_bytes(live) == tensor_bytes(w) and not z.any()
+    fps = apply_delta({"embed": live, "head": live, "z": z}, enc.manifest, enc.blobs)
+    assert tensor_bytes(live) == tensor_bytes(w + 1) and fps["embed"] == fps["head"]
