@@ -128,18 +128,19 @@ class LocalCluster:
         self.extra_args = list(extra_args)
         self.servers: dict[str, ServerProcess] = {}
 
-    def _common(self) -> list[str]:
-        args = ["--listen", "127.0.0.1:0", "--retention", str(self.retention), "--log-level", "INFO", *self.extra_args]
+    def _common(self, listen: str = "127.0.0.1:0") -> list[str]:
+        args = ["--listen", listen, "--retention", str(self.retention), "--log-level", "INFO", *self.extra_args]
         if not self.fsync:
             args.append("--no-fsync")
         if self.key_file is not None:
             args += ["--key-file", str(self.key_file)]
         return args
 
-    def start_origin(self, name: str = "origin") -> ServerProcess:
+    def start_origin(self, name: str = "origin", *, port: int = 0) -> ServerProcess:
+        """Start (or restart, on the same store) the origin; ``port`` 0 picks a free one."""
         store = self.root / name
         s = start_server("origin", name, self.root,
-                         [*self._common(), "--store", str(store), "--token-file", str(self.token_file)])
+                         [*self._common(f"127.0.0.1:{port}"), "--store", str(store), "--token-file", str(self.token_file)])
         self.servers[name] = s
         return s
 

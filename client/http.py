@@ -29,7 +29,7 @@ from urllib.parse import quote
 import aiohttp
 
 from deltasync.blob import blob_id, check_blob_id
-from deltasync.errors import DeltaSyncError, IntegrityError, NotFoundError
+from deltasync.errors import ChainError, DeltaSyncError, FormatError, IntegrityError, NotFoundError, SignatureError
 
 from .errors import AuthError, TransportError
 
@@ -88,13 +88,29 @@ class TransferStats:
     resumes: int = 0
 
 
+_CODES: dict[str, type[DeltaSyncError]] = {
+    "format": FormatError, "unsupported": FormatError, "chain": ChainError, "integrity": IntegrityError,
+    "base_mismatch": IntegrityError, "signature": SignatureError, "not_found": NotFoundError,
+    "unauthorized": AuthError,
+}
+
+
 def _status_error(status: int, url: str, body: str) -> DeltaSyncError:
-    text = body.strip()[:300]
+    """The error a server's answer stands for: by its JSON error code, else by its status."""
+    code, message = None, body.strip()[:300]
+    try:
+        obj = json.loads(body)
+        code, message = obj["error"]["code"], obj["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        pass
     if status == 404:
-        return NotFoundError(f"{url}: not found ({text or 'no body'})")
-    if status in (401, 403):
-        return AuthError(f"{url}: refused with {status} ({text}); check the token file")
-    err = TransportError(f"{url}: HTTP {status} ({text})")
+        return NotFoundError(f"{url}: not found ({message or 'no body'})")
+    if status == 401 or code == "unauthorized":
+        return AuthError(f"{url}: refused with {status} ({message}); check the token file")
+    cls = _CODES.get(code) if isinstance(code, str) and status < 500 else None
+    if cls is not None:
+        return cls(f"{url}: {message}")
+    err = TransportError(f"{url}: HTTP {status} ({message})")
     err.status = status
     return err
 

@@ -412,7 +412,8 @@ class Publisher:
         try:
             loop = asyncio.get_running_loop()
             main, side, encode_s = await loop.run_in_executor(self._pool, self._encode, job)
-            if prev is not None and prev.done() and prev.exception() is not None:
+            # a delta needs its parent committed; a keyframe starts a new chain and only keeps the order
+            if job.kind == "delta" and prev is not None and prev.done() and prev.exception() is not None:
                 raise _Dropped(f"{self.model} v{job.version} dropped: the version before it failed")
             t0 = time.perf_counter()
             blobs = dict(main.blobs)
@@ -423,7 +424,8 @@ class Publisher:
                 try:
                     await asyncio.wrap_future(prev)
                 except BaseException:
-                    raise _Dropped(f"{self.model} v{job.version} dropped: the version before it failed") from None
+                    if job.kind == "delta":
+                        raise _Dropped(f"{self.model} v{job.version} dropped: the version before it failed") from None
             committed_at = None
             manifest = main.manifest
             if self.committer:
