@@ -329,3 +329,17 @@ def test_same_on_gpu_as_on_cpu(dt):
     nw[pos] ^= 1
     assert fingerprint_delta(pos.cuda(), w[pos].cuda(), nw[pos].cuda(), DTYPES[dt].word_size) == \
         fingerprint_delta(pos, w[pos], nw[pos], DTYPES[dt].word_size)
+
+
+def test_state_fingerprint_matches_the_spec_text():
+    """docs/FORMAT.md §2: xxh3-64 over `name \\0 dtype \\0 shape \\0 fp-hex \\n`, names in UTF-8 byte order."""
+    import xxhash
+
+    recs = [("\u00e9.w", "bfloat16", (2, 3), 0x1234), ("Z", "float32", (), 2**64 - 1), ("a", "int8", (0,), 0),
+            ("\U0001f600", "complex64", (4,), 7), ("ab", "bool", (1, 1, 1), 5)]
+    h = xxhash.xxh3_64(seed=0)
+    for name, dt, shape, fp in sorted(recs, key=lambda r: r[0].encode("utf-8")):
+        h.update(name.encode() + b"\0" + dt.encode() + b"\0" + ",".join(map(str, shape)).encode() + b"\0"
+                 + f"{fp:016x}".encode() + b"\n")
+    assert state_fingerprint(recs) == h.hexdigest()
+    assert len(h.hexdigest()) == 16
