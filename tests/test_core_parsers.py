@@ -714,3 +714,38 @@ def test_detokenize_refuses_out_of_range_narrow_steps():
         r = only_our_errors(detokenize, np.arange(1, dtype=np.int64), np.array([252], np.uint8),
                             encode_varints(np.array([1 << (bits - 1)], np.uint64)), np.zeros(0, f"<u{word}"), word)
         assert isinstance(r, FormatError), word
+
+
+@pytest.mark.parametrize("variant", ["symbols", "tokens", "raw-words", "big-step-token"])
+def test_decoder_accepts_every_valid_choice_of_coding(variant):
+    """FORMAT.md §3.2: decoders MUST accept any valid token for any word; the encoder's choice is not format."""
+    header, streams = dict(GAP_HEADER), dict(GAP_STREAMS)
+    if "sym" not in streams:
+        pytest.skip("no 2-bit symbol stream in this format")
+    rec = dict(header["chunks"][0])
+    count = rec["count"]
+    assert count == 3
+    want = 1
+    if variant == "tokens":  # +1 as token 0 instead of symbol 0
+        streams["sym"] = bytes([0b101010])
+        streams["tok"] = bytes([0, 0, 0])
+        rec.update(nt=3)
+    elif variant == "raw-words":  # the new words themselves
+        streams["sym"] = bytes([0b101010])
+        streams["tok"] = bytes([254, 254, 254])
+        streams["raw1"] = bytes([1, 1, 1])
+        rec.update(nt=3, nr=3)
+    elif variant == "big-step-token":  # +128 (the encoder would send it raw): positive step, m = 126 + 1
+        streams["sym"] = bytes([0b101010])
+        streams["tok"] = bytes([252, 252, 252])
+        streams["ext"] = bytes([1, 1, 1])
+        rec.update(nt=3, ne=3)
+        want = 128
+    header["chunks"] = [rec]
+    patches = decode_blob(pack_container(header, streams))
+    check_patches(patches)
+    words = np.zeros(700, np.uint8)
+    from deltasync.values import apply_changes_np
+
+    apply_changes_np(words, patches[0].changes)
+    assert np.flatnonzero(words).tolist() == [299, 599, 603] and set(words[[299, 599, 603]]) == {want}
