@@ -210,8 +210,8 @@ class HttpClient:
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 self._mark_down(url, f"{type(e).__name__}: {e}")
                 errors.append(f"{full}: {type(e).__name__}: {e}")
-        if not_found and not_found == len(self.urls) and accept_404_from_all:
-            raise NotFoundError(f"{path}: not found on any of {', '.join(self.urls)}")
+        if not_found and accept_404_from_all:  # every server that answered said 404; the rest were down
+            raise NotFoundError(f"{path}: not found on the servers that answered: " + "; ".join(errors))
         raise TransportError(f"GET {path} failed on every server: " + "; ".join(errors))
 
     # -- reads ---------------------------------------------------------------------------
@@ -276,8 +276,8 @@ class HttpClient:
                 continue
             self.last_url = url
             return data
-        if not_found == len(self.urls):
-            raise NotFoundError(f"blob {bid}: not found on any of {', '.join(self.urls)}")
+        if not_found and not any("hashes to" in e or "manifest says" in e for e in errors):
+            raise NotFoundError(f"blob {bid}: not found on the servers that answered: " + "; ".join(errors))
         raise TransportError(f"blob {bid}: every server failed: " + "; ".join(errors))
 
     async def _get_blob_from(self, url: str, bid: str, size: int | None, attempts: int = 3) -> bytes:

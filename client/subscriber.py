@@ -232,13 +232,11 @@ class Subscriber:
         applied_any = False
         with self._lock:
             while self._ready:
-                step = self._ready[0]
+                step = self._ready.popleft()
                 if step.generation != self._gen:
-                    self._ready.popleft()
                     continue
                 if not self._apply_step(step):
-                    break
-                self._ready.popleft()
+                    break  # rolled back; the pipeline was reset (refetch or resync)
                 applied_any = True
             version = self._version
         if applied_any:

@@ -1,0 +1,165 @@
+"""The subscriber against real servers: verification, rollback/refetch/resync, keys, failover, both APIs."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from deltasync.client.cluster import LocalCluster
+from deltasync.client.errors import SyncTimeout
+from deltasync.client.http import Timeouts
+from deltasync.client.publisher import Publisher
+from deltasync.client.subscriber import Subscriber, SyncEvent, ThreadedSubscriber
+from deltasync.testing.trace import ModelShape, RLTrace
+
+KEY = bytes(range(1, 33))
+SHAPE = ModelShape(vocab=256, hidden=32, layers=2, ffn=64)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(tmp_path_factory.mktemp("sub"), key=KEY)
+    try:
+        c.start_tree({"relay": ["origin"]})
+        yield c
+    finally:
+        c.close()
+
+
+def _same(a, b) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
+
+
+def _zeros(like):
+    return {n: torch.zeros_like(t) for n, t in like.items()}
+
+
+def _dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+
+
+def test_full_verification_failure_rolls_back_refetches_then_resyncs(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=10)
+    events: list[SyncEvent] = []
+    with Publisher(cluster.origin, "rb", cluster.token, KEY, keyframe_every=0) as pub:
+        s0, s1 = trace.step(), trace.step()
+        pub.publish(0, s0)
+        pub.publish(1, s1)
+        pub.flush(60)
+        target = _zeros(s1)
+        sub = ThreadedSubscriber(cluster.url("relay"), "rb", target, key=KEY, verify="full", on_event=events.append)
+        try:
+            sub.start()
+            assert sub.wait_version(1, 60) == 1
+            name = "model.layers.0.mlp.up_proj.weight"
+            with torch.no_grad():
+                target[name].view(torch.int16)[5] ^= 0x0100  # the engine scribbles on a weight
+            s2 = trace.step()
+            pub.publish(2, s2)
+            pub.flush(60)
+            assert sub.wait_version(2, 60) == 2
+            assert _same(target, s2)
+        finally:
+            sub.close()
+    kinds = [e.kind for e in events if e.version is not None and e.kind != "applied" or e.kind == "applied"]
+    i = kinds.index("rollback")
+    assert kinds[i:i + 5] == ["rollback", "refetch", "rollback", "resync", "applied"], kinds
+    st = sub.status
+    assert st.rollbacks == 2 and st.refetches == 1 and st.resyncs == 1 and st.verify == "ok"
+
+
+def test_scrub_finds_a_scribbled_weight_and_resyncs(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=11)
+    events: list[SyncEvent] = []
+    with Publisher(cluster.origin, "scrub", cluster.token, KEY, keyframe_every=0) as pub:
+        s0 = trace.step()
+        pub.publish(0, s0)
+        pub.flush(60)
+        target = _zeros(s0)
+        with ThreadedSubscriber(cluster.url("relay"), "scrub", target, key=KEY, scrub_every=1,
+                                on_event=events.append) as sub:
+            assert sub.wait_version(0, 60) == 0
+            with torch.no_grad():
+                target["model.norm.weight"].view(torch.int16)[0] ^= 1  # not touched by any delta: only a scrub sees it
+            s1 = trace.step()
+            pub.publish(1, s1)
+            pub.flush(60)
+            deadline = time.monotonic() + 60
+            while not (sub.version == 1 and _same(target, s1)):
+                assert time.monotonic() < deadline, (sub.status, [e.kind for e in events])
+                sub.apply_pending()
+                time.sleep(0.05)
+    assert any(e.kind == "scrub" and "differ" in e.detail for e in events)
+    assert any(e.kind == "resync" for e in events)
+
+
+def test_a_wrong_key_is_refused_and_nothing_is_applied(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=12)
+    with Publisher(cluster.origin, "keyed", cluster.token, KEY) as pub:
+        s0 = trace.step()
+        pub.publish(0, s0)
+    target = _zeros(s0)
+    with ThreadedSubscriber(cluster.url("relay"), "keyed", target, key=bytes(32)) as sub:
+        with pytest.raises(SyncTimeout, match="SignatureError"):
+            sub.wait_version(0, 3)
+        assert sub.version is None
+    assert all(int(t.abs().sum()) == 0 for t in target.values())
+
+
+def test_failover_past_a_dead_server_with_bounded_waits(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=13)
+    with Publisher(cluster.origin, "fo", cluster.token, KEY) as pub:
+        s0 = trace.step()
+        pub.publish(0, s0)
+    target = _zeros(s0)
+    t0 = time.monotonic()
+    with ThreadedSubscriber([_dead_url(), cluster.url("relay")], "fo", target, key=KEY,
+                            timeouts=Timeouts(connect=1.0, read=5.0, poll=2.0)) as sub:
+        assert sub.wait_version(0, 30) == 0
+        assert sub.status.server == cluster.url("relay")
+        assert sub.subscriber.client.stats.failovers >= 1
+    assert _same(target, s0)
+    assert time.monotonic() - t0 < 30
+
+
+def test_nn_module_target_in_auto_mode_with_the_asyncio_api(cluster):
+    torch.manual_seed(0)
+    trainer = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(torch.bfloat16)
+    engine = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(torch.bfloat16)
+    applied: list[int] = []
+
+    async def main():
+        sub = Subscriber([cluster.url("relay"), cluster.origin], "mod", engine, key=KEY, auto=True,
+                         on_applied=applied.append)
+        await sub.start()
+        try:
+            pub = Publisher(cluster.origin, "mod", cluster.token, KEY)
+            try:
+                opt = torch.optim.SGD(trainer.parameters(), lr=0.5)
+                for step in range(5):
+                    loss = trainer(torch.randn(8, 16, dtype=torch.bfloat16)).float().pow(2).mean()
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    pub.publish(step, trainer)
+                await asyncio.to_thread(pub.flush, 60)
+            finally:
+                await asyncio.to_thread(pub.close, 60)
+            assert await sub.wait_version(4, 60) == 4
+            with sub.hold():  # an engine's forward pass: no patch can land in the middle
+                assert torch.equal(engine(torch.ones(2, 16, dtype=torch.bfloat16)),
+                                   trainer(torch.ones(2, 16, dtype=torch.bfloat16)))
+        finally:
+            await sub.close()
+
+    asyncio.run(main())
+    assert applied and applied[-1] == 4
+    for (n, a), (_, b) in zip(engine.state_dict().items(), trainer.state_dict().items()):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), n
