@@ -587,3 +587,23 @@ def test_gpu_encode_and_apply_match_cpu(dt):
     apply_delta(live, cpu.manifest, cpu.blobs)
     assert {n: t.data_ptr() for n, t in live.items()} == ptrs
     assert_state_equal({n: t.cpu() for n, t in live.items()}, new)
+
+
+def test_default_chunk_boundary_with_real_sizes():
+    """Words around the default 4 Mi-word chunk edge, with the default options (one tensor of 8 MiB)."""
+    from deltasync.codec import DEFAULT_CHUNK_WORDS
+
+    n = DEFAULT_CHUNK_WORDS + 5
+    rng = np.random.default_rng(21)
+    ow = random_words(rng, DTYPES["bfloat16"], n)
+    nw = ow.copy()
+    edge = DEFAULT_CHUNK_WORDS
+    p = np.array([0, 1, edge - 2, edge - 1, edge, edge + 1, n - 1] + list(rng.choice(n, 2000, replace=False)))
+    nw[p] += 1
+    nw[edge - 1] ^= 0x8000  # a raw word right before the edge
+    old = {"big": from_words(ow, torch.bfloat16, (n,))}
+    new = {"big": from_words(nw, torch.bfloat16, (n,))}
+    enc, target, fps = roundtrip(old, new)
+    assert len(enc.manifest.tensor("big").chunks) == 2
+    assert_state_equal(target, new)
+    assert fps["big"] == tensor_fingerprint(new["big"])
