@@ -234,7 +234,7 @@ def train_step(model: TinyLM, opt: torch.optim.Optimizer, data: torch.Tensor, g:
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def run(*, steps: int = 40, subscribers: int = 4, late_step: int | None = None, quiet: bool = False, seed: int = 0,
