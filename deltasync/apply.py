@@ -25,7 +25,8 @@ import torch
 
 from .codec import DENSE_FP, ChunkPatch, decode_blob
 from .dtypes import dtype_info, signed_word_dtype, word_view
-from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError
+from .blob import verify_blob
+from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError
 from .fingerprint import fingerprint_delta, words_range_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint
 from .manifest import Manifest
 
@@ -44,8 +45,16 @@ def live_tensors(target) -> dict[str, torch.Tensor]:
     raise TypeError(f"target must be a dict of tensors or an nn.Module, found {type(target).__name__}")
 
 
-def _get(blobs: BlobSource, bid: str) -> bytes:
-    return blobs(bid) if callable(blobs) else blobs[bid]
+def get_blob(blobs: BlobSource, bid: str, size: int) -> bytes:
+    """A blob from a dict or a callable, checked against its id and size before anything decodes it."""
+    try:
+        data = blobs(bid) if callable(blobs) else blobs[bid]
+    except KeyError:
+        raise NotFoundError(f"blob {bid} is not available") from None
+    if len(data) != size:
+        raise IntegrityError(f"blob {bid}: {len(data)} bytes, manifest says {size}")
+    verify_blob(bid, data)
+    return data
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,9 +71,7 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource) -> PreparedDelta:
     decoded: dict[str, list[ChunkPatch]] = {}
     total = 0
     for ref in manifest.blobs:
-        data = _get(blobs, ref.id)
-        if len(data) != ref.size:
-            raise IntegrityError(f"blob {ref.id}: {len(data)} bytes, manifest says {ref.size}")
+        data = get_blob(blobs, ref.id, ref.size)
         decoded[ref.id] = decode_blob(data)
         total += len(data)
     used: set[tuple[str, int]] = set()
@@ -152,6 +159,8 @@ def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Map
         if dtype_info(t.dtype).name != rec.dtype or tuple(t.shape) != rec.shape:
             raise BaseMismatchError(
                 f"{rec.name}: target is {dtype_info(t.dtype).name} {tuple(t.shape)}, delta expects {rec.dtype} {rec.shape}")
+        if rec.name not in fps:
+            raise BaseMismatchError(f"{rec.name}: no tracked fingerprint for it; scrub the target first")
         if fp_hex(fps[rec.name]) != rec.fp_before:
             raise BaseMismatchError(
                 f"{rec.name}: target fingerprint {fp_hex(fps[rec.name])} is not the delta's base {rec.fp_before} "

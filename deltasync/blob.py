@@ -140,6 +140,7 @@ class BlobReader:
             raise FormatError("blob header: 'streams' must be an object and 'chunks' a list")
         body = view[_PREFIX.size + hlen :]
         end = 0
+        spans = []
         for name, entry in streams.items():
             if name not in STREAMS:
                 raise FormatError(f"blob header: unknown stream {name!r}")
@@ -150,8 +151,14 @@ class BlobReader:
             if off + clen > len(body):
                 raise FormatError(f"blob stream {name!r} runs past the end of the blob (truncated?)")
             end = max(end, off + clen)
-        if end != len(body):
-            raise FormatError(f"blob has {len(body) - end} trailing bytes after its last stream")
+            spans.append((off, clen))
+        at = 0
+        for off, clen in sorted(spans):
+            if off != at:
+                raise FormatError(f"blob streams must be back to back; found a hole or overlap at byte {at}")
+            at = off + clen
+        if at != len(body):
+            raise FormatError(f"blob has {len(body) - at} trailing bytes after its last stream")
         for c in chunks:
             if not isinstance(c, dict):
                 raise FormatError("blob header: every chunk must be an object")

@@ -40,6 +40,14 @@ class EncodeOptions:
     chunk_words: int = DEFAULT_CHUNK_WORDS  # words per chunk: bounds decode memory, unit of pipelining
     blob_target: int = DEFAULT_BLOB_TARGET  # pre-compression bytes at which a blob is closed
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.chunk_words <= 1 << 40:
+            raise ValueError(f"chunk_words must be in [1, 2**40], got {self.chunk_words}")
+        if self.blob_target < 1:
+            raise ValueError(f"blob_target must be positive, got {self.blob_target}")
+        if not -7 <= self.level <= 22:
+            raise ValueError(f"zstd level must be in [-7, 22], got {self.level}")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Encoded:

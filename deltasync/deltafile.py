@@ -51,11 +51,13 @@ def unpack_delta_file(data: bytes | memoryview, *, key: bytes | None = None) -> 
     view = memoryview(data)
     if len(view) < _PREFIX.size:
         raise FormatError(f"file of {len(view)} bytes is too short to be a delta file")
-    magic, version, _, mlen = _PREFIX.unpack_from(view)
+    magic, version, reserved, mlen = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise FormatError(f"not a deltasync delta file (magic {bytes(magic)!r})")
     if version != VERSION:
         raise FormatError(f"delta file version {version} is not supported (this build reads {VERSION})")
+    if reserved != 0:
+        raise FormatError(f"delta file: reserved field is {reserved}, must be 0")
     if _PREFIX.size + mlen > len(view):
         raise FormatError("delta file is truncated inside its manifest")
     manifest = parse_manifest(bytes(view[_PREFIX.size : _PREFIX.size + mlen]), key=key)

@@ -83,6 +83,8 @@ def word_view(tensor: torch.Tensor) -> torch.Tensor:
     """A flat signed-integer view of a contiguous tensor's words, sharing its memory."""
     info = dtype_info(tensor.dtype)
     flat = tensor.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:  # a one-element view of a strided tensor
+        flat = flat.as_strided((1,), (1,))
     if tensor.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     if flat.numel() == 0:

@@ -134,13 +134,11 @@ def load_keyframe(manifest: Manifest, blobs: Mapping[str, bytes] | Callable[[str
     """Host tensors of a keyframe, every fingerprint checked. Returns (state, fps)."""
     if manifest.kind != "keyframe":
         raise FormatError(f"v{manifest.version} is a {manifest.kind}, not a keyframe")
-    get = blobs if callable(blobs) else blobs.__getitem__
+    from .apply import get_blob
+
     shards: dict[str, dict[str, torch.Tensor]] = {}
     for ref in manifest.blobs:
-        data = get(ref.id)
-        if len(data) != ref.size:
-            raise IntegrityError(f"blob {ref.id}: {len(data)} bytes, manifest says {ref.size}")
-        shards[ref.id] = load_shard(data)
+        shards[ref.id] = load_shard(get_blob(blobs, ref.id, ref.size))
     state: dict[str, torch.Tensor] = {}
     fps: dict[str, int] = {}
     for rec in manifest.tensors:

@@ -48,7 +48,7 @@ class TensorRecord:
     shape: tuple[int, ...]
     fp_before: str | None  # 16 hex digits; None in keyframes
     fp_after: str
-    changed: int  # words that differ from the base (keyframes: all words)
+    changed: int  # words the delta writes (keyframes: all words); a squash may count a word put back to its base value
     chunks: tuple[ChunkRef, ...] = ()
 
     @property
@@ -103,7 +103,8 @@ class Manifest:
         for t in self.tensors:
             if t.name == name:
                 return t
-        raise KeyError(name)
+        from .errors import NotFoundError
+        raise NotFoundError(f"{self.model} v{self.version} has no tensor {name!r}")
 
     # -- encoding ------------------------------------------------------------------
     def to_obj(self, *, with_signature: bool = True) -> dict[str, Any]:

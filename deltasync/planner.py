@@ -48,10 +48,11 @@ def plan_catchup(
         raise NotFoundError(f"current version {current} is ahead of head {head}")
     out: dict[int | None, list[Step]] = {}
     for (a, b), size in deltas.items():
-        if b <= head and (current is None or a >= current) and a < b:
+        if b <= head and a < b:
             out.setdefault(a, []).append(Step(kind="delta", source=a, target=b, size=size))
-    key_steps = [Step(kind="keyframe", source=None, target=v, size=s) for v, s in keyframes.items()
-                 if v <= head and (current is None or v > current)]
+    # A keyframe replaces the whole state, so any keyframe up to the head is a start, even one
+    # older than the current version (followed by a cheap squashed delta, say).
+    key_steps = [Step(kind="keyframe", source=None, target=v, size=s) for v, s in keyframes.items() if v <= head]
     best: dict[int | None, tuple[int, int]] = {current: (0, 0)}
     prev: dict[int, Step] = {}
     heap: list[tuple[int, int, int]] = [(0, 0, -1 if current is None else current)]

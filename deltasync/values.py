@@ -137,7 +137,10 @@ def detokenize(positions: np.ndarray, tokens: np.ndarray, ext: np.ndarray, raw_w
         values = np.where(neg, -m, m).astype(wdt)
     else:
         m = (tokens >> 1).astype(np.uint64)
-        m[big] = decode_varints(ext, n_big) + np.uint64(_SMALL)
+        ext_m = decode_varints(ext, n_big)
+        if n_big and ext_m.max() > np.uint64((1 << 63) - 1 - _SMALL):
+            raise FormatError("values: a step larger than a 64-bit word")
+        m[big] = ext_m + np.uint64(_SMALL)
         neg = np.where(big, tokens == BIG_NEG, (tokens & 1).astype(np.bool_))
         with np.errstate(over="ignore"):
             mag = m + np.uint64(1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deltasync.codec import EncodeOptions, encode_delta
-from deltasync.errors import FormatError, SignatureError, UnsupportedError
+from deltasync.errors import NotFoundError, FormatError, SignatureError, UnsupportedError
 from deltasync.keyframe import encode_keyframe
 from deltasync.manifest import BlobRef, ChunkRef, Manifest, TensorRecord, load_key, parse_manifest
 
@@ -79,7 +79,7 @@ def test_views():
     assert DELTA.raw_bytes == 40 * 2 + 15 * 4 + 4 * 4
     assert DELTA.tensor("w.b").changed == 1
     assert DELTA.tensor("w.c").chunks == ()
-    with pytest.raises(KeyError):
+    with pytest.raises(NotFoundError):
         DELTA.tensor("nope")
 
 

@@ -91,21 +91,22 @@ def test_long_chain_is_fast_and_exact():
 # -- brute-force reference --------------------------------------------------------------------------------
 
 def reference(current, head, deltas, keyframes):
-    """(bytes, steps) of the best plan by DP over versions in increasing order; None when unreachable."""
-    inf = None
-    best: dict = {current: (0, 0)}
-    lo = 0 if current is None else current + 1
-    for v in range(lo, head + 1):
-        cands = []
-        if v in keyframes and (current is None or v > current):
+    """(bytes, steps) of the best plan by DP over versions in increasing order; None when unreachable.
+
+    A keyframe is a full state, so any keyframe up to the head can start a plan, even one older than
+    ``current`` (then followed by deltas from it)."""
+    best: dict = {} if current is None else {current: (0, 0)}
+    for v in range(0, head + 1):
+        cands = [best[v]] if v in best else []
+        if v in keyframes:
             cands.append((keyframes[v], 1))
         for (a, b), size in deltas.items():
-            if b == v and a < b and (current is None or a >= current) and a in best:
+            if b == v and a < b and a in best:
                 c = best[a]
                 cands.append((c[0] + size, c[1] + 1))
         if cands:
             best[v] = min(cands)
-    return best.get(head, inf)
+    return best.get(head)
 
 
 offers = st.fixed_dictionaries({

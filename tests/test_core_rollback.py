@@ -372,9 +372,6 @@ def test_bit_flips_in_the_frames_of_a_multi_chunk_blob():
     assert refused > 0.8 * (refused + ok)
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError,
-                   reason="BUG (minor): a blob missing from a dict blob source escapes as a bare KeyError from "
-                   "prepare_delta/load_keyframe; the error tree promises NotFoundError for 'a blob that is not there'")
 @pytest.mark.parametrize("what", ["delta", "keyframe"])
 def test_missing_blob_is_not_found(what):
     from deltasync.errors import NotFoundError
@@ -451,11 +448,6 @@ def test_tied_weights_roll_back_together():
     assert tensor_bytes(live) == tensor_bytes(w + 1) and fps["embed"] == fps["head"]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (spec §4 'A blob whose bytes do not hash to its id MUST be refused'): "
-                   "prepare_delta/load_keyframe check a blob's size but never its xxh3-128 id, so other bytes under a "
-                   "known id are decoded and patched into live tensors (caught only afterwards by fp_after, or not at "
-                   "all when the bytes decode to the same patches). client/http.py verifies on fetch; the core readers "
-                   "do not. Fix: blob.verify_blob(ref.id, data) next to the size check")
 @pytest.mark.parametrize("what", ["delta", "keyframe"])
 def test_blob_that_does_not_hash_to_its_id_is_refused_before_patching(what):
     from deltasync.keyframe import encode_keyframe, load_keyframe

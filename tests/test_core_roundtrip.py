@@ -353,10 +353,6 @@ def test_property_apply_encode_round_trip(spec, seed, options, live_layout):
     assert_state_equal(back, old)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="BUG: dtypes.word_view calls .view(uint8) on reshape(-1) of a 1-element tensor whose stride "
-                   "is not 1 (torch calls it contiguous, so .contiguous() does not fix it): RuntimeError in "
-                   "tensor_fingerprint/encode_delta/apply_delta")
 @pytest.mark.parametrize("where", ["old", "new", "live"])
 def test_one_element_strided_view_round_trips(where):
     buf = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.bfloat16)
