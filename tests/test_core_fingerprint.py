@@ -21,17 +21,10 @@ from deltasync.fingerprint import (
     fingerprint_delta, fingerprint_state, fp_hex, lane_bits, parse_fp, state_fingerprint, state_fingerprint_of,
     tensor_fingerprint, update_fingerprint,
 )
+from core_support import tensor_bytes
 
 warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
 DTYPE_NAMES = sorted(DTYPES)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # -- an independent reference ---------------------------------------------------------------------
@@ -57,16 +50,6 @@ def ref_keys(i: np.ndarray) -> np.ndarray:
     i = i.astype(np.uint64)
     with np.errstate(over="ignore"):
         return _T[(i & U(0xFFFF)).astype(np.int64)] * (_splitmix((i >> U(16)) ^ U(_SEED_B)) | U(1))
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach()
-    if t.numel() == 0:
-        return b""
-    flat = t.contiguous().reshape(-1)
-    if flat.numel() == 1:
-        flat = flat.as_strided((1,), (1,))
-    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def ref_lanes(t: torch.Tensor) -> np.ndarray:

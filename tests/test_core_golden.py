@@ -31,14 +31,6 @@ from deltasync.manifest import parse_manifest
 KEY = bytes(range(32))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def golden_states():
     a0 = (torch.arange(300, dtype=torch.float32) * 0.37 - 10.0).to(torch.bfloat16)
     a0[5], a0[6], a0[7] = float("nan"), float("-inf"), -0.0

@@ -20,30 +20,13 @@ from deltasync.errors import FormatError, IntegrityError
 from deltasync.fingerprint import fp_hex, state_fingerprint_of, tensor_fingerprint
 from deltasync.keyframe import apply_keyframe, encode_keyframe, load_keyframe, load_shard, save_shard
 from deltasync.manifest import parse_manifest
+from core_support import tensor_bytes
 
 warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
 DTYPE_NAMES = sorted(DTYPES)
 # what safetensors itself can name; the rest travel as U8 [..., element_size] plus metadata
 NATIVE = {"bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "bfloat16",
           "float32", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "complex64"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach()
-    if t.numel() == 0:
-        return b""
-    flat = t.contiguous().reshape(-1)
-    if flat.numel() == 1:
-        flat = flat.as_strided((1,), (1,))
-    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def random_tensor(rng, dt: str, shape) -> torch.Tensor:

@@ -32,14 +32,6 @@ _PREFIX = struct.Struct("<8sII")
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # -- fixtures: one of each kind of input ------------------------------------------------------------
 
 def _states():

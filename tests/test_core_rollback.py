@@ -19,39 +19,11 @@ from deltasync.errors import (
 from deltasync.fingerprint import fp_hex
 from deltasync.manifest import parse_manifest
 from deltasync.values import Changes
+from core_support import from_words, tensor_bytes, words_of
 
 warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
 KEY = bytes(range(32))
 SMALL = EncodeOptions(chunk_words=6, blob_target=40)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach()
-    if t.numel() == 0:
-        return b""
-    flat = t.contiguous().reshape(-1)
-    if flat.numel() == 1:
-        flat = flat.as_strided((1,), (1,))
-    return flat.view(torch.uint8).numpy().tobytes()
-
-
-def words_of(t: torch.Tensor) -> np.ndarray:
-    return np.frombuffer(tensor_bytes(t), dtype=f"<u{dtype_info(t.dtype).word_size}").copy()
-
-
-def from_words(words: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
-    raw = np.ascontiguousarray(words).view(np.uint8)
-    if raw.size == 0:
-        return torch.empty(tuple(shape), dtype=dtype)
-    return torch.from_numpy(raw.copy()).view(dtype).reshape(tuple(shape))
 
 
 def snapshot(state) -> dict[str, bytes]:

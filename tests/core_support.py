@@ -1,0 +1,29 @@
+"""Helpers shared by the core tests: exact byte/word views of tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deltasync.dtypes import dtype_info
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach()
+    if t.numel() == 0:
+        return b""
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() == 1:
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def words_of(t: torch.Tensor) -> np.ndarray:
+    return np.frombuffer(tensor_bytes(t), dtype=f"<u{dtype_info(t.dtype).word_size}").copy()
+
+
+def from_words(words: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
+    raw = np.ascontiguousarray(words).view(np.uint8)
+    if raw.size == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return torch.from_numpy(raw.copy()).view(dtype).reshape(tuple(shape))
