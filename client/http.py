@@ -182,7 +182,8 @@ class HttpClient:
             full = url + path
             try:
                 self._requests += 1
-                async with self._sess().get(full, timeout=timeout) as r:
+                # (aiohttp reads timeout=None as "no timeout at all": pass it only when set)
+                async with self._sess().get(full, **({} if timeout is None else {"timeout": timeout})) as r:
                     if r.status == 200:
                         body = await r.read()
                         self._bytes_in += len(body)
