@@ -82,3 +82,21 @@ def test_layout_change_is_refused_and_reset_reallocates():
     assert ref.same_layout(b2) and set(ref.tensors) == set(b2)
     ref.reset(b2)  # same layout: copies into the existing memory
     assert ref.fps["new"] == tensor_fingerprint(torch.zeros(3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_diff_happens_on_the_device_and_matches_the_cpu_encoding():
+    a, b = _mixed_states()
+    a = {n: t.cuda() for n, t in a.items() if n != "fp8"}
+    b = {n: t.cuda() for n, t in b.items() if n != "fp8"}
+    ref = Reference(a)
+    assert all(t.is_cuda for t in ref.tensors.values())
+    diff = ref.diff_and_update(b, chunk_words=100)
+    ours = encode_diff(diff, model="m", version=1, parent=0)
+    cpu = encode_delta({n: t.cpu() for n, t in a.items()}, {n: t.cpu() for n, t in b.items()}, model="m", version=1,
+                       parent=0, options=EncodeOptions(chunk_words=100))
+    assert ours.manifest.to_json() == cpu.manifest.to_json() and ours.blobs == cpu.blobs
+    live = {n: t.clone() for n, t in a.items()}
+    apply_delta(live, ours.manifest, ours.blobs)  # patched on the GPU, verified there
+    assert all(torch.equal(live[n].cpu().view(-1).view(torch.uint8), b[n].cpu().view(-1).view(torch.uint8)) for n in b)
