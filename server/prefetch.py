@@ -10,7 +10,9 @@ down the tree at about one round trip per tier plus one transfer, without waitin
 for any subscriber.
 
 The stream is followed from the most preferred healthy parent; when it breaks or
-stays silent past three heartbeats, the next parent is followed. On every
+stays silent past three heartbeats, the next parent is followed. While following a
+fallback, the relay goes back to a more preferred parent as soon as that one's
+cool-down is over and it answers. On every
 (re)connect the parent first sends each model's head, so versions committed while
 disconnected are caught up: the relay walks back from the parent's head through
 the parent links to what it already has (at most ``retention`` versions).
@@ -103,7 +105,15 @@ class Prefetcher:
             self.upstream.mark_ok(parent)
             log.info("following events of %s", parent)
             decoder = SSEDecoder()
+            preferred = self.upstream.parents.index(parent)
+            loop = asyncio.get_running_loop()
+            recheck = loop.time() + self.timeouts.parent_cooldown
             while True:
+                if preferred and loop.time() >= recheck:
+                    recheck = loop.time() + self.timeouts.parent_cooldown
+                    if self.upstream.candidates()[0] != parent:
+                        log.info("leaving %s for a more preferred parent", parent)
+                        return
                 chunk = await resp.content.readany()
                 if not chunk:
                     log.warning("event stream of %s ended", parent)

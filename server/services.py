@@ -46,6 +46,7 @@ class Services:
 async def open_services(config: ServerConfig) -> Services:
     metrics = Metrics(role=config.role)
     store = DiskStore(config.store_dir, budget=config.cache_size, retention=config.retention, fsync=config.fsync,
+                      durable_manifests=config.is_origin,
                       on_evict=lambda n, b: (metrics.inc("evictions", n), metrics.inc("evicted_bytes", b)))
     await asyncio.to_thread(store.open, trust_head=config.is_origin)
     hub = EventHub(queue_size=config.sse_queue)

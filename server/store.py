@@ -9,6 +9,10 @@ Layout under the store directory::
 
 Every file is written under tmp/, fsynced, renamed into place and its directory
 fsynced, so a crash leaves either the old state or the new one, never half a file.
+The one exception is a relay's manifests (``durable_manifests=False``): they are
+renamed into place without fsync so announcing a version never waits on the disk;
+after a power loss a torn one fails to parse at start, is skipped, and is fetched
+from the parent again.
 A blob is renamed into blobs/ only after its bytes hashed to its id; whatever is in
 blobs/ at start is trusted. The store is used from the event loop only; the slow
 parts (fsync) run in a worker thread.
@@ -180,7 +184,7 @@ class PartialBlob:
 
 class DiskStore:
     def __init__(self, root: Path, *, budget: int | None = None, retention: int = 16, fsync: bool = True,
-                 on_evict=None) -> None:
+                 durable_manifests: bool = True, on_evict=None) -> None:
         self.root = Path(root)
         self.blob_dir = self.root / "blobs"
         self.tmp_dir = self.root / "tmp"
@@ -189,6 +193,7 @@ class DiskStore:
         self.budget = budget
         self.retention = retention
         self.fsync = fsync
+        self.durable_manifests = durable_manifests and fsync
         self._on_evict = on_evict
         self._blobs: OrderedDict[str, int] = OrderedDict()  # id -> size, least recently used first
         self._blob_bytes = 0
@@ -403,8 +408,11 @@ class DiskStore:
     async def put_manifest(self, m: Manifest, *, announce: bool) -> VersionInfo:
         """Store a manifest durably; with ``announce``, make it the head (versions only move forward)."""
         data = m.to_json()
-        await asyncio.to_thread(_write_file_atomically, self.tmp_dir, self.manifest_path(m.model, m.version),
-                                data, self.fsync)
+        path = self.manifest_path(m.model, m.version)
+        if self.durable_manifests:
+            await asyncio.to_thread(_write_file_atomically, self.tmp_dir, path, data, True)
+        else:  # a relay's copy: a torn file fails to parse at start and is fetched again
+            _write_file_atomically(self.tmp_dir, path, data, False)
         idx = self.models.get(m.model)
         if idx is None:
             idx = self.models[m.model] = ModelIndex(m.model)

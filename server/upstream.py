@@ -2,7 +2,8 @@
 
 Parents are tried in the order given. A parent that fails (refused connection,
 timeout, 5xx, a body cut short, bytes that fail their hash) is put in a cool-down
-and tried after the healthy ones until it answers well again. Every request has a
+(doubling with each consecutive failure, up to a minute) and tried after the
+healthy ones until it answers well again. Every request has a
 connect timeout and a read timeout (silence on the socket), so a dead or stalled
 parent costs at most that long before the next one is tried.
 """
@@ -26,6 +27,7 @@ log = logging.getLogger("deltasync.server.upstream")
 
 USER_AGENT = "deltasync-relay/0.1"
 READ_BUFSIZE = 4 << 20
+MAX_COOLDOWN = 60.0
 
 
 class Upstream:
@@ -39,6 +41,7 @@ class Upstream:
         self.key = key
         self.max_manifest_size = max_manifest_size
         self._cooldown_until: dict[str, float] = {}
+        self._failures: dict[str, int] = {}
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -75,13 +78,17 @@ class Upstream:
         return healthy + cooling
 
     def mark_failed(self, parent: str, why: object) -> None:
-        fresh = self._cooldown_until.get(parent, 0.0) <= time.monotonic()
-        self._cooldown_until[parent] = time.monotonic() + self.timeouts.parent_cooldown
-        if fresh:
-            log.warning("parent %s failed (%s); trying the next parent", parent, why)
+        now = time.monotonic()
+        if self._cooldown_until.get(parent, 0.0) > now:
+            return  # already cooling down (several requests failed at once)
+        n = self._failures[parent] = self._failures.get(parent, 0) + 1
+        self._cooldown_until[parent] = now + min(self.timeouts.parent_cooldown * 2 ** (n - 1), MAX_COOLDOWN)
+        if n & (n - 1) == 0:  # 1st, 2nd, 4th, 8th... failure in a row
+            log.warning("parent %s failed (%s; %d in a row); trying the next parent", parent, why, n)
 
     def mark_ok(self, parent: str) -> None:
-        if self._cooldown_until.pop(parent, None) is not None:
+        self._cooldown_until.pop(parent, None)
+        if self._failures.pop(parent, None) is not None:
             log.info("parent %s is answering again", parent)
 
     # -- requests ------------------------------------------------------------------------

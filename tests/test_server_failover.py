@@ -23,7 +23,8 @@ def servers(tmp_path_factory):
     a = relay(work, "a", [gate.url])
     b = relay(work, "b", [o.url])
     c = relay(work, "c", [a.url, b.url])
-    start_all(o, a, b, c)
+    start_all(o, a, b)
+    start_all(c)  # after its parents, so it starts out following its primary
     yield o, gate, a, b, c
     gate.release()
     stop_all(c, b, a, o)
