@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -370,7 +371,6 @@ def _report(shaped: dict, lo: dict, fan: dict, wan: dict, quick: bool, load: tup
 
 
 async def _run(quick: bool) -> str:
-    import os
     work = Path(tempfile.mkdtemp(prefix="deltasync-bench-relay-"))
     load0 = os.getloadavg()[0]
     o = origin(work, TOKEN)
@@ -378,9 +378,15 @@ async def _run(quick: bool) -> str:
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
             chain_size = 64 * MiB if quick else 256 * MiB
+            # Each experiment starts with the page cache's dirty data written out, so the previous
+            # one's writeback does not stall this one's file creations.
+            await asyncio.to_thread(os.sync)
             shaped = await _chain(work, s, o, chain_size, shaped=True)
+            await asyncio.to_thread(os.sync)
             lo = await _chain(work, s, o, chain_size, shaped=False)
+            await asyncio.to_thread(os.sync)
             fan = await _fanout(work, s, o, (16 if quick else 64) * MiB, 8, 8)
+            await asyncio.to_thread(os.sync)
             wan = await _wan(work, s, o, (4 if quick else 16) * MiB, 4, 0.075, 2)
     finally:
         stop(o)

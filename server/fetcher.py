@@ -18,6 +18,7 @@ import time
 
 import aiohttp
 
+from deltasync.blob import check_blob_id
 from deltasync.errors import DeltaSyncError, IntegrityError, NotFoundError
 
 from .config import Timeouts
@@ -60,7 +61,7 @@ class BlobFetcher:
             return blob, False
         if self._closed:
             raise UnavailableError("the relay is shutting down")
-        blob = InflightBlob(self.store.new_partial(blob_id))
+        blob = InflightBlob(check_blob_id(blob_id))
         self._inflight[blob_id] = blob
         self.metrics.inc("upstream_fetches")
         task = asyncio.get_running_loop().create_task(self._run(blob), name=f"fetch-{blob_id}")
@@ -90,6 +91,7 @@ class BlobFetcher:
         started = time.monotonic()
         reserved = 0
         try:
+            blob.part = await self.store.open_partial(blob.id)
             rotate = 0
             for attempt in range(self.attempts):
                 try:

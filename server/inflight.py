@@ -34,9 +34,9 @@ class BlobResetError(UpstreamError):
 
 
 class InflightBlob:
-    def __init__(self, part: PartialBlob) -> None:
-        self.id = part.id
-        self.part = part
+    def __init__(self, blob_id: str) -> None:
+        self.id = blob_id
+        self.part: PartialBlob | None = None  # the fetch opens it (off the event loop) before any byte
         self.size: int | None = None  # known once a parent answered
         self.verified = False  # every byte is in and hashed to the id
         self.error: DeltaSyncError | None = None  # the fetch gave up
@@ -74,6 +74,8 @@ class InflightBlob:
     @property
     def servable_to(self) -> int:
         """Bytes a reader may send now: all once verified, else all but the last."""
+        if self.part is None:
+            return 0
         written = self.part.written
         if self.verified or self.size is None:
             return written
@@ -149,4 +151,5 @@ class InflightBlob:
     def _maybe_close(self) -> None:
         if self.finished and self._readers == 0 and not self._closed:
             self._closed = True
-            self.part.close()
+            if self.part is not None:
+                self.part.close()

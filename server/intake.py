@@ -42,7 +42,7 @@ class Intake:
             return size, False
         if declared is not None and declared > self.max_blob_size:
             raise TooLargeError(f"blob of {declared} bytes exceeds this origin's limit of {self.max_blob_size}")
-        part = self.store.new_partial(blob_id)
+        part = await self.store.open_partial(blob_id)
         try:
             async for chunk in body:
                 if part.written + len(chunk) > self.max_blob_size:

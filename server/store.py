@@ -287,6 +287,11 @@ class DiskStore:
     def new_partial(self, blob_id: str) -> PartialBlob:
         return PartialBlob(self, check_blob_id(blob_id))
 
+    async def open_partial(self, blob_id: str) -> PartialBlob:
+        """``new_partial`` in a worker thread: creating a file can wait on the filesystem journal."""
+        check_blob_id(blob_id)
+        return await asyncio.to_thread(PartialBlob, self, blob_id)
+
     @property
     def blob_bytes(self) -> int:
         return self._blob_bytes
@@ -409,10 +414,8 @@ class DiskStore:
         """Store a manifest durably; with ``announce``, make it the head (versions only move forward)."""
         data = m.to_json()
         path = self.manifest_path(m.model, m.version)
-        if self.durable_manifests:
-            await asyncio.to_thread(_write_file_atomically, self.tmp_dir, path, data, True)
-        else:  # a relay's copy: a torn file fails to parse at start and is fetched again
-            _write_file_atomically(self.tmp_dir, path, data, False)
+        # A relay's copy is not fsynced: a torn file fails to parse at start and is fetched again.
+        await asyncio.to_thread(_write_file_atomically, self.tmp_dir, path, data, self.durable_manifests)
         idx = self.models.get(m.model)
         if idx is None:
             idx = self.models[m.model] = ModelIndex(m.model)
@@ -468,7 +471,7 @@ class DiskStore:
             self.touch(blob_id)
             return
         self.make_room(len(data))
-        part = self.new_partial(blob_id)
+        part = await self.open_partial(blob_id)
         try:
             part.write(data)
             await part.commit()
