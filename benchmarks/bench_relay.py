@@ -216,10 +216,12 @@ async def _wan(work: Path, s, o, blob_size: int, nblobs: int, delay: float, roun
     async def following(r) -> bool:
         async with s.get(f"{r.url}/healthz") as resp:
             return (await resp.json()).get("following") is not None
-    for _ in range(200):
-        if all([await following(r) for r in (*mids, *leaves)]):
-            break
+    deadline = time.monotonic() + 60
+    while not all([await following(r) for r in (*mids, *leaves)]):
+        if time.monotonic() > deadline:
+            raise RuntimeError("WAN relays did not all connect to their parents' event streams in 60 s")
         await asyncio.sleep(0.05)
+    procs = [o, *mids, *leaves, *links, direct]
 
     async def subscriber(url: str, after: int) -> tuple[float, float]:
         """Long-poll the head, then fetch every blob of it at once; (head seen, all bytes in)."""
@@ -240,10 +242,13 @@ async def _wan(work: Path, s, o, blob_size: int, nblobs: int, delay: float, roun
             subs = [asyncio.create_task(subscriber(direct.url, version - 1))]
             subs += [asyncio.create_task(subscriber(leaf.url, version - 1)) for leaf in leaves]
             await asyncio.sleep(1.0)  # every long-poll is parked at its server
+            c0 = sum(_cpu(procs))
             t0 = time.perf_counter()
             await _put_manifest(s, o.url, m)
             done = await asyncio.gather(*subs)
-            results.append({"direct": [x - t0 for x in done[0]], "leaves": [[x - t0 for x in d] for d in done[1:]]})
+            busy = (sum(_cpu(procs)) - c0) / (time.perf_counter() - t0)
+            results.append({"direct": [x - t0 for x in done[0]], "leaves": [[x - t0 for x in d] for d in done[1:]],
+                            "busy": busy})
         mt = [await _metrics(s, r.url) for r in mids]
     finally:
         stop(*leaves, *mids, *links, direct)
@@ -351,7 +356,7 @@ def _report(shaped: dict, lo: dict, fan: dict, wan: dict, quick: bool, load: tup
             "one WAN link, so the leaves are one WAN tier further away. Subscribers long-poll the head, then "
             "fetch every blob at once. Seconds from the commit at the origin:", "",
             "| version | direct: head seen | direct: all bytes | leaves: head seen (max) | leaves: all bytes "
-            "(max) | extra per WAN tier |", "|---|---:|---:|---:|---:|---:|"]
+            "(max) | extra per WAN tier | CPU cores busy (servers + shapers) |", "|---|---:|---:|---:|---:|---:|---:|"]
     extras = []
     for i, r in enumerate(wan["rounds"]):
         d_seen, d_done = r["direct"]
@@ -359,7 +364,8 @@ def _report(shaped: dict, lo: dict, fan: dict, wan: dict, quick: bool, load: tup
         l_done = max(x[1] for x in r["leaves"])
         extra = l_done - d_done  # the leaves sit one WAN tier further than the direct subscriber
         extras.append(extra)
-        out.append(f"| v{i + 1} | {d_seen:.3f} | {d_done:.3f} | {l_seen:.3f} | {l_done:.3f} | {extra:.3f} |")
+        out.append(f"| v{i + 1} | {d_seen:.3f} | {d_done:.3f} | {l_seen:.3f} | {l_done:.3f} | {extra:.3f} | "
+                   f"{r['busy']:.2f} |")
     out.append("")
     out.append(
         f"One transfer over a link takes {transfer:.3f} s and one round trip {rtt:.3f} s. The extra WAN tier "

@@ -39,7 +39,7 @@ from .upstream import Upstream, _describe
 
 log = logging.getLogger("deltasync.server.prefetch")
 
-RETRY_DELAYS = (0.2, 0.5, 1.0, 2.0, 5.0)
+RETRY_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0)
 
 
 class Prefetcher:

@@ -165,8 +165,8 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(text=_svc(request).metrics.render(), content_type="text/plain",
-                        headers={"X-Content-Type-Options": "nosniff"}, charset="utf-8")
+    return web.Response(body=_svc(request).metrics.render().encode(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8", "Cache-Control": "no-cache"})
 
 
 # -- blobs --------------------------------------------------------------------------------------
