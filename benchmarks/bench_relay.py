@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
+import socket
+import threading
 import shutil
 import statistics
 import tempfile
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+import xxhash
 
 from deltasync.blob import blob_id
 from deltasync.manifest import BlobRef, Manifest
@@ -71,11 +75,15 @@ def _cpu(procs) -> list[float]:
 
 # -- 1. cut-through through a chain of three relays -------------------------------------------------
 
-async def _chain(work: Path, s, o, size: int, *, shaped: bool) -> dict:
+async def _chain(work: Path, s, o, size: int, *, shaped: bool, runs: int) -> dict:
+    """Direct read vs the same read through 3 relays, ``runs`` times with a fresh blob each (best kept)."""
     tag = "shaped" if shaped else "loopback"
-    bid, data = _data(size, 1 if shaped else 2)
-    await _put_blob(s, o.url, bid, data)
-    del data
+    blobs = []
+    for i in range(runs):
+        bid, data = _data(size, (1 if shaped else 2) * 100 + i)
+        await _put_blob(s, o.url, bid, data)
+        blobs.append(bid)
+        del data
     links, relays = [], []
     if shaped:
         direct = Shaper(work, f"{tag}-direct", o.port, rate=GBIT, delay=0)
@@ -94,26 +102,81 @@ async def _chain(work: Path, s, o, size: int, *, shaped: bool) -> dict:
         links.append(last)
     start(*links, *relays)
     await asyncio.sleep(0.5)
+    gb = size / 1e9
+    best: dict | None = None
     try:
-        c0 = _cpu([o])
-        d = await _get_ok(direct.url if shaped else o.url, bid, size)
-        origin_cpu = _cpu([o])[0] - c0[0]
-        c0 = _cpu(relays + links)
-        chain = await _get_ok(last.url if shaped else relays[-1].url, bid, size)
-        c1 = _cpu(relays + links)
-        relay_cpu = [b - a for a, b in zip(c0[:3], c1[:3])]
-        link_cpu = [b - a for a, b in zip(c0[3:], c1[3:])]
-        await asyncio.sleep(0.3)  # let the last relay move the blob into its store
-        c0 = _cpu([relays[-1]])
-        warm = await _get_ok(last.url if shaped else relays[-1].url, bid, size)
-        warm_cpu = _cpu([relays[-1]])[0] - c0[0]
-        rss = [max_rss_mb(r.pid) for r in relays]
+        for bid in blobs:
+            await asyncio.to_thread(os.sync)
+            c0 = _cpu_split([o])
+            d = await _get_ok(direct.url if shaped else o.url, bid, size)
+            origin_cpu = _diff(c0, _cpu_split([o]))[0]
+            c0 = _cpu_split(relays + links)
+            chain = await _get_ok(last.url if shaped else relays[-1].url, bid, size)
+            cpu = _diff(c0, _cpu_split(relays + links))
+            await asyncio.sleep(0.3)  # let the last relay move the blob into its store
+            c0 = _cpu_split([relays[-1]])
+            warm = await _get_ok(last.url if shaped else relays[-1].url, bid, size)
+            warm_cpu = _diff(c0, _cpu_split([relays[-1]]))[0]
+            run = {"size": size, "direct": d, "chain": chain, "warm": warm,
+                   "origin_cpu_per_gb": sum(origin_cpu) / gb,
+                   "relay_cpu_per_gb": [(u / gb, k / gb) for u, k in cpu[:3]],
+                   "link_cpu_per_gb": [(u + k) / gb for u, k in cpu[3:]],
+                   "warm_cpu_per_gb": sum(warm_cpu) / gb, "runs": runs}
+            if best is None or chain.seconds < best["chain"].seconds:
+                best = run
+        best["rss"] = [max_rss_mb(r.pid) for r in relays]
+        if not shaped:
+            src = work / "origin" / "blobs" / blobs[0][:2] / blobs[0]
+            best["floor"] = await asyncio.to_thread(_receive_floor, src, size, work / "floor.tmp")
     finally:
         stop(*relays, *links)
-    gb = size / 1e9
-    return {"size": size, "direct": d, "chain": chain, "warm": warm, "origin_cpu_per_gb": origin_cpu / gb,
-            "relay_cpu_per_gb": [c / gb for c in relay_cpu], "link_cpu_per_gb": [c / gb for c in link_cpu],
-            "warm_cpu_per_gb": warm_cpu / gb, "rss": rss}
+    return best
+
+
+def _receive_floor(src: Path, size: int, scratch: Path) -> tuple[float, float]:
+    """CPU s/GB of a minimal blocking loop doing a relay's unavoidable receive work: ``recv_into`` a reused
+    buffer, xxh3, ``os.write`` into a new file (best of 2). The sender (sendfile) runs on another thread
+    and is not counted. Returns (user, system) s/GB."""
+    best = None
+    for _ in range(2):
+        a, b = socket.socketpair()
+
+        def send() -> None:
+            fd = os.open(src, os.O_RDONLY)
+            off = 0
+            while off < size:
+                off += os.sendfile(a.fileno(), fd, off, size - off)
+            os.close(fd)
+            a.shutdown(socket.SHUT_WR)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        out = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        buf = bytearray(1 << 20)
+        view = memoryview(buf)
+        hasher = xxhash.xxh3_128()
+        r0 = resource.getrusage(resource.RUSAGE_THREAD)
+        while n := b.recv_into(view):
+            hasher.update(view[:n])
+            os.write(out, view[:n])
+        r1 = resource.getrusage(resource.RUSAGE_THREAD)
+        sender.join()
+        os.close(out)
+        a.close()
+        b.close()
+        os.unlink(scratch)
+        run = ((r1.ru_utime - r0.ru_utime) / (size / 1e9), (r1.ru_stime - r0.ru_stime) / (size / 1e9))
+        if best is None or sum(run) < sum(best):
+            best = run
+    return best
+
+
+def _cpu_split(procs) -> list[tuple[float, float]]:
+    return [cpu_seconds(p.pid, split=True) for p in procs]
+
+
+def _diff(before, after) -> list[tuple[float, float]]:
+    return [(a[0] - b[0], a[1] - b[1]) for b, a in zip(before, after)]
 
 
 # -- 2. fan-out of a keyframe, against plain FileResponse servers ---------------------------------------
@@ -148,10 +211,15 @@ async def _fanout(work: Path, s, o, blob_size: int, nblobs: int, readers: int) -
         cold = max(await asyncio.gather(*tasks)) - t0
         c1 = _cpu([o, ra, rb])
         await asyncio.sleep(0.5)
-        c2 = _cpu([ra, rb])
-        t0 = time.perf_counter()
-        warm = max(await asyncio.gather(*(reader(u, False) for u in urls))) - t0
-        c3 = _cpu([ra, rb])
+        await asyncio.to_thread(os.sync)
+        warm = float("inf")
+        for _ in range(2):  # best of 2
+            c2 = _cpu([ra, rb])
+            t0 = time.perf_counter()
+            took = max(await asyncio.gather(*(reader(u, False) for u in urls))) - t0
+            if took < warm:
+                warm, c3 = took, _cpu([ra, rb])
+                warm_cpu = sum(c3) - sum(c2)
         mt = [await _metrics(s, r.url) for r in (ra, rb)]
         coalesce = await _coalesce(work, s, o, ra, blob_size)
         rss = [max_rss_mb(r.pid) for r in (ra, rb)]
@@ -163,17 +231,20 @@ async def _fanout(work: Path, s, o, blob_size: int, nblobs: int, readers: int) -
                    for i in range(2)]
         start(*servers)
         try:
-            c0 = _cpu(servers)
-            t0 = time.perf_counter()
-            done = await asyncio.gather(*(reader(servers[0 if i < readers // 2 else 1].url, False)
-                                          for i in range(readers)))
-            base[loop_name] = (max(done) - t0, sum(_cpu(servers)) - sum(c0))
+            for _ in range(2):  # best of 2
+                c0 = _cpu(servers)
+                t0 = time.perf_counter()
+                done = await asyncio.gather(*(reader(servers[0 if i < readers // 2 else 1].url, False)
+                                              for i in range(readers)))
+                run = (max(done) - t0, sum(_cpu(servers)) - sum(c0))
+                if loop_name not in base or run[0] < base[loop_name][0]:
+                    base[loop_name] = run
         finally:
             stop(*servers)
     gb = total / 1e9
     return {"total": total, "cold": cold, "warm": warm, "base": base, "readers": readers, "nblobs": nblobs,
             "blob_size": blob_size, "cold_cpu": [(b - a) / gb for a, b in zip(c0, c1)],
-            "warm_cpu_per_gb": (sum(c3) - sum(c2)) / gb, "upstream": [x["deltasync_upstream_fetches_total"] for x in mt],
+            "warm_cpu_per_gb": warm_cpu / gb, "upstream": [x["deltasync_upstream_fetches_total"] for x in mt],
             "coalesce": coalesce, "rss": rss}
 
 
@@ -205,11 +276,11 @@ async def _wan(work: Path, s, o, blob_size: int, nblobs: int, delay: float, roun
     for i in range(2):
         link = Shaper(work, f"wan-o-m{i}", o.port, rate=GBIT, delay=delay)
         links.append(link)
-        mids.append(relay(work, f"wan-m{i}", [link.url]))
+        mids.append(relay(work, f"wan-m{i}", [link.url], *os.environ.get("DELTASYNC_BENCH_RELAY_ARGS", "").split()))
     for i in range(4):
         link = Shaper(work, f"wan-m-l{i}", mids[i // 2].port, rate=GBIT, delay=delay)
         links.append(link)
-        leaves.append(relay(work, f"wan-l{i}", [link.url]))
+        leaves.append(relay(work, f"wan-l{i}", [link.url], *os.environ.get("DELTASYNC_BENCH_RELAY_ARGS", "").split()))
     direct = Shaper(work, "wan-direct", o.port, rate=GBIT, delay=delay)
     start(*links, direct, *mids, *leaves)
 
@@ -307,13 +378,25 @@ def _report(shaped: dict, lo: dict, fan: dict, wan: dict, quick: bool, load: tup
     out.append(f"Shaped: store-and-forward would take about 4 link transfers ≈ {sf:.2f} s "
                f"(4.00x); the wire time of one link is {shaped['size'] / GBIT:.2f} s. Target ≤ 1.2x.")
     out.append("")
-    out += ["CPU seconds per GB forwarded (loopback run, where transfers are CPU-bound on 2 cores):", "",
-            "| process | CPU s/GB |", "|---|---:|",
-            f"| origin, serving the direct read (sendfile) | {lo['origin_cpu_per_gb']:.3f} |"]
-    for i, c in enumerate(lo["relay_cpu_per_gb"]):
-        out.append(f"| relay {i + 1} of 3, cold (receive + hash + write + cut-through sendfile) | {c:.3f} |")
-    out.append(f"| relay 3, cached blob (sendfile) | {lo['warm_cpu_per_gb']:.3f} |")
-    out.append(f"| shaper, per 1 Gbit/s link (shaped run, mean of 4) | {statistics.mean(shaped['link_cpu_per_gb']):.3f} |")
+    out += [f"CPU seconds per GB forwarded (loopback run, best of {lo['runs']} by chain time; transfers are CPU-bound "
+            "on 2 cores):", "",
+            "| process | CPU s/GB | of which kernel |", "|---|---:|---:|",
+            f"| origin, serving the direct read (sendfile) | {lo['origin_cpu_per_gb']:.3f} | |"]
+    for i, (u, k) in enumerate(lo["relay_cpu_per_gb"]):
+        out.append(f"| relay {i + 1} of 3, cold (receive, hash, write to cache, cut-through sendfile) | {u + k:.3f} | "
+                   f"{k:.3f} |")
+    out.append(f"| relay 3, cached blob (sendfile) | {lo['warm_cpu_per_gb']:.3f} | |")
+    fu, fk = lo["floor"]
+    out.append(f"| floor: a minimal blocking loop doing only the receive side (recv_into, xxh3, os.write), same "
+               f"bytes, this run | {fu + fk:.3f} | {fk:.3f} |")
+    out.append(f"| shaper, per 1 Gbit/s link (shaped run, mean of 4) | {statistics.mean(shaped['link_cpu_per_gb']):.3f} | |")
+    out.append("")
+    out.append("A cold relay's figure covers receiving (socket copy, xxh3, one copy into the page cache, fsync) and "
+               "sending (sendfile, zero-copy); it is mostly kernel time. On loopback the sender's CPU also runs the "
+               "receiving side's TCP processing (softirq), so a relay pays part of its child's receive work, and "
+               "perf shows the page-cache copy, socket copies and that TCP work on top; the Python share (user "
+               "time, including the one copy out of the event loop's read buffer) is small. The floor row does "
+               "only the receive half, without the event loop, fsync or any sending.")
     out.append("")
     out.append(f"Relay peak RSS (loopback run): {', '.join(f'{x:.0f}' for x in lo['rss'])} MiB "
                "(most of it is the torch import that deltasync.manifest pulls in).")
@@ -324,6 +407,7 @@ def _report(shaped: dict, lo: dict, fan: dict, wan: dict, quick: bool, load: tup
     total = fan["total"]
     out += [f"### Fan-out: a {fan['nblobs']} x {fan['blob_size'] / MiB:.0f} MiB keyframe, origin → 2 relays → "
             f"{fan['readers']} concurrent readers", "",
+            "Warm and baseline rows are the best of 2.", "",
             "| run | seconds | aggregate MB/s | egress vs FileResponse |", "|---|---:|---:|---:|",
             f"| cold: publish → every reader has every byte (relays fetch from the origin meanwhile) | "
             f"{fan['cold']:.3f} | {_mbps(total, fan['cold'])} | {base_t / fan['cold']:.2f} |",
@@ -369,8 +453,12 @@ def _report(shaped: dict, lo: dict, fan: dict, wan: dict, quick: bool, load: tup
     out.append("")
     out.append(
         f"One transfer over a link takes {transfer:.3f} s and one round trip {rtt:.3f} s. The extra WAN tier "
-        f"costs {statistics.mean(extras):.3f} s on average (the last row's column), against ≈ "
-        f"{transfer + rtt:.3f} s (one more transfer and round trip) for store-and-forward. "
+        f"costs {statistics.median(extras):.3f} s (median over the versions), against ≈ "
+        f"{transfer + rtt:.3f} s (one more transfer and round trip) for store-and-forward. A version is "
+        f"announced one tier down about one one-way delay later (head seen: "
+        f"{statistics.median(max(x[0] for x in r['leaves']) - r['direct'][0] for r in wan['rounds']):.3f} s "
+        "later at the leaves than at the origin). Where the CPU column nears 2.0 the byte times are bounded by "
+        "this 2-core machine (servers, shapers and readers share it), not by the links. "
         "Each mid relay fetched each blob once (upstream fetches: "
         f"{', '.join(f'{x:.0f}' for x in wan['mid_upstream'])}).")
     return "\n".join(out) + "\n"
@@ -387,13 +475,13 @@ async def _run(quick: bool) -> str:
             # Each experiment starts with the page cache's dirty data written out, so the previous
             # one's writeback does not stall this one's file creations.
             await asyncio.to_thread(os.sync)
-            shaped = await _chain(work, s, o, chain_size, shaped=True)
+            shaped = await _chain(work, s, o, chain_size, shaped=True, runs=1)
             await asyncio.to_thread(os.sync)
-            lo = await _chain(work, s, o, chain_size, shaped=False)
+            lo = await _chain(work, s, o, chain_size, shaped=False, runs=3)
             await asyncio.to_thread(os.sync)
             fan = await _fanout(work, s, o, (16 if quick else 64) * MiB, 8, 8)
             await asyncio.to_thread(os.sync)
-            wan = await _wan(work, s, o, (4 if quick else 16) * MiB, 4, 0.075, 2)
+            wan = await _wan(work, s, o, (4 if quick else 16) * MiB, 4, 0.075, 3)
     finally:
         stop(o)
         if os.environ.get("DELTASYNC_BENCH_KEEP") is None:

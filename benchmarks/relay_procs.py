@@ -27,10 +27,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far."""
+def cpu_seconds(pid: int, *, split: bool = False):
+    """User + system CPU time of a process so far; ``split``: the pair (user, system)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    user, system = int(fields[11]) / _TICK, int(fields[12]) / _TICK
+    return (user, system) if split else user + system
 
 
 def max_rss_mb(pid: int) -> float:

@@ -171,8 +171,12 @@ class BlobFetcher:
                     skip = offset - start  # a parent that ignored our Range sends from 0
                     content = resp.content
                     while True:
-                        chunk = await content.readany()
+                        # readchunk hands over each buffered piece as received; readany would join
+                        # everything buffered into one new (large, page-faulting) bytes object.
+                        chunk, boundary = await content.readchunk()
                         if not chunk:
+                            if boundary:
+                                continue  # a chunked-encoding boundary
                             break
                         if skip:
                             if len(chunk) <= skip:

@@ -130,6 +130,7 @@ class Prefetcher:
         """The parent has ``version`` of ``model``: make sure this relay gets it."""
         if version <= self.parent_heads.get(model, -1):
             return
+        log.debug("parent has %s v%d (manifest %s)", model, version, "inline" if manifest else "not inline")
         self.parent_heads[model] = version
         if isinstance(manifest, dict):
             for key in [k for k in self._inline if k[0] == model]:
@@ -172,10 +173,12 @@ class Prefetcher:
             if head is not None and m.parent is not None and m.parent <= head:
                 break
             v = m.parent
+        log.debug("%s v%d: %d manifest(s) in hand", model, target, len(chain))
         for m in reversed(chain):
             if (h := self.store.head(model)) is not None and m.version <= h:
                 continue
             await self._make_servable(m)
+            log.debug("%s v%d: every blob stored or being fetched", model, m.version)
             if self.store.announce(model, m.version):
                 info = self.store.info(model, m.version)
                 self.metrics.inc("versions")

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -274,7 +275,7 @@ async def put_blob(request: web.Request) -> web.Response:
         blob_id = check_blob_id(request.match_info["id"])
         assert svc.intake is not None
         try:
-            size, created = await svc.intake.put_blob(blob_id, request.content.iter_any(),
+            size, created = await svc.intake.put_blob(blob_id, _pieces(request.content),
                                                       declared=request.content_length)
         except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError) as e:
             raise FormatError(f"upload of blob {blob_id} was cut short: {e}") from None
@@ -283,6 +284,16 @@ async def put_blob(request: web.Request) -> web.Response:
         raise
     return web.json_response({"id": blob_id, "size": size, "created": created}, status=201 if created else 200,
                              headers={"ETag": f'"{blob_id}"', "Location": f"/v1/blobs/{blob_id}"})
+
+
+async def _pieces(content) -> AsyncIterator[bytes]:
+    """A request body piece by piece as received (no joining of buffered pieces into new objects)."""
+    while True:
+        chunk, boundary = await content.readchunk()
+        if chunk:
+            yield chunk
+        elif not boundary:
+            return
 
 
 # -- manifests ------------------------------------------------------------------------------------
