@@ -28,10 +28,10 @@ import torch
 
 from deltasync.dtypes import dtype_info
 from deltasync.errors import FormatError
+from deltasync.keyframe import DTYPE_META_PREFIX as _META_PREFIX  # exotic dtypes, as save_shard writes them
 
 _STEP_RE = re.compile(r"(\d+)(?!.*\d)")
 _TEMP_MARKS = (".tmp", ".part", ".partial", "~", ".incomplete")
-_META_PREFIX = "deltasync.dtype."  # exotic dtypes, as written by deltasync.keyframe.save_shard
 MAX_HEADER = 100 << 20
 
 _ST_DTYPES = {

@@ -38,10 +38,9 @@ import torch
 from deltasync.apply import PreparedDelta, live_tensors
 from deltasync.dtypes import dtype_info, signed_word_dtype, word_view
 from deltasync.errors import BaseMismatchError, IntegrityError
-from deltasync.fingerprint import fingerprint_delta, fp_hex, lane_keys
+from deltasync.fingerprint import fingerprint_delta, fingerprint_from_lane_sums, fp_hex, lane_keys
 
 _MASK64 = (1 << 64) - 1
-_C0 = 0x2545F4914F6CDD1D  # deltasync.fingerprint's length constant (fp = n_lanes * C0 + sum lane * K)
 
 
 # -- fused and renamed parameters --------------------------------------------------------------------------
@@ -193,7 +192,7 @@ def combine_partials(partials: Sequence[int], full_shape: Sequence[int], dtype) 
     """The full tensor fingerprint from every rank's partial sum (what an all-reduce computes)."""
     info = dtype_info(dtype)
     n_lanes = int(np.prod(full_shape)) * info.element_size // (1 if info.word_size == 1 else 2)
-    return (sum(partials) + n_lanes * _C0) & _MASK64
+    return fingerprint_from_lane_sums(partials, n_lanes)
 
 
 class TPShardApplier:

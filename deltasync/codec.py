@@ -88,33 +88,126 @@ def _host_words(t: torch.Tensor, info: DtypeInfo) -> np.ndarray:
 DENSE_FP = 16  # above one change in this many words, fingerprint the range instead of each change
 
 
-def find_changes(old_words: torch.Tensor, new_words: torch.Tensor, start: int, stop: int, info: DtypeInfo):
-    """Changed positions in [start, stop) with their old and new words (numpy, unsigned) and the
-    fingerprint change. Compares on the tensors' device; only the sparse result reaches the host."""
-    ndt = numpy_word_dtype(info.word_size)
-    sdt = np.dtype(f"i{info.word_size}")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkDiff:
+    """Changed words of one chunk [start, stop) of a tensor, on the host."""
+
+    start: int
+    stop: int
+    positions: np.ndarray  # int64, absolute word positions, sorted
+    old: np.ndarray  # unsigned words before
+    new: np.ndarray  # unsigned words after
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateDiff:
+    """Everything :func:`encode_diff` needs, in host memory O(changed words)."""
+
+    layout: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype name, shape)
+    chunks: dict[str, list[ChunkDiff]]
+    fps_before: dict[str, int]
+    fps_after: dict[str, int]
+
+    @property
+    def changed(self) -> int:
+        return sum(c.positions.size for cs in self.chunks.values() for c in cs)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(c.positions.nbytes + c.old.nbytes + c.new.nbytes for cs in self.chunks.values() for c in cs)
+
+
+def state_layout(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in state.items()}
+
+
+def diff_chunk(old_words: torch.Tensor, new_words: torch.Tensor, start: int, stop: int, word_size: int,
+               *, update_old: bool = False) -> tuple[ChunkDiff | None, int]:
+    """Changed words in [start, stop) of two flat word views, and the fingerprint change.
+
+    Compares on the tensors' device (numpy on CPU; torch compare + nonzero on a GPU), so only
+    the sparse result reaches the host. ``update_old=True`` also writes the new words into
+    ``old_words`` (a publisher's reference copy, patched in place instead of re-copied).
+    """
+    ndt = numpy_word_dtype(word_size)
+    sdt = np.dtype(f"i{word_size}")
+    dense_fp = False
     if old_words.device.type == "cpu":
         o = old_words[start:stop].numpy().view(ndt)
         n = new_words[start:stop].numpy().view(ndt)
         rel = np.flatnonzero(o != n)
+        if rel.size == 0:
+            return None, 0
         p = rel + start
         ow, nw = o[rel], n[rel]
-        if p.size * DENSE_FP > stop - start:
-            fpd = words_range_delta(old_words[start:stop], new_words[start:stop], start, info.word_size)
+        if rel.size * DENSE_FP > stop - start:
+            fpd = words_range_delta(old_words[start:stop], new_words[start:stop], start, word_size)
         else:
             fpd = fingerprint_delta(torch.from_numpy(p), torch.from_numpy(ow.view(sdt)),
-                                    torch.from_numpy(nw.view(sdt)), info.word_size)
-        return p, ow, nw, fpd
+                                    torch.from_numpy(nw.view(sdt)), word_size)
+        if update_old:
+            o[rel] = nw
+        return ChunkDiff(start=start, stop=stop, positions=p, old=ow, new=nw), fpd
     o = old_words[start:stop]
     n = new_words[start:stop]
     rel = torch.nonzero(o != n).squeeze(1)
-    ow, nw = o[rel], n[rel]
+    if rel.numel() == 0:
+        return None, 0
+    ow, nw = o.index_select(0, rel), n.index_select(0, rel)
     p = rel + start
-    if p.numel() * DENSE_FP > stop - start:
-        fpd = words_range_delta(o, n, start, info.word_size)
+    if rel.numel() * DENSE_FP > stop - start:
+        fpd = words_range_delta(o, n, start, word_size)
     else:
-        fpd = fingerprint_delta(p, ow, nw, info.word_size)
-    return p.cpu().numpy(), ow.cpu().numpy().view(ndt), nw.cpu().numpy().view(ndt), fpd
+        fpd = fingerprint_delta(p, ow, nw, word_size)
+    if update_old:
+        o.index_copy_(0, rel, nw)
+    return ChunkDiff(start=start, stop=stop, positions=p.cpu().numpy(), old=ow.cpu().numpy().view(ndt),
+                     new=nw.cpu().numpy().view(ndt)), fpd
+
+
+def diff_states(
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    *,
+    base_fps: Mapping[str, int] | None = None,
+    chunk_words: int = DEFAULT_CHUNK_WORDS,
+    update_old: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> StateDiff:
+    """Diff two states of the same layout chunk by chunk; the new fingerprints are derived from the
+    changes (``base_fps`` are the old ones when the caller tracks them, else computed)."""
+    _check_layout(old, new)
+    names = sorted(new)
+    fps_before = dict(base_fps) if base_fps is not None else {n: tensor_fingerprint(old[n]) for n in names}
+    fps_after: dict[str, int] = {}
+    chunks: dict[str, list[ChunkDiff]] = {}
+    total = sum(new[n].numel() * new[n].element_size() for n in names)
+    done = 0
+    with torch.no_grad():
+        for name in names:
+            o_t, n_t = old[name].detach(), new[name].detach()
+            info = dtype_info(n_t.dtype)
+            if update_old and not o_t.is_contiguous():
+                raise ValueError(f"{name}: update_old needs a contiguous old tensor")
+            if o_t.device != n_t.device:
+                n_t = n_t.to(o_t.device)
+            ow = word_view(o_t if o_t.is_contiguous() else o_t.contiguous())
+            nw = word_view(n_t if n_t.is_contiguous() else n_t.contiguous())
+            fp = fps_before[name]
+            out = []
+            for s, e in chunk_ranges(nw.numel(), chunk_words):
+                cd, fpd = diff_chunk(ow, nw, s, e, info.word_size, update_old=update_old)
+                if cd is not None:
+                    fp = update_fingerprint(fp, fpd)
+                    out.append(cd)
+                done += (e - s) * info.word_size
+                if progress:
+                    progress(done, total)
+            fps_after[name] = fp
+            if out:
+                chunks[name] = out
+    return StateDiff(layout=state_layout({n: new[n] for n in names}), chunks=chunks,
+                     fps_before=fps_before, fps_after=fps_after)
 
 
 # -- packing chunks into blobs ------------------------------------------------------------
@@ -210,7 +303,8 @@ def encode_delta(
     meta: Mapping[str, str] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Encoded:
-    """Delta from ``old`` (version ``parent``) to ``new`` (``version``).
+    """Delta from ``old`` (version ``parent``) to ``new`` (``version``): :func:`diff_states`
+    then :func:`encode_diff`.
 
     ``base_fps`` are the old tensors' fingerprints when the caller tracks them (the
     publisher does); otherwise they are computed. The new fingerprints are derived
@@ -218,60 +312,40 @@ def encode_delta(
     ``progress(done_bytes, total_bytes)`` is called after each chunk.
     """
     options = options or EncodeOptions()
-    _check_layout(old, new)
-    names = sorted(new)
-    fps_before = dict(base_fps) if base_fps is not None else {n: tensor_fingerprint(old[n]) for n in names}
+    diff = diff_states(old, new, base_fps=base_fps, chunk_words=options.chunk_words, progress=progress)
+    return encode_diff(diff, model=model, version=version, parent=parent, options=options, meta=meta)
+
+
+def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, options: EncodeOptions | None = None,
+                meta: Mapping[str, str] | None = None) -> Encoded:
+    """The delta ``parent → version`` from a :class:`StateDiff` (any thread; host only); unsigned."""
+    options = options or EncodeOptions()
     packer = ChunkPacker(options)
-    fps_after: dict[str, int] = {}
-    changed: dict[str, int] = {}
-    total = sum(new[n].numel() * new[n].element_size() for n in names)
-    done = 0
+    names = sorted(diff.layout)
     for name in names:
-        o_t, n_t = old[name], new[name]
-        info = dtype_info(n_t.dtype)
-        if o_t.device != n_t.device:
-            o_t = o_t.to(n_t.device)
-        ow = word_view(o_t.contiguous())
-        nw = word_view(n_t.contiguous())
-        fp = fps_before[name]
-        count = 0
-        for s, e in chunk_ranges(nw.numel(), options.chunk_words):
-            p, o, n, fpd = find_changes(ow, nw, s, e, info)
-            fp = update_fingerprint(fp, fpd)
-            count += p.size
-            if p.size:
-                ch = changes_from_words(p, o, n, is_float=info.is_float)
-                if p.size == e - s and ch.raw.mean() > 0.5:  # a rewritten chunk: ship its words whole
-                    packer.add_dense(name, info, s, e, n)
-                else:
-                    packer.add(name, info, s, e, ch)
-            done += (e - s) * info.word_size
-            if progress:
-                progress(done, total)
-        fps_after[name] = fp
-        changed[name] = count
+        info = dtype_info(diff.layout[name][0])
+        for c in diff.chunks.get(name, ()):
+            ch = changes_from_words(c.positions, c.old, c.new, is_float=info.is_float)
+            if c.positions.size == c.stop - c.start and ch.raw.mean() > 0.5:  # a rewritten chunk: ship it whole
+                packer.add_dense(name, info, c.start, c.stop, c.new)
+            else:
+                packer.add(name, info, c.start, c.stop, ch)
     packer.close_blob()
-    manifest = _manifest(model=model, version=version, parent=parent, new=new, names=names,
-                         fps_before=fps_before, fps_after=fps_after, changed=changed, packer=packer,
-                         meta=meta, base_state=old)
-    return Encoded(manifest=manifest, blobs=packer.blobs, fps=fps_after)
-
-
-def _manifest(*, model, version, parent, new, names, fps_before, fps_after, changed, packer, meta, base_state) -> Manifest:
     tensors = []
     for name in names:
-        t = new[name]
-        info = dtype_info(t.dtype)
-        tensors.append(TensorRecord(name=name, dtype=info.name, shape=tuple(t.shape), fp_before=fp_hex(fps_before[name]),
-                                    fp_after=fp_hex(fps_after[name]), changed=changed[name],
-                                    chunks=tuple(packer.refs.get(name, ()))))
-    return Manifest(
+        dtype, shape = diff.layout[name]
+        tensors.append(TensorRecord(
+            name=name, dtype=dtype, shape=shape, fp_before=fp_hex(diff.fps_before[name]),
+            fp_after=fp_hex(diff.fps_after[name]), changed=sum(c.positions.size for c in diff.chunks.get(name, ())),
+            chunks=tuple(packer.refs.get(name, ()))))
+    manifest = Manifest(
         model=model, version=version, parent=parent, kind="delta", tensors=tuple(tensors),
         blobs=tuple(BlobRef(id=b, size=len(packer.blobs[b])) for b in packer.order),
         state_fp=state_fingerprint((t.name, t.dtype, t.shape, int(t.fp_after, 16)) for t in tensors),
         state_fp_before=state_fingerprint((t.name, t.dtype, t.shape, int(t.fp_before, 16)) for t in tensors),
         meta=dict(meta or {}),
     )
+    return Encoded(manifest=manifest, blobs=packer.blobs, fps=dict(diff.fps_after))
 
 
 # -- decoding ---------------------------------------------------------------------------------

@@ -117,6 +117,12 @@ def words_range_delta(old_words: torch.Tensor, new_words: torch.Tensor, start: i
     return (lanes_sum(new_words.view(lane_dt), lo) - lanes_sum(old_words.view(lane_dt), lo)) & _MASK64
 
 
+def fingerprint_from_lane_sums(partial_sums, n_lanes: int) -> int:
+    """A tensor's fingerprint from partial ``lanes_sum`` results that together cover all its
+    ``n_lanes`` lanes (e.g. tensor-parallel shards, summed by an all-reduce)."""
+    return (sum(partial_sums) + n_lanes * _C0) & _MASK64
+
+
 def lanes_sum(lanes: torch.Tensor, offset: int) -> int:
     """sum_i lane_i * K(offset + i) mod 2**64 over a flat int8/int16 lane view."""
     n = lanes.numel()

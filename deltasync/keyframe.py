@@ -25,7 +25,8 @@ from .fingerprint import fp_hex, state_fingerprint, tensor_fingerprint
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
 
 DEFAULT_SHARD_BYTES = 256 << 20
-_META_PREFIX = "deltasync.dtype."
+DTYPE_META_PREFIX = "deltasync.dtype."  # shard metadata key prefix naming an exotic dtype
+_META_PREFIX = DTYPE_META_PREFIX
 _NATIVE = {
     "bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "bfloat16",
     "float32", "float64", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "complex64",
