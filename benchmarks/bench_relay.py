@@ -481,7 +481,16 @@ async def _run(quick: bool) -> str:
             await asyncio.to_thread(os.sync)
             fan = await _fanout(work, s, o, (16 if quick else 64) * MiB, 8, 8)
             await asyncio.to_thread(os.sync)
-            wan = await _wan(work, s, o, (4 if quick else 16) * MiB, 4, 0.075, 3)
+            # A fresh origin: relays prefetch every model their parent has, and the fan-out keyframe
+            # would otherwise share the WAN links with the versions being timed.
+            wan_work = work / "wan"
+            wan_work.mkdir()
+            o2 = origin(wan_work, TOKEN)
+            start(o2)
+            try:
+                wan = await _wan(wan_work, s, o2, (4 if quick else 16) * MiB, 4, 0.075, 3)
+            finally:
+                stop(o2)
     finally:
         stop(o)
         if os.environ.get("DELTASYNC_BENCH_KEEP") is None:
