@@ -328,7 +328,6 @@ async def _wan(work: Path, s, o, blob_size: int, nblobs: int, delay: float, roun
 
 
 async def _head(url: str, after: int) -> dict:
-    from relay_procs import Got  # noqa: F401  (same reader module)
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(f"GET /v1/models/wan/head?after={after}&wait=60 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"

@@ -4,6 +4,7 @@
     ├── ...                       (deltasync.errors: FormatError 400, IntegrityError 422, ...)
     ├── UnauthorizedError   (401) a write without the right bearer token
     ├── ReadOnlyError       (405) a write sent to a relay
+    ├── RequestTimeoutError (408) an upload whose body stalled
     ├── TooLargeError       (413) a body over the server's limit
     ├── RangeError          (416) a Range that lies outside the blob
     ├── MissingBlobsError   (409) a manifest naming blobs the origin has not received
@@ -35,6 +36,10 @@ class UnauthorizedError(DeltaSyncError):
 
 class ReadOnlyError(DeltaSyncError):
     http_status = 405
+
+
+class RequestTimeoutError(DeltaSyncError):
+    http_status = 408
 
 
 class TooLargeError(DeltaSyncError):
@@ -81,6 +86,7 @@ _CODES: tuple[tuple[type[DeltaSyncError], str], ...] = (
     (ApplyError, "apply"),
     (UnauthorizedError, "unauthorized"),
     (ReadOnlyError, "read_only"),
+    (RequestTimeoutError, "request_timeout"),
     (TooLargeError, "too_large"),
     (RangeError, "range_not_satisfiable"),
     (MissingBlobsError, "missing_blobs"),

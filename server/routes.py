@@ -27,6 +27,7 @@ from .errors import (
     MissingBlobsError,
     RangeError,
     ReadOnlyError,
+    RequestTimeoutError,
     TooLargeError,
     UnauthorizedError,
     UnavailableError,
@@ -275,7 +276,7 @@ async def put_blob(request: web.Request) -> web.Response:
         blob_id = check_blob_id(request.match_info["id"])
         assert svc.intake is not None
         try:
-            size, created = await svc.intake.put_blob(blob_id, _pieces(request.content),
+            size, created = await svc.intake.put_blob(blob_id, _pieces(request.content, svc.config.timeouts.read),
                                                       declared=request.content_length)
         except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError) as e:
             raise FormatError(f"upload of blob {blob_id} was cut short: {e}") from None
@@ -286,10 +287,15 @@ async def put_blob(request: web.Request) -> web.Response:
                              headers={"ETag": f'"{blob_id}"', "Location": f"/v1/blobs/{blob_id}"})
 
 
-async def _pieces(content) -> AsyncIterator[bytes]:
-    """A request body piece by piece as received (no joining of buffered pieces into new objects)."""
+async def _pieces(content, stall: float) -> AsyncIterator[bytes]:
+    """A request body piece by piece as received (no joining of buffered pieces into new objects);
+    RequestTimeoutError if the sender stalls for ``stall`` seconds."""
     while True:
-        chunk, boundary = await content.readchunk()
+        try:
+            async with timeout_after(stall):
+                chunk, boundary = await content.readchunk()
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(f"the request body stalled for {stall:.0f} s") from None
         if chunk:
             yield chunk
         elif not boundary:
@@ -359,12 +365,17 @@ async def put_version(request: web.Request) -> web.Response:
         limit = svc.config.max_manifest_size
         if request.content_length is not None and request.content_length > limit:
             raise TooLargeError(f"manifest of {request.content_length} bytes exceeds the {limit}-byte limit")
+        parts: list[bytes] = []
+        got = 0
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise TooLargeError(f"manifest exceeds the {limit}-byte limit") from None
+            async for piece in _pieces(request.content, svc.config.timeouts.read):
+                got += len(piece)
+                if got > limit:
+                    raise TooLargeError(f"manifest exceeds the {limit}-byte limit")
+                parts.append(piece)
         except (aiohttp.ClientPayloadError, ConnectionError) as e:
             raise FormatError(f"manifest upload was cut short: {e}") from None
+        body = b"".join(parts)
         assert svc.intake is not None
         info, created = await svc.intake.commit(model, version, body)
     except DeltaSyncError:

@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from deltasync.manifest import BlobRef
 from server_fixtures import (
     AUTH, KEY, TOKEN, delta, keyframe, make_blob, metrics, origin, put_blob, put_manifest, relay, session,
     start_all, stop_all,
@@ -21,7 +20,7 @@ LIMIT = 1 << 20
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     work = tmp_path_factory.mktemp("writes")
-    o = origin(work, "origin", "--max-blob-size", str(LIMIT), key=True)
+    o = origin(work, "origin", "--max-blob-size", str(LIMIT), "--read-timeout", "1", key=True)
     r = relay(work, "relay", [o.url], key=True)
     start_all(o, r)
     yield o, r, work
@@ -137,6 +136,21 @@ async def test_hash_mismatch_oversize_and_truncated_uploads_store_nothing(server
         after = await metrics(s, o.url)
         assert after["deltasync_upload_rejections_total"] - before["deltasync_upload_rejections_total"] >= 3
         assert after["deltasync_uploads_total"] == before["deltasync_uploads_total"]
+
+
+async def test_a_stalled_upload_times_out_and_stores_nothing(servers):
+    o, _, work = servers
+    bid, data = make_blob(5000, 6)
+    reader, writer = await asyncio.open_connection("127.0.0.1", o.port)
+    writer.write((f"PUT /v1/blobs/{bid} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                  f"Content-Length: {len(data)}\r\n\r\n").encode() + data[:100])
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)  # read timeout is 1 s
+    assert head.startswith(b"HTTP/1.1 408")
+    writer.close()
+    async with session() as s:
+        assert await _blob_absent(s, o.url, bid)
+    assert _tmp_empty(work)
 
 
 async def test_manifest_commit_rules(servers):
