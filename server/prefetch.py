@@ -25,7 +25,7 @@ import logging
 
 import aiohttp
 
-from deltasync.errors import DeltaSyncError
+from deltasync.errors import DeltaSyncError, NotFoundError
 from deltasync.manifest import MODEL_RE, Manifest, parse_manifest
 
 from .catalog import Catalog
@@ -166,7 +166,12 @@ class Prefetcher:
         chain: list[Manifest] = []
         v: int | None = target
         while v is not None:
-            m = await self._manifest(model, v)
+            try:
+                m = await self._manifest(model, v)
+            except NotFoundError:
+                if not chain:
+                    raise
+                break  # an older version the parent no longer has: start from what we have
             chain.append(m)
             if m.kind == "keyframe" or len(chain) >= self.retention:
                 break
