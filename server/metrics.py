@@ -22,6 +22,7 @@ _COUNTERS: dict[str, str] = {
     "upstream_resumes": "Blob fetches resumed with a Range request after a failure.",
     "upstream_failovers": "Times a parent failed and the next parent was tried.",
     "hash_failures": "Blobs whose bytes did not hash to their id (discarded and refetched, or refused).",
+    "corrupt_dropped": "Stored blobs found corrupt on disk when rehashed before serving (dropped, refetched).",
     "manifest_fetches": "Manifests fetched from a parent.",
     "versions": "Versions committed (origin) or announced (relay).",
     "uploads": "Blobs stored by PUT.",

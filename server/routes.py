@@ -188,6 +188,9 @@ async def get_blob(request: web.Request) -> web.StreamResponse:
     store = svc.store
     size = store.blob_size(blob_id)
     fd = None
+    if size is not None and store.needs_verify(blob_id) and not await store.verify_cached(blob_id):
+        svc.metrics.inc("corrupt_dropped")
+        size = None  # dropped: a relay refetches it below; an origin has lost it
     if size is not None:
         try:
             fd = os.open(store.blob_path(blob_id), os.O_RDONLY)

@@ -31,6 +31,7 @@ import bisect
 import logging
 import os
 import secrets
+import time
 import shutil
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -201,6 +202,10 @@ class DiskStore:
         self._pinned: set[str] = set()
         self._leases: dict[str, int] = {}
         self._blob_lists: dict[tuple[str, int], tuple[BlobRef, ...]] = {}
+        # When each blob's bytes on disk were last seen to hash to its id (monotonic seconds).
+        # Blobs found on disk at start have no entry: they are rehashed before they are first served.
+        self._verified: dict[str, float] = {}
+        self.verify_ttl = 600.0
         self.models: dict[str, ModelIndex] = {}
         self.over_budget = False
 
@@ -340,7 +345,36 @@ class DiskStore:
             if self._on_evict:
                 self._on_evict(len(victims), freed)
 
+    def needs_verify(self, blob_id: str) -> bool:
+        t = self._verified.get(blob_id)
+        return t is None or time.monotonic() - t > self.verify_ttl
+
+    async def verify_cached(self, blob_id: str) -> bool:
+        """Rehash a stored blob (off the event loop). A blob whose bytes no longer hash to its id
+        (disk corruption, a tampered cache) is dropped so that it is refetched, never served."""
+        path = self.blob_path(blob_id)
+
+        def digest() -> str | None:
+            h = xxhash.xxh3_128()
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    while chunk := f.read(8 << 20):
+                        h.update(chunk)
+            except FileNotFoundError:
+                return None
+            return h.hexdigest()
+
+        found = await asyncio.to_thread(digest)
+        if found == blob_id:
+            self._verified[blob_id] = time.monotonic()
+            return True
+        if found is not None and blob_id in self._blobs:
+            log.error("blob %s on disk hashes to %s: corrupt, dropped (it will be refetched)", blob_id, found)
+            self._drop_blob(blob_id)
+        return False
+
     def _drop_blob(self, blob_id: str) -> None:
+        self._verified.pop(blob_id, None)
         size = self._blobs.pop(blob_id)
         self._blob_bytes -= size
         try:
@@ -362,6 +396,7 @@ class DiskStore:
                 _fsync_dir(final.parent)
 
         await asyncio.to_thread(work)
+        self._verified[part.id] = time.monotonic()
         if part.id not in self._blobs:
             self._blobs[part.id] = size
             self._blob_bytes += size

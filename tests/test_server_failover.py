@@ -100,3 +100,44 @@ async def test_servers_restart_with_everything_they_acknowledged(servers):
         async with s.get(f"{c.url}/healthz") as r:
             body = await r.json()
             assert r.status == 200 and body["role"] == "relay" and body["models"] == {MODEL: 1}
+
+
+async def test_relay_drops_a_blob_corrupted_on_its_disk_and_refetches_it(tmp_path):
+    """A relay trusts nothing it did not verify in this run: blobs found on disk at start are
+    rehashed before they are first served, so a corrupted cache heals instead of being re-served."""
+    o = origin(tmp_path)
+    r = relay(tmp_path, "r", [o.url])
+    start_all(o, r)
+    try:
+        bid, data = make_blob(3 << 20, 77)
+        async with session() as s:
+            assert await put_blob(s, o.url, bid, data) == 201
+            async with s.get(f"{r.url}/v1/blobs/{bid}") as resp:
+                assert await resp.read() == data
+
+            async def stored():
+                return (await metrics(s, r.url))["deltasync_inflight_blobs"] == 0
+            await wait_for(stored, what="the relay to store the blob")
+        path = tmp_path / "r" / "blobs" / bid[:2] / bid
+        assert path.exists()
+        r.stop()
+        raw = bytearray(path.read_bytes())
+        raw[12345] ^= 0x01  # bit rot while the relay was down
+        path.write_bytes(bytes(raw))
+        r.restart()
+        async with session() as s:
+            async with s.get(f"{r.url}/v1/blobs/{bid}") as resp:
+                assert resp.status == 200
+                assert await resp.read() == data  # refetched from the origin, not the rotten copy
+            mt = await metrics(s, r.url)
+            assert mt["deltasync_corrupt_dropped_total"] == 1
+            assert mt["deltasync_upstream_fetches_total"] == 1
+
+            async def stored_again():
+                return (await metrics(s, r.url))["deltasync_inflight_blobs"] == 0
+            await wait_for(stored_again, what="the relay to store the refetched blob")
+            async with s.get(f"{r.url}/v1/blobs/{bid}") as resp:  # now verified: a plain hit
+                assert await resp.read() == data and resp.headers["X-Deltasync-Cache"] == "hit"
+        assert path.read_bytes() == data
+    finally:
+        stop_all(r, o)
