@@ -4,22 +4,27 @@ The codec works on *words*: unsigned integers of the width the values are
 stored in (1, 2, 4 or 8 bytes). Most dtypes have one word per element;
 complex dtypes have two (real, imaginary). Wire names are torch's own
 (``"bfloat16"``, ``"float8_e4m3fn"``), stable across torch versions.
+
+The table itself needs no torch, so code that only reads manifests (the servers)
+does not import it; the torch views below import it when first used.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .errors import UnsupportedError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DtypeInfo:
     name: str
-    torch_dtype: torch.dtype
     element_size: int  # bytes per element
     word_size: int  # bytes per word (1, 2, 4, 8)
     is_float: bool  # IEEE-like sign-magnitude layout (complex components included)
@@ -28,41 +33,39 @@ class DtypeInfo:
     def words_per_element(self) -> int:
         return self.element_size // self.word_size
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
 
-_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        dt = getattr(torch, self.name, None)
+        if not isinstance(dt, torch.dtype):
+            raise UnsupportedError(f"dtype {self.name!r} is not available in torch {torch.__version__}")
+        return dt
+
+
+# name: (element size, word size, float-like)
+_SPECS: dict[str, tuple[int, int, bool]] = {
+    "bool": (1, 1, False), "uint8": (1, 1, False), "int8": (1, 1, False),
+    "int16": (2, 2, False), "uint16": (2, 2, False), "int32": (4, 4, False), "uint32": (4, 4, False),
+    "int64": (8, 8, False), "uint64": (8, 8, False),
+    "float16": (2, 2, True), "bfloat16": (2, 2, True), "float32": (4, 4, True), "float64": (8, 8, True),
+    "float8_e4m3fn": (1, 1, True), "float8_e4m3fnuz": (1, 1, True), "float8_e5m2": (1, 1, True),
+    "float8_e5m2fnuz": (1, 1, True), "float8_e8m0fnu": (1, 1, True), "float4_e2m1fn_x2": (1, 1, True),
+    "complex32": (4, 2, True), "complex64": (8, 4, True), "complex128": (16, 8, True),
+}
+
+DTYPES: dict[str, DtypeInfo] = {
+    name: DtypeInfo(name=name, element_size=size, word_size=word, is_float=is_float)
+    for name, (size, word, is_float) in _SPECS.items()
+}
+_SIGNED_NAMES = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 _NUMPY_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def _build() -> dict[str, DtypeInfo]:
-    table: dict[str, DtypeInfo] = {}
-    candidates = [
-        ("bool", False), ("uint8", False), ("int8", False), ("int16", False),
-        ("uint16", False), ("int32", False), ("uint32", False), ("int64", False),
-        ("uint64", False), ("float16", True), ("bfloat16", True), ("float32", True),
-        ("float64", True), ("float8_e4m3fn", True), ("float8_e4m3fnuz", True),
-        ("float8_e5m2", True), ("float8_e5m2fnuz", True), ("float8_e8m0fnu", True),
-        ("float4_e2m1fn_x2", True), ("complex32", True), ("complex64", True),
-        ("complex128", True),
-    ]
-    for name, is_float in candidates:
-        dt = getattr(torch, name, None)
-        if dt is None:  # older torch
-            continue
-        size = dt.itemsize
-        word = size // 2 if dt.is_complex else size
-        table[name] = DtypeInfo(
-            name=name, torch_dtype=dt, element_size=size, word_size=word, is_float=is_float
-        )
-    return table
-
-
-DTYPES: dict[str, DtypeInfo] = _build()
-_BY_TORCH = {info.torch_dtype: info for info in DTYPES.values()}
-
-
-def dtype_info(dtype: torch.dtype | str) -> DtypeInfo:
+def dtype_info(dtype: Any) -> DtypeInfo:
     """Look a dtype up by torch dtype or wire name; unknown ones raise UnsupportedError."""
-    info = DTYPES.get(dtype) if isinstance(dtype, str) else _BY_TORCH.get(dtype)
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    info = DTYPES.get(name)
     if info is None:
         raise UnsupportedError(
             f"dtype {dtype!r} is not supported; supported: {', '.join(sorted(DTYPES))}"
@@ -72,7 +75,9 @@ def dtype_info(dtype: torch.dtype | str) -> DtypeInfo:
 
 def signed_word_dtype(word_size: int) -> torch.dtype:
     """The signed torch integer type of a word width (torch has full op support for these)."""
-    return _SIGNED[word_size]
+    import torch
+
+    return getattr(torch, _SIGNED_NAMES[word_size])
 
 
 def numpy_word_dtype(word_size: int) -> np.dtype:
@@ -81,15 +86,18 @@ def numpy_word_dtype(word_size: int) -> np.dtype:
 
 def word_view(tensor: torch.Tensor) -> torch.Tensor:
     """A flat signed-integer view of a contiguous tensor's words, sharing its memory."""
+    import torch
+
     info = dtype_info(tensor.dtype)
+    signed = signed_word_dtype(info.word_size)
     flat = tensor.reshape(-1)
     if flat.numel() == 1 and flat.stride(0) != 1:  # a one-element view of a strided tensor
         flat = flat.as_strided((1,), (1,))
     if tensor.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     if flat.numel() == 0:
-        return torch.empty(0, dtype=_SIGNED[info.word_size], device=tensor.device)
-    return flat.view(torch.uint8).view(_SIGNED[info.word_size])
+        return torch.empty(0, dtype=signed, device=tensor.device)
+    return flat.view(torch.uint8).view(signed)
 
 
 def word_count(shape: tuple[int, ...] | list[int], info: DtypeInfo) -> int:
