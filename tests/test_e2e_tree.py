@@ -138,10 +138,11 @@ def test_subscriber_killed_mid_apply_restarts_and_recovers(cluster, tmp_path):
                 proc.wait(10)
         assert rc == -signal.SIGKILL, proc.stdout.read().decode()
     # dead between applying v>=6 in memory and replacing the file: the file is an older, intact version
+    # (which one depends on timing: a subscriber that starts late catches up with a squashed delta)
     import safetensors
     with safetensors.safe_open(str(out), framework="pt") as f:
         v = int(f.metadata()["deltasync.version"])
-    assert 3 <= v < 6
+    assert 0 <= v < 6
     assert exact(read_state_file(out), states[v])
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
