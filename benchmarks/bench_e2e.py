@@ -10,8 +10,8 @@ as soon as it is ready), all on this one machine. Two workloads:
   master weights, Adam, bf16 served weights, lr giving ~99% unchanged elements per
   step), 2 subscribers.
 
-Per step: *latency* = time from the publish() call to the moment the last subscriber
-has applied and verified that version; *blocking* = time publish() held the trainer;
+Per step: *latency* = time from the publish() call until every subscriber has applied
+and verified that version or a newer one; *blocking* = time publish() held the trainer;
 *fraction* = blocking / (the trainer's own step time + blocking).
 
 ``run(quick)`` returns a Markdown section; ``python benchmarks/bench_e2e.py [--quick]``
@@ -85,15 +85,31 @@ def _measure(name: str, steps: Iterator[tuple[dict[str, torch.Tensor], float]], 
                 s.close()
             cluster.close()
     out = {"latency": [], "blocking": [], "fraction": [], "bytes": [], "raw": 0, "keyframe_latency": None}
+    # When did subscriber i first run version v or newer? (A subscriber that fell behind catches up
+    # with a squashed delta and skips versions; v has reached it once anything at or past v is applied.)
+    per_sub: dict[int, list[tuple[int, float]]] = {}
+    for v, by_sub in applied.items():
+        for i, t in by_sub.items():
+            per_sub.setdefault(i, []).append((v, t))
+
+    def reached(v: int) -> float | None:
+        times = []
+        for i in range(subscribers):
+            later = [t for (w, t) in per_sub.get(i, ()) if w >= v]
+            if not later:
+                return None
+            times.append(min(later))
+        return max(times)
+
     for step, pending, train_s in rows:
         res = pending.result(0)
         out["raw"] = res.raw_bytes
-        t_apply = applied.get(step, {})
-        lat = max(t_apply.values()) - published[step] if len(t_apply) == subscribers else None
+        t_reach = reached(step)
+        lat = t_reach - published[step] if t_reach is not None else None
         if res.kind == "keyframe":
             out["keyframe_latency"] = lat
             continue
-        if lat is not None:  # a version a subscriber skipped (squashed catch-up) has no latency of its own
+        if lat is not None:
             out["latency"].append(lat)
         out["blocking"].append(pending.blocking_s)
         out["fraction"].append(pending.blocking_s / (train_s + pending.blocking_s))
@@ -170,8 +186,9 @@ def run(quick: bool = False) -> str:
         f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, {_cpus()} CPUs, Python "
         f"{platform.python_version()}, torch {torch.__version__}. Origin -> regional relay -> cluster relay -> "
         "subscribers (auto mode: each version applied and verified as soon as it is ready), all processes on this "
-        "machine over loopback, manifests signed. Latency: from the publish() call to the last subscriber's verified "
-        "apply. Blocking: time publish() held the trainer; fraction: of the trainer's step (its own compute + "
+        "machine over loopback, manifests signed. Latency: from the publish() call until every subscriber runs that "
+        "version or a newer one (verified; a subscriber that falls behind catches up with a squashed delta and "
+        "skips versions). Blocking: time publish() held the trainer; fraction: of the trainer's step (its own compute + "
         "publish). Delta size: median, % of the bf16 state. First-version keyframe latency shown apart."
         + (" Quick mode (fewer steps)." if quick else ""),
         "",

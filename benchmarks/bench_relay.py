@@ -398,7 +398,7 @@ def _report(shaped: dict, lo: dict, fan: dict, wan: dict, quick: bool, load: tup
                "only the receive half, without the event loop, fsync or any sending.")
     out.append("")
     out.append(f"Relay peak RSS (loopback run): {', '.join(f'{x:.0f}' for x in lo['rss'])} MiB "
-               "(most of it is the torch import that deltasync.manifest pulls in).")
+               "(servers do not import torch).")
     out.append("")
 
     base_t, base_cpu = min(fan["base"].values(), key=lambda x: x[0])
