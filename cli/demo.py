@@ -17,7 +17,6 @@ holds bit-exactly the trainer's final weights (exit 0), or not (exit 1).
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import shutil
 import sys

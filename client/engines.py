@@ -38,7 +38,7 @@ import torch
 from deltasync.apply import PreparedDelta, live_tensors
 from deltasync.dtypes import dtype_info, signed_word_dtype, word_view
 from deltasync.errors import BaseMismatchError, IntegrityError
-from deltasync.fingerprint import fingerprint_delta, fingerprint_from_lane_sums, fp_hex, lane_keys
+from deltasync.fingerprint import fingerprint_delta, fingerprint_from_lane_sums, fp_hex
 
 _MASK64 = (1 << 64) - 1
 

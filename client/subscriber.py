@@ -43,15 +43,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from deltasync.apply import PreparedDelta, apply_prepared, live_tensors, prepare_delta
-from deltasync.dtypes import dtype_info
 from deltasync.errors import BaseMismatchError, DeltaSyncError, IntegrityError, NotFoundError, SignatureError
-from deltasync.fingerprint import fp_hex, state_fingerprint, state_fingerprint_of, tensor_fingerprint
-from deltasync.keyframe import load_keyframe
+from deltasync.fingerprint import state_fingerprint, state_fingerprint_of, tensor_fingerprint
+from deltasync.keyframe import copy_state, load_keyframe
 from deltasync.manifest import Manifest, parse_manifest
 from deltasync.planner import plan_catchup
 
@@ -335,24 +334,8 @@ class Subscriber:
         return True
 
     def _copy_keyframe(self, tensors: dict[str, torch.Tensor], step: _Step) -> dict[str, int]:
-        state, fps = step.state, step.fps
-        assert state is not None and fps is not None
-        if set(tensors) != set(state):
-            raise BaseMismatchError(
-                f"keyframe v{step.version} has tensors {sorted(set(state) - set(tensors))[:5]} the target lacks and lacks "
-                f"{sorted(set(tensors) - set(state))[:5]}; is the target the same model?")
-        for name, src in state.items():
-            dst = tensors[name]
-            if dst.dtype != src.dtype or tuple(dst.shape) != tuple(src.shape):
-                raise BaseMismatchError(f"{name}: target is {dst.dtype} {tuple(dst.shape)}, keyframe has {src.dtype} {tuple(src.shape)}")
-        with torch.no_grad():
-            for name, src in state.items():
-                tensors[name].copy_(src)
-        for name in state:
-            got = tensor_fingerprint(tensors[name])
-            if got != fps[name]:
-                raise IntegrityError(f"{name}: fingerprint {fp_hex(got)} after copying keyframe v{step.version}, expected {fp_hex(fps[name])}")
-        return dict(fps)
+        assert step.state is not None and step.fps is not None
+        return copy_state(tensors, step.state, step.fps, version=step.version)
 
     def _scrub(self, tensors: dict[str, torch.Tensor]) -> None:
         self._counts["scrubs"] += 1

@@ -131,7 +131,6 @@ def diff_chunk(old_words: torch.Tensor, new_words: torch.Tensor, start: int, sto
     """
     ndt = numpy_word_dtype(word_size)
     sdt = np.dtype(f"i{word_size}")
-    dense_fp = False
     if old_words.device.type == "cpu":
         o = old_words[start:stop].numpy().view(ndt)
         n = new_words[start:stop].numpy().view(ndt)

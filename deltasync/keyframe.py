@@ -20,7 +20,7 @@ import torch
 from .blob import blob_id
 from .codec import Encoded
 from .dtypes import dtype_info
-from .errors import FormatError, IntegrityError
+from .errors import BaseMismatchError, FormatError, IntegrityError
 from .fingerprint import fp_hex, state_fingerprint, tensor_fingerprint
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
 
@@ -55,16 +55,44 @@ def load_shard(data: bytes) -> dict[str, torch.Tensor]:
         tensors = safetensors.torch.load(bytes(data))
     except Exception as e:  # safetensors raises SafetensorError and others on bad input
         raise FormatError(f"not a valid safetensors shard: {type(e).__name__}: {e}") from None
-    out = {}
-    for name, t in tensors.items():
-        real = meta.get(_META_PREFIX + name)
-        if real is not None:
-            info = dtype_info(real)
-            if t.dtype != torch.uint8 or t.dim() == 0 or t.shape[-1] != info.element_size:
-                raise FormatError(f"{name}: stored as {t.dtype} {tuple(t.shape)}, cannot be {real}")
-            t = t.contiguous().view(info.torch_dtype).reshape(t.shape[:-1])
-        out[name] = t
-    return out
+    return {name: restore_dtype(name, t, meta) for name, t in tensors.items()}
+
+
+def restore_dtype(name: str, t: torch.Tensor, meta: dict[str, str], *, where: str = "") -> torch.Tensor:
+    """A tensor as read from safetensors, turned back into its exotic dtype if the metadata names one."""
+    real = meta.get(DTYPE_META_PREFIX + name)
+    if real is None:
+        return t
+    info = dtype_info(real)
+    if t.dtype != torch.uint8 or t.dim() == 0 or t.shape[-1] != info.element_size:
+        raise FormatError(f"{where}{name}: stored as {t.dtype} {tuple(t.shape)}, cannot be {real}")
+    if t.numel() == 0:
+        return torch.empty(t.shape[:-1], dtype=info.torch_dtype)
+    return t.contiguous().view(info.torch_dtype).reshape(t.shape[:-1])
+
+
+def copy_state(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], fps: dict[str, int], *,
+               version: int, verify: bool = True) -> dict[str, int]:
+    """Copy a checked keyframe state into live tensors of the same layout; with ``verify``, re-fingerprint
+    each written tensor on its device. Layout mismatches raise BaseMismatchError before anything is written."""
+    if set(tensors) != set(state):
+        raise BaseMismatchError(
+            f"keyframe v{version} has tensors {sorted(set(state) - set(tensors))[:5]} the target lacks "
+            f"and lacks {sorted(set(tensors) - set(state))[:5]}; is the target the same model?")
+    for name, src in state.items():
+        dst = tensors[name]
+        if dst.dtype != src.dtype or tuple(dst.shape) != tuple(src.shape):
+            raise BaseMismatchError(f"{name}: target is {dst.dtype} {tuple(dst.shape)}, keyframe has {src.dtype} {tuple(src.shape)}")
+    with torch.no_grad():
+        for name, src in state.items():
+            tensors[name].copy_(src)
+    if verify:
+        for name in state:
+            got = tensor_fingerprint(tensors[name])
+            if got != fps[name]:
+                raise IntegrityError(f"{name}: fingerprint {fp_hex(got)} after copying keyframe v{version}, expected "
+                                     f"{fp_hex(fps[name])}: the device memory is not what was written (resync)")
+    return dict(fps)
 
 
 def _read_metadata(data: bytes) -> dict[str, str]:
@@ -163,21 +191,4 @@ def apply_keyframe(target, manifest: Manifest, blobs, *, verify: str = "full") -
     from .apply import live_tensors
 
     state, fps = load_keyframe(manifest, blobs)
-    tensors = live_tensors(target)
-    if set(tensors) != set(state):
-        raise IntegrityError(
-            f"keyframe v{manifest.version} has tensors {sorted(set(state) - set(tensors))[:5]} the target lacks "
-            f"and lacks {sorted(set(tensors) - set(state))[:5]}")
-    for name, src in state.items():
-        dst = tensors[name]
-        if dst.dtype != src.dtype or tuple(dst.shape) != tuple(src.shape):
-            raise IntegrityError(f"{name}: target is {dst.dtype} {tuple(dst.shape)}, keyframe has {src.dtype} {tuple(src.shape)}")
-    with torch.no_grad():
-        for name, src in state.items():
-            tensors[name].copy_(src)
-    if verify == "full":
-        for name in state:
-            if tensor_fingerprint(tensors[name]) != fps[name]:
-                raise IntegrityError(f"{name}: fingerprint after copying the keyframe does not match; the device "
-                                     "memory is not what was written (resync)")
-    return fps
+    return copy_state(live_tensors(target), state, fps, version=manifest.version, verify=verify == "full")

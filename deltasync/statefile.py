@@ -13,9 +13,8 @@ import safetensors
 import torch
 
 from .deltafile import write_atomic
-from .dtypes import dtype_info
 from .errors import FormatError
-from .keyframe import _META_PREFIX, save_shard
+from .keyframe import restore_dtype, save_shard
 
 
 def read_state_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -26,14 +25,7 @@ def read_state_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             meta = f.metadata() or {}
             out = {}
             for name in f.keys():
-                t = f.get_tensor(name)
-                real = meta.get(_META_PREFIX + name)
-                if real is not None:
-                    info = dtype_info(real)
-                    if t.dtype != torch.uint8 or t.dim() == 0 or t.shape[-1] != info.element_size:
-                        raise FormatError(f"{path}: {name} stored as {t.dtype} {tuple(t.shape)} cannot be {real}")
-                    t = t.contiguous().view(info.torch_dtype).reshape(t.shape[:-1])
-                out[name] = t
+                out[name] = restore_dtype(name, f.get_tensor(name), meta, where=f"{path}: ")
             return out
     except FormatError:
         raise

@@ -11,7 +11,7 @@ from aiohttp import web
 from deltasync.blob import blob_id
 from deltasync.client.errors import TransportError
 from deltasync.client.http import HttpClient, Timeouts
-from deltasync.errors import IntegrityError, NotFoundError
+from deltasync.errors import NotFoundError
 
 DATA = bytes(range(256)) * 4096  # 1 MiB
 BID = blob_id(DATA)

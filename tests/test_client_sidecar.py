@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ from deltasync.client.checkpoints import CheckpointError, MappedCheckpoint, chec
 from deltasync.client.cluster import LocalCluster
 from deltasync.client.sidecar import STATE_NAME, Sidecar
 from deltasync.client.subscriber import ThreadedSubscriber
-from deltasync.statefile import read_state_file, write_state_file
+from deltasync.statefile import write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 
 SHAPE = ModelShape(vocab=256, hidden=32, layers=1, ffn=64)

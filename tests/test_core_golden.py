@@ -18,7 +18,6 @@ import json
 import struct
 
 import numpy as np
-import pytest
 import torch
 
 from deltasync.apply import apply_delta

@@ -11,12 +11,11 @@ import torch
 
 import deltasync.apply as apply_mod
 from deltasync.apply import apply_delta, apply_prepared, prepare_delta
-from deltasync.codec import ChunkPatch, EncodeOptions, decode_blob, encode_delta
-from deltasync.dtypes import DTYPES, dtype_info
+from deltasync.codec import ChunkPatch, EncodeOptions, encode_delta
+from deltasync.dtypes import DTYPES
 from deltasync.errors import (
     ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, SignatureError,
 )
-from deltasync.fingerprint import fp_hex
 from deltasync.manifest import parse_manifest
 from deltasync.values import Changes
 from core_support import from_words, tensor_bytes, words_of

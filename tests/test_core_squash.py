@@ -7,13 +7,12 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltasync.apply import apply_delta
 from deltasync.codec import EncodeOptions, decode_blob, encode_delta
-from deltasync.dtypes import DTYPES, dtype_info
+from deltasync.dtypes import DTYPES
 from deltasync.errors import BaseMismatchError, ChainError
 from deltasync.keyframe import encode_keyframe
 from deltasync.manifest import parse_manifest

@@ -146,7 +146,7 @@ def test_subscriber_killed_mid_apply_restarts_and_recovers(cluster, tmp_path):
     assert exact(read_state_file(out), states[v])
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert f"resuming" in done.stdout
+    assert "resuming" in done.stdout
     assert exact(read_state_file(out), states[9])
     assert not list(tmp_path.glob(".live.safetensors.*.tmp"))
 
