@@ -171,6 +171,28 @@ def _receive_floor(src: Path, size: int, scratch: Path) -> tuple[float, float]:
     return best
 
 
+async def _single(work: Path, s, o, size: int, runs: int) -> tuple[float, float]:
+    """CPU s/GB (user, kernel) of ONE cold relay forwarding a blob to one reader: the chain's figure
+    without three relays, the origin and the reader fighting over two cores (best of ``runs``)."""
+    r = relay(work, "single", [o.url])
+    start(r)
+    best = None
+    try:
+        for i in range(runs):
+            bid, data = _data(size, 900 + i)
+            await _put_blob(s, o.url, bid, data)
+            del data
+            await asyncio.to_thread(os.sync)
+            c0 = _cpu_split([r])
+            await _get_ok(r.url, bid, size)
+            u, k = _diff(c0, _cpu_split([r]))[0]
+            if best is None or u + k < sum(best):
+                best = (u / (size / 1e9), k / (size / 1e9))
+    finally:
+        stop(r)
+    return best
+
+
 def _cpu_split(procs) -> list[tuple[float, float]]:
     return [cpu_seconds(p.pid, split=True) for p in procs]
 
@@ -385,6 +407,9 @@ def _report(shaped: dict, lo: dict, fan: dict, wan: dict, quick: bool, load: tup
         out.append(f"| relay {i + 1} of 3, cold (receive, hash, write to cache, cut-through sendfile) | {u + k:.3f} | "
                    f"{k:.3f} |")
     out.append(f"| relay 3, cached blob (sendfile) | {lo['warm_cpu_per_gb']:.3f} | |")
+    su, sk = lo["single"]
+    out.append(f"| one relay alone, cold (origin → relay → one reader; no other relay competing for the 2 cores) | "
+               f"{su + sk:.3f} | {sk:.3f} |")
     fu, fk = lo["floor"]
     out.append(f"| floor: a minimal blocking loop doing only the receive side (recv_into, xxh3, os.write), same "
                f"bytes, this run | {fu + fk:.3f} | {fk:.3f} |")
@@ -477,6 +502,8 @@ async def _run(quick: bool) -> str:
             shaped = await _chain(work, s, o, chain_size, shaped=True, runs=1)
             await asyncio.to_thread(os.sync)
             lo = await _chain(work, s, o, chain_size, shaped=False, runs=3)
+            await asyncio.to_thread(os.sync)
+            lo["single"] = await _single(work, s, o, chain_size, runs=3)
             await asyncio.to_thread(os.sync)
             fan = await _fanout(work, s, o, (16 if quick else 64) * MiB, 8, 8)
             await asyncio.to_thread(os.sync)
