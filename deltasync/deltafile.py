@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .blob import verify_blob
-from .errors import FormatError, IntegrityError
+from .errors import FormatError, IntegrityError, StorageError
 from .manifest import Manifest, parse_manifest
 
 MAGIC = b"DSYNCDLT"
@@ -85,18 +85,23 @@ def read_delta_file(path: str | os.PathLike, *, key: bytes | None = None) -> Del
 def write_atomic(path: str | os.PathLike, data: bytes | memoryview) -> None:
     """Write to a temp file in the same folder, fsync, rename: readers see all or nothing."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    except OSError as e:
+        raise StorageError(f"cannot write {path}: {e.strerror or e}") from e
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError):
+            raise StorageError(f"writing {path} failed ({e.strerror or e}); the previous file, if any, is untouched") from e
         raise
     try:
         dfd = os.open(path.parent or ".", os.O_RDONLY)

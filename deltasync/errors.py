@@ -10,7 +10,8 @@
     │   └── SignatureError    (403)     a manifest whose signature does not verify
     ├── ChainError            (409)     versions that do not link (gap, wrong parent, reorder)
     ├── NotFoundError         (404)     a blob, version or tensor that is not there
-    └── ApplyError            (500)     patching live tensors failed; the state was rolled back
+    ├── ApplyError            (500)     patching live tensors failed; the state was rolled back
+    └── StorageError          (507)     a write failed (disk full, quota, I/O); nothing partial was kept
 
 Every error says what was expected, what was found and what to do. ``http_status``
 is the status a server should answer with; only the route layer turns errors into
@@ -70,3 +71,9 @@ class ApplyError(DeltaSyncError):
     """Patching live tensors failed; every tensor touched was restored."""
 
     http_status = 500
+
+
+class StorageError(DeltaSyncError):
+    """Writing to disk failed (full disk, quota, I/O error); no partial file was left in place."""
+
+    http_status = 507

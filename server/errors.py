@@ -26,6 +26,7 @@ from deltasync.errors import (
     IntegrityError,
     NotFoundError,
     SignatureError,
+    StorageError,
     UnsupportedError,
 )
 
@@ -93,6 +94,7 @@ _CODES: tuple[tuple[type[DeltaSyncError], str], ...] = (
     (UpstreamTimeout, "upstream_timeout"),
     (UpstreamError, "upstream"),
     (UnavailableError, "unavailable"),
+    (StorageError, "insufficient_storage"),
 )
 
 

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from deltasync.errors import BaseMismatchError, ChainError, FormatError, IntegrityError
+from deltasync.errors import BaseMismatchError, ChainError, FormatError, IntegrityError, StorageError
 from deltasync.manifest import Manifest, parse_manifest
 
 from .errors import MissingBlobsError, TooLargeError
@@ -42,12 +42,19 @@ class Intake:
             return size, False
         if declared is not None and declared > self.max_blob_size:
             raise TooLargeError(f"blob of {declared} bytes exceeds this origin's limit of {self.max_blob_size}")
-        part = await self.store.open_partial(blob_id)
+        try:
+            part = await self.store.open_partial(blob_id)
+        except OSError as e:
+            raise StorageError(f"cannot store blob {blob_id}: {e.strerror or e}") from e
         try:
             async for chunk in body:
                 if part.written + len(chunk) > self.max_blob_size:
                     raise TooLargeError(f"blob body exceeds this origin's limit of {self.max_blob_size} bytes")
-                part.write(chunk)
+                try:
+                    part.write(chunk)
+                except OSError as e:
+                    raise StorageError(f"storing blob {blob_id} failed after {part.written} bytes "
+                                       f"({e.strerror or e}); nothing was kept") from e
                 self.metrics.inc("bytes_in", len(chunk))
             if declared is not None and part.written != declared:
                 raise FormatError(f"upload ended after {part.written} of {declared} declared bytes (truncated)")
@@ -57,7 +64,10 @@ class Intake:
                 self.metrics.inc("hash_failures")
                 raise
             self.store.make_room(part.written)
-            await part.commit()
+            try:
+                await part.commit()
+            except OSError as e:
+                raise StorageError(f"storing blob {blob_id} failed ({e.strerror or e}); nothing was kept") from e
         finally:
             part.close()
         self.metrics.inc("uploads")

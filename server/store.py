@@ -41,7 +41,7 @@ from pathlib import Path
 import xxhash
 
 from deltasync.blob import BLOB_ID_RE, check_blob_id
-from deltasync.errors import IntegrityError, NotFoundError
+from deltasync.errors import IntegrityError, NotFoundError, StorageError
 from deltasync.manifest import MODEL_RE, BlobRef, Manifest, parse_manifest
 
 log = logging.getLogger("deltasync.server.store")
@@ -112,12 +112,19 @@ def _fsync_dir(path: Path) -> None:
 def _write_file_atomically(tmp_dir: Path, final: Path, data: bytes, fsync: bool) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_dir / f"{final.name}.{secrets.token_hex(6)}.part"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise StorageError(f"writing {final.name} failed ({e.strerror or e}); nothing was stored") from e
     if fsync:
         _fsync_dir(final.parent)
 

@@ -123,3 +123,20 @@ def test_garbage_input_is_a_clear_error(tmp_path: Path) -> None:
     assert p.returncode == 1 and "safetensors" in p.stderr and "Traceback" not in p.stderr
     p = run("replay", "missing.safetensors", "x.dsd", "-o", "y", cwd=tmp_path, ok=False)
     assert p.returncode == 1 and "No such file" in p.stderr
+
+
+def test_replay_onto_a_full_disk_keeps_the_old_file(chain: Path, tmp_path: Path) -> None:
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        out = mnt / "out.safetensors"
+        out.write_bytes(b"previous contents")
+        p = run("replay", str(chain / "s0.safetensors"), str(chain / "d1.dsd"), "-o", str(out), cwd=chain, ok=False)
+        assert p.returncode == 1 and "writing" in p.stderr and "Traceback" not in p.stderr
+        assert out.read_bytes() == b"previous contents"  # untouched
+        assert [f.name for f in mnt.iterdir()] == ["out.safetensors"]  # no temp file left behind
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import subprocess
 
 import pytest
 
@@ -229,3 +230,39 @@ async def test_relays_refuse_writes(servers):
             assert resp.status == 405
         async with s.delete(f"{r.url}/v1/blobs/{bid}") as resp:
             assert resp.status == 405 and (await _error(resp))["code"] == "method_not_allowed"
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 4 MiB tmpfs: a real full disk (needs root and mount permission; skipped otherwise)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+async def test_full_disk_refuses_the_upload_keeps_nothing_and_recovers(tiny_disk):
+    o = origin(tiny_disk)
+    start_all(o)
+    try:
+        small_id, small = make_blob(64 << 10, 901)
+        big_id, big = make_blob(6 << 20, 902)  # more than the disk holds
+        async with session() as s:
+            async with s.put(f"{o.url}/v1/blobs/{big_id}", data=big, headers=AUTH) as r:
+                assert r.status == 507
+                body = await r.json()
+                assert body["error"]["code"] == "insufficient_storage"
+            async with s.get(f"{o.url}/v1/blobs/{big_id}") as r:
+                assert r.status == 404
+            leftovers = [p for p in (tiny_disk / "origin" / "tmp").iterdir()]
+            assert leftovers == []  # the partial upload was removed, freeing the space
+            assert await put_blob(s, o.url, small_id, small) == 201  # the server still works
+            async with s.get(f"{o.url}/v1/blobs/{small_id}") as r:
+                assert await r.read() == small
+            async with s.get(f"{o.url}/healthz") as r:
+                assert r.status == 200
+    finally:
+        stop_all(o)
