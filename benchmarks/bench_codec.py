@@ -10,6 +10,7 @@ reported also as a fraction of a ``copy_`` of the same bytes measured here.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -85,18 +86,24 @@ def run(quick: bool = False) -> str:
         live = {k: v.clone() for k, v in a.items()}
         backup = {k: v.clone() for k, v in a.items()}
 
-        def dec_apply():
+        def dec_apply(executor=None):
             for k, v in live.items():
                 v.copy_(backup[k])
             t0 = time.perf_counter()
-            prep = prepare_delta(enc.manifest, enc.blobs)
-            apply_prepared(live, prep, fps)
-            return time.perf_counter() - t0
+            prep = prepare_delta(enc.manifest, enc.blobs, executor=executor)
+            t1 = time.perf_counter()
+            apply_prepared(live, prep, fps, executor=executor)
+            t2 = time.perf_counter()
+            assert all(torch.equal(live[k].view(torch.int16), b[k].view(torch.int16)) for k in b)
+            return t2 - t0, t2 - t1
 
-        t_da = min(dec_apply() for _ in range(3))
+        t_da, t_ap = min(dec_apply() for _ in range(3))
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            t_da2 = min(dec_apply(pool)[0] for _ in range(3))
         dst = {k: torch.empty_like(v) for k, v in b.items()}
         t_copy, _ = best(lambda: [dst[k].copy_(v) for k, v in b.items()])
-        speed.append((target, raw / t_enc / 1e9, raw / t_da / 1e9, raw / t_copy / 1e9))
+        speed.append((target, raw / t_enc / 1e9, raw / t_da / 1e9, raw / t_copy / 1e9, raw / t_ap / 1e9,
+                      raw / t_da2 / 1e9))
 
         # Incremental verification: cost per changed element, at each density.
         big = max(b, key=lambda k: b[k].numel())
@@ -120,11 +127,18 @@ def run(quick: bool = False) -> str:
                    f"{raw / pulse:.1f}x | **{xor / ours:.2f}x** | {pulse / ours:.2f}x |")
     out += ["", "Targets: ratio ≥120x at 99%, ≥30x at 95%, ≥10x at 80%; ≥1.6x better than dense XOR + zstd at each.", "",
             "Speed, one thread, GB/s of bf16 state (best of 3):", "",
-            "| unchanged | encode | decode + apply in place + verify | `copy_` of same bytes | encode / copy_ | decode+apply / copy_ |",
-            "|---|---|---|---|---|---|"]
-    for target, enc_r, da_r, copy_r in speed:
-        out.append(f"| {target:.0%} | **{enc_r:.2f}** | **{da_r:.2f}** | {copy_r:.1f} | {enc_r / copy_r:.3f} | {da_r / copy_r:.3f} |")
-    out += ["", "Targets: encode ≥1 GB/s per core, decode + apply + verify ≥2 GB/s.", "",
+            "| unchanged | encode | decode + apply in place + verify | of which apply + verify (the engine's pause) | "
+            "decode + apply + verify, 2 threads | `copy_` of same bytes | encode / copy_ | decode+apply / copy_ |",
+            "|---|---|---|---|---|---|---|---|"]
+    for target, enc_r, da_r, copy_r, ap_r, da2_r in speed:
+        out.append(f"| {target:.0%} | **{enc_r:.2f}** | **{da_r:.2f}** | {ap_r:.2f} | {da2_r:.2f} | {copy_r:.1f} | "
+                   f"{enc_r / copy_r:.3f} | {da_r / copy_r:.3f} |")
+    out += ["", "Targets: encode ≥1 GB/s per core, decode + apply + verify ≥2 GB/s. Decoding runs off the inference "
+            "path (in the background, while the engine serves); apply + verify is the pause between batches. The 2-thread "
+            "column passes a 2-worker pool to `prepare_delta`/`apply_prepared` (chunks and tensors in parallel).", "",
+            "What bounds the denser cases: every changed word costs about a dozen vectorized numpy/torch passes "
+            "(gather, step, token, position and fingerprint-key arithmetic) at ~1 ns each, so time grows with the change "
+            "count; the compare pass alone runs at ~3 GB/s. A fused kernel (C++ or a GPU) would remove the passes.", "",
             f"Fingerprint, full recompute on CPU, one thread: **{fp_rate:.2f} GB/s** (target ≥2 GB/s).", "",
             "Incremental verification (largest tensor, `fingerprint_delta` over its changed elements):", "",
             "| unchanged | changed elements | ns per changed element | total ms |", "|---|---|---|---|"]

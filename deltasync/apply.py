@@ -18,6 +18,7 @@ their state-dict names), on CPU or GPU.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,15 +65,17 @@ class PreparedDelta:
     decoded_bytes: int
 
 
-def prepare_delta(manifest: Manifest, blobs: BlobSource) -> PreparedDelta:
-    """Decode a delta's blobs and check them against its manifest. Raises FormatError/IntegrityError."""
+def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor | None = None) -> PreparedDelta:
+    """Decode a delta's blobs and check them against its manifest. Raises FormatError/IntegrityError.
+
+    ``executor``: decode chunks on its threads (the caller owns it; the core starts none)."""
     if manifest.kind != "delta":
         raise FormatError(f"v{manifest.version} is a {manifest.kind}, not a delta")
     decoded: dict[str, list[ChunkPatch]] = {}
     total = 0
     for ref in manifest.blobs:
         data = get_blob(blobs, ref.id, ref.size)
-        decoded[ref.id] = decode_blob(data)
+        decoded[ref.id] = decode_blob(data, executor=executor)
         total += len(data)
     used: set[tuple[str, int]] = set()
     patches: dict[str, list[ChunkPatch]] = {}
@@ -171,40 +174,59 @@ def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Map
             f"target state {have} is not v{manifest.parent} ({manifest.state_fp_before}); the tensor sets differ")
 
 
-def apply_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | None = None, *, verify: str = "incremental") -> dict[str, int]:
+def apply_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | None = None, *, verify: str = "incremental",
+                   executor: Executor | None = None) -> dict[str, int]:
     """Patch ``target`` in place from v(parent) to v(version); returns the new fingerprints.
 
     ``fps``: the target's current fingerprints as tracked by the caller; computed
     (a full scrub) when None. ``verify``: ``"incremental"`` (O(changed)) or
-    ``"full"`` (recompute every patched tensor after writing). On any failure every
-    word written is restored and the error raised: never a half-applied version.
+    ``"full"`` (recompute every patched tensor after writing). ``executor``: patch
+    tensors on its threads (they are disjoint in memory; the caller owns the pool). On
+    any failure every word written is restored and the error raised: never a
+    half-applied version.
     """
     manifest = prepared.manifest
+    records = {t.name: t for t in manifest.tensors}
     tensors = live_tensors(target)
     fps = dict(fps) if fps is not None else {n: tensor_fingerprint(t) for n, t in tensors.items()}
     check_base(manifest, tensors, fps)
     aliases = find_aliases(tensors)
     for alias, primary in aliases.items():
-        a, p = manifest.tensor(alias), manifest.tensor(primary)
+        a, p = records[alias], records[primary]
         if (a.fp_before, a.fp_after) != (p.fp_before, p.fp_after):
             raise BaseMismatchError(
                 f"{alias} shares memory with {primary} (tied weights) but the delta changes them differently")
     undo = _Undo()
     new_fps = dict(fps)
-    try:
+
+    def patch_one(name: str, chunks: list[ChunkPatch]) -> int:
         with torch.no_grad():
-            for name, chunks in prepared.patches.items():
-                if name in aliases:  # tied weights: the primary's patch already wrote these words
-                    continue
-                new_fps[name] = _patch_tensor(tensors[name], chunks, fps[name], undo)
-                rec = manifest.tensor(name)
-                if verify == "full":
-                    new_fps[name] = tensor_fingerprint(tensors[name])
-                if fp_hex(new_fps[name]) != rec.fp_after:
-                    raise IntegrityError(
-                        f"{name}: fingerprint after patching is {fp_hex(new_fps[name])}, manifest says {rec.fp_after}; rolled back")
-            for alias, primary in aliases.items():
-                new_fps[alias] = new_fps[primary]
+            fp = _patch_tensor(tensors[name], chunks, fps[name], undo)
+            if verify == "full":
+                fp = tensor_fingerprint(tensors[name])
+        if fp_hex(fp) != records[name].fp_after:
+            raise IntegrityError(
+                f"{name}: fingerprint after patching is {fp_hex(fp)}, manifest says {records[name].fp_after}; rolled back")
+        return fp
+
+    # tied weights: the primary's patch writes the shared words once
+    work = [(name, chunks) for name, chunks in prepared.patches.items() if name not in aliases]
+    try:
+        if executor is None or len(work) < 2:
+            for name, chunks in work:
+                new_fps[name] = patch_one(name, chunks)
+        else:
+            futures = [(name, executor.submit(patch_one, name, chunks)) for name, chunks in work]
+            try:
+                wait([f for _, f in futures])
+            finally:
+                # Whatever happens here (even an interrupt), every worker must be done writing
+                # before anything is rolled back.
+                wait([f for _, f in futures])
+            for name, f in futures:
+                new_fps[name] = f.result()  # raises the first failure, in tensor order
+        for alias, primary in aliases.items():
+            new_fps[alias] = new_fps[primary]
     except BaseException as e:
         undo.rollback()
         if isinstance(e, DeltaSyncError):
@@ -252,6 +274,8 @@ def _patch_tensor(live: torch.Tensor, chunks: list[ChunkPatch], fp: int, undo: _
     return fp
 
 
-def apply_delta(target, manifest: Manifest, blobs: BlobSource, fps: Mapping[str, int] | None = None, *, verify: str = "incremental") -> dict[str, int]:
+def apply_delta(target, manifest: Manifest, blobs: BlobSource, fps: Mapping[str, int] | None = None, *,
+                verify: str = "incremental", executor: Executor | None = None) -> dict[str, int]:
     """prepare_delta + apply_prepared in one call."""
-    return apply_prepared(target, prepare_delta(manifest, blobs), fps, verify=verify)
+    return apply_prepared(target, prepare_delta(manifest, blobs, executor=executor), fps, verify=verify,
+                          executor=executor)

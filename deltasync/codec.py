@@ -17,6 +17,7 @@ chosen when that is smaller (e.g. a re-initialised tensor).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -362,8 +363,11 @@ def _nonneg(rec: dict, key: str) -> int:
     return v
 
 
-def decode_blob(data: bytes | bytearray | memoryview) -> list[ChunkPatch]:
-    """Every chunk of a delta blob, decoded and validated. Raises FormatError on any malformed input."""
+def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | None = None) -> list[ChunkPatch]:
+    """Every chunk of a delta blob, decoded and validated. Raises FormatError on any malformed input.
+
+    The header and stream lengths are checked first, in order; the chunks are then decoded
+    independently, on ``executor``'s threads when one is given (numpy and zstd release the GIL)."""
     reader = BlobReader(data)
     cursors: dict[str, int] = {}
 
@@ -375,7 +379,7 @@ def decode_blob(data: bytes | bytearray | memoryview) -> list[ChunkPatch]:
         cursors[stream] = at + n
         return arr[at : at + n]
 
-    patches = []
+    jobs: list[Callable[[], ChunkPatch]] = []
     for rec in reader.chunks:
         if set(rec) != _CHUNK_KEYS:
             raise FormatError(f"blob chunk fields must be {sorted(_CHUNK_KEYS)}, found {sorted(rec)}")
@@ -392,24 +396,34 @@ def decode_blob(data: bytes | bytearray | memoryview) -> list[ChunkPatch]:
         if mode == "dense":
             if count != length or any(_nonneg(rec, k) for k in ("ng", "ngx", "nt", "ne", "nr")):
                 raise FormatError("blob chunk: a dense chunk changes every word and has no ng/ngx/nt/ne/nr")
-            patches.append(ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop,
-                                      dense=take(f"dense{w}", length, wdt)))
+            patch = ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, dense=take(f"dense{w}", length, wdt))
+            jobs.append(lambda patch=patch: patch)
             continue
         if mode == "gap":
-            rel = decode_gaps(take("gap", _nonneg(rec, "ng")), take("gapx", _nonneg(rec, "ngx")), count, length)
+            pos = ("gap", take("gap", _nonneg(rec, "ng")), take("gapx", _nonneg(rec, "ngx")))
         elif mode == "bitmap":
-            rel = decode_bitmap(take("bitmap", (length + 7) // 8), count, length)
+            pos = ("bitmap", take("bitmap", (length + 7) // 8), None)
         else:
             raise FormatError(f"blob chunk: unknown mode {mode!r}")
-        sym = take("sym", (count + 3) // 4)
-        tokens = take("tok", _nonneg(rec, "nt"))
-        changes = decode_values(rel + start, sym, tokens, take("ext", _nonneg(rec, "ne")),
-                                take(f"raw{w}", _nonneg(rec, "nr"), wdt), w)
-        patches.append(ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, changes=changes))
+        parts = (take("sym", (count + 3) // 4), take("tok", _nonneg(rec, "nt")), take("ext", _nonneg(rec, "ne")),
+                 take(f"raw{w}", _nonneg(rec, "nr"), wdt))
+        jobs.append(lambda name=name, info=info, start=start, stop=stop, count=count, pos=pos, parts=parts:
+                    _decode_chunk(name, info, start, stop, count, pos, parts))
     for stream, at in cursors.items():
         if at != reader.stream(stream).size:
             raise FormatError(f"blob stream {stream!r} has bytes no chunk uses")
     for stream in reader.stream_names:
         if stream not in cursors:
             raise FormatError(f"blob stream {stream!r} has bytes no chunk uses")
-    return patches
+    if executor is None or len(jobs) < 2:
+        return [job() for job in jobs]
+    return list(executor.map(lambda job: job(), jobs))
+
+
+def _decode_chunk(name: str, info: DtypeInfo, start: int, stop: int, count: int, pos, parts) -> ChunkPatch:
+    length = stop - start
+    mode, a, b = pos
+    rel = decode_gaps(a, b, count, length) if mode == "gap" else decode_bitmap(a, count, length)
+    sym, tokens, ext, raw = parts
+    changes = decode_values(rel + start, sym, tokens, ext, raw, info.word_size)
+    return ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, changes=changes)
