@@ -2,7 +2,8 @@
 
 On each announced version the relay takes the manifest from the event (or fetches
 it when the event does not carry it), checks its signature when it holds a key, and
-starts fetching every blob it lacks, at most ``concurrency`` at a time. It
+starts fetching every blob it lacks, at most ``concurrency`` at a time per model stream
+(so a large keyframe of one stream never holds up a small delta of another). It
 announces the version to its own children (head, SSE, long-polls) once every blob
 is on disk or its fetch is under way: a child's request then joins that fetch
 (coalescing) and receives bytes as they arrive (cut-through), so a version flows
@@ -53,7 +54,10 @@ class Prefetcher:
         self.metrics = metrics
         self.timeouts = timeouts
         self.retention = retention
-        self._slots = asyncio.Semaphore(concurrency)
+        # Fetch slots per model stream: a big keyframe (say the side stream M.kf) must not hold
+        # every slot while the next small delta of M waits behind it.
+        self._concurrency = concurrency
+        self._slots: dict[str, asyncio.Semaphore] = {}
         self.parent_heads: dict[str, int] = {}
         self._inline: dict[tuple[str, int], dict] = {}  # manifests that came with events, not yet used
         self._wake: dict[str, asyncio.Event] = {}
@@ -214,7 +218,10 @@ class Prefetcher:
                 self.store.touch(b.id)
                 continue
             started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._spawn(self._pull_blob(b.id, started), f"prefetch-blob-{b.id}")
+            slots = self._slots.get(m.model)
+            if slots is None:
+                slots = self._slots[m.model] = asyncio.Semaphore(self._concurrency)
+            self._spawn(self._pull_blob(b.id, started, slots), f"prefetch-blob-{b.id}")
             waits.append(started)
         if waits:
             results = await asyncio.gather(*waits, return_exceptions=True)
@@ -222,9 +229,9 @@ class Prefetcher:
                 if isinstance(r, BaseException):
                     raise r
 
-    async def _pull_blob(self, blob_id: str, started: asyncio.Future[None]) -> None:
+    async def _pull_blob(self, blob_id: str, started: asyncio.Future[None], slots: asyncio.Semaphore) -> None:
         try:
-            async with self._slots:
+            async with slots:
                 if self.store.has_blob(blob_id):
                     started.set_result(None)
                     return
