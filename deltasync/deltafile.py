@@ -82,18 +82,22 @@ def read_delta_file(path: str | os.PathLike, *, key: bytes | None = None) -> Del
     return unpack_delta_file(Path(path).read_bytes(), key=key)
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | memoryview) -> None:
-    """Write to a temp file in the same folder, fsync, rename: readers see all or nothing."""
+def write_atomic(path: str | os.PathLike, data: bytes | memoryview, *, tmp_dir: str | os.PathLike | None = None,
+                 fsync: bool = True) -> None:
+    """Write to a temp file (beside ``path``, or in ``tmp_dir`` on the same filesystem), fsync, rename:
+    readers see all or nothing. Any failure (a full disk, say) removes the temp file and raises
+    StorageError; the previous file, if any, is untouched."""
     path = Path(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=tmp_dir or path.parent or ".")
     except OSError as e:
         raise StorageError(f"cannot write {path}: {e.strerror or e}") from e
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         try:
@@ -103,14 +107,22 @@ def write_atomic(path: str | os.PathLike, data: bytes | memoryview) -> None:
         if isinstance(e, OSError):
             raise StorageError(f"writing {path} failed ({e.strerror or e}); the previous file, if any, is untouched") from e
         raise
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename in ``path`` durable (best effort where directories cannot be opened)."""
     try:
-        dfd = os.open(path.parent or ".", os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        dfd = os.open(path or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
     except OSError:
         pass
+    finally:
+        os.close(dfd)
 
 
 def write_delta_file(path: str | os.PathLike, manifest: Manifest, blobs: Mapping[str, bytes]) -> int:

@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 import json
 import struct
 
-import safetensors.torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 import torch
 
 from .blob import blob_id
@@ -45,14 +46,14 @@ def _storable(name: str, t: torch.Tensor, meta: dict[str, str]) -> torch.Tensor:
 def save_shard(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
     meta = dict(metadata or {})
     data = {n: _storable(n, t, meta) for n, t in tensors.items()}
-    return safetensors.torch.save(data, metadata=meta or None)
+    return save_safetensors(data, metadata=meta or None)
 
 
 def load_shard(data: bytes) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors shard, exotic dtypes restored. Malformed input raises FormatError."""
     meta = _read_metadata(data)
     try:
-        tensors = safetensors.torch.load(bytes(data))
+        tensors = load_safetensors(bytes(data))
     except Exception as e:  # safetensors raises SafetensorError and others on bad input
         raise FormatError(f"not a valid safetensors shard: {type(e).__name__}: {e}") from None
     return {name: restore_dtype(name, t, meta) for name, t in tensors.items()}

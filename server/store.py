@@ -41,7 +41,8 @@ from pathlib import Path
 import xxhash
 
 from deltasync.blob import BLOB_ID_RE, check_blob_id
-from deltasync.errors import IntegrityError, NotFoundError, StorageError
+from deltasync.deltafile import fsync_dir, write_atomic
+from deltasync.errors import IntegrityError, NotFoundError
 from deltasync.manifest import MODEL_RE, BlobRef, Manifest, parse_manifest
 
 log = logging.getLogger("deltasync.server.store")
@@ -101,32 +102,9 @@ class ModelIndex:
         return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_file_atomically(tmp_dir: Path, final: Path, data: bytes, fsync: bool) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_dir / f"{final.name}.{secrets.token_hex(6)}.part"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise StorageError(f"writing {final.name} failed ({e.strerror or e}); nothing was stored") from e
-    if fsync:
-        _fsync_dir(final.parent)
+    write_atomic(final, data, tmp_dir=tmp_dir, fsync=fsync)
 
 
 class PartialBlob:
@@ -400,7 +378,7 @@ class DiskStore:
             final.parent.mkdir(exist_ok=True)
             os.replace(part.path, final)
             if self.fsync:
-                _fsync_dir(final.parent)
+                fsync_dir(final.parent)
 
         await asyncio.to_thread(work)
         self._verified[part.id] = time.monotonic()
