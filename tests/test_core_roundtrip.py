@@ -30,15 +30,6 @@ DENSITIES = ("none", "one", "sparse", "tenth", "half", "all")
 KINDS = ("ulp", "big", "sign", "raw", "mixed")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny tensors: torch's thread pool only adds spin-wait contention on a shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # -- helpers (kept local so every core test file stands alone) ---------------------------------
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
