@@ -7,9 +7,8 @@ import importlib
 import sys
 
 from deltasync import __version__
-from deltasync.errors import DeltaSyncError
-
 from . import offline
+from .run import run_command
 
 # Subcommand groups owned by the server and client packages; each module has register(subparsers).
 _PLUGINS = ("deltasync.server.cli", "deltasync.client.cli")
@@ -35,18 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except DeltaSyncError as e:
-        print(f"deltasync {args.command}: error: {e}", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        print(f"deltasync {args.command}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from deltasync.cli.run import run_command
 from deltasync.errors import DeltaSyncError, NotFoundError
 from deltasync.fingerprint import state_fingerprint_of
 from deltasync.manifest import load_key
@@ -325,17 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deltasync", description="deltasync publish / subscribe / sidecar")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except DeltaSyncError as e:
-        print(f"deltasync {args.command}: error: {e}", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        print(f"deltasync {args.command}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    return run_command(parser, argv)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 from aiohttp import web
 
 from deltasync.errors import DeltaSyncError
+from deltasync.cli.run import run_command
 from deltasync.manifest import load_key
 
 from .app import build_app
@@ -197,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deltasync", description="deltasync origin and relay servers")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return run_command(parser, argv)
 
 
 if __name__ == "__main__":
