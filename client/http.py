@@ -57,10 +57,12 @@ _CUT = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.Tim
 
 def is_outage(e: BaseException) -> bool:
     """A server's failure (try the next URL / try again), as opposed to an answer such as a 4xx:
-    the network, 5xx or 429, refused credentials, bytes that fail their check."""
+    the network, 5xx or 429, refused credentials, bytes that fail our check."""
     if isinstance(e, NETWORK_ERRORS):
         return True
-    return isinstance(e, DeltaSyncError) and (e.http_status >= 500 or isinstance(e, (AuthError, IntegrityError)))
+    if isinstance(e, IntegrityError) and e.status is None:
+        return True  # corrupt bytes we caught, not a server's 4xx answer
+    return isinstance(e, DeltaSyncError) and (e.http_status >= 500 or isinstance(e, AuthError))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -284,7 +286,7 @@ class HttpClient:
                 raise from_wire(r.status, body, r.headers, where=f"{method} {url}{path}")
 
         def again(e: BaseException) -> bool:  # a refused token is an answer here, not an outage
-            return is_outage(e) and not isinstance(e, (AuthError, IntegrityError))
+            return is_outage(e) and not isinstance(e, AuthError)
 
         def on_retry(n: int, e: BaseException, delay: float) -> None:
             log.warning("%s %s%s: %s; retrying in %.1f s", method, url, path, describe(e), delay)

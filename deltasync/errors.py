@@ -50,6 +50,8 @@ class DeltaSyncError(Exception):
 
     code: ClassVar[str] = "internal"
     http_status: ClassVar[int] = 500
+    #: the HTTP status of the answer this error was parsed from (``from_wire``); None when raised here
+    status: int | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -217,11 +219,10 @@ class PublishError(DeltaSyncError):
 
 class UpstreamError(DeltaSyncError):
     """No server upstream answered usefully (connection refused, 5xx, bad bytes, on every source).
-    Retry later or list more servers. ``status`` is the HTTP status that stood for it, when one did."""
+    Retry later or list more servers."""
 
     code = "upstream"
     http_status = 502
-    status: int | None = None
 
 
 class UpstreamTimeout(UpstreamError):
@@ -316,6 +317,5 @@ def from_wire(status: int, body: bytes | str, headers: Mapping[str, str] | None 
         cls = _class_for_status(status)
         message = f"HTTP {status} ({message or 'no body'})"
     err = cls.from_wire(f"{where}: {message}" if where else message, extra=extra, headers=headers)
-    if isinstance(err, UpstreamError):
-        err.status = status
+    err.status = status
     return err
