@@ -16,11 +16,10 @@ import asyncio
 import logging
 import time
 
-from deltasync.errors import BaseMismatchError, ChainError, FormatError
+from deltasync.errors import BaseMismatchError, ChainError, FormatError, UnavailableError
 from deltasync.manifest import Manifest, parse_manifest
 
 from .catalog import Catalog
-from .errors import UnavailableError
 from .fetcher import BlobFetcher
 from .metrics import Metrics
 from .store import DiskStore

@@ -2,9 +2,8 @@
 
 ``EventHub`` fans a commit out to every subscriber's bounded queue; a subscriber
 whose queue is full (it stopped reading) is dropped rather than allowed to hold
-anyone up, and reconnects to catch up. ``format_event`` writes one server-sent
-event; ``SSEDecoder`` is the incremental parser the relays use to follow their
-parent (bytes in, events out, no I/O).
+anyone up, and reconnects to catch up. Server-sent events are written and parsed
+by the core (``deltasync.sse``: ``format_event``, ``SSEDecoder``).
 
 An event's data is the version summary (``VersionInfo.event()``) and, when the
 manifest is at most ``INLINE_MANIFEST_MAX`` bytes, the manifest itself under
@@ -16,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+
+from deltasync.sse import format_event  # noqa: F401  (routes take it from here)
 
 from .compat import timeout as timeout_after
 from .store import VersionInfo
@@ -38,62 +39,6 @@ def event_payload(info: VersionInfo, manifest: bytes | None) -> bytes:
     if manifest is None or len(manifest) > INLINE_MANIFEST_MAX:
         return base
     return base[:-1] + b',"manifest":' + manifest + b"}"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SSEEvent:
-    event: str
-    data: str
-    id: str | None = None
-
-    def json(self) -> dict:
-        return json.loads(self.data)
-
-
-def format_event(event: str, data: dict | bytes, *, id: str | None = None) -> bytes:
-    """One server-sent event; ``data`` is a JSON object or its encoding (one line)."""
-    head = f"event: {event}\n" + (f"id: {id}\n" if id is not None else "")
-    body = data if isinstance(data, bytes) else json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
-    return head.encode() + b"data: " + body + b"\n\n"
-
-
-class SSEDecoder:
-    """Incremental text/event-stream parser (the WHATWG rules we need: event, data, id; comments ignored)."""
-
-    MAX_LINE = 1 << 20
-
-    def __init__(self) -> None:
-        self._buf = b""
-        self._event = ""
-        self._data: list[str] = []
-        self._id: str | None = None
-
-    def feed(self, data: bytes) -> list[SSEEvent]:
-        self._buf += data
-        out: list[SSEEvent] = []
-        while True:
-            i = self._buf.find(b"\n")
-            if i < 0:
-                if len(self._buf) > self.MAX_LINE:
-                    raise ValueError("event-stream line longer than 1 MiB")
-                return out
-            line = self._buf[:i].rstrip(b"\r").decode("utf-8", "replace")
-            self._buf = self._buf[i + 1:]
-            if not line:
-                if self._data:
-                    out.append(SSEEvent(event=self._event or "message", data="\n".join(self._data), id=self._id))
-                self._event, self._data = "", []
-                continue
-            if line.startswith(":"):
-                continue
-            name, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if name == "event":
-                self._event = value
-            elif name == "data":
-                self._data.append(value)
-            elif name == "id":
-                self._id = value
 
 
 class Subscription:

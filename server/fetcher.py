@@ -6,7 +6,9 @@ see inflight.py), resumes with ``Range`` on the next parent when one dies mid-bl
 checks the hash when the last byte is in, and only then lets readers finish and
 moves the file into the store. A blob whose bytes fail the hash is discarded and
 fetched again (starting with another parent); after ``attempts`` bad copies or
-rounds of dead parents the fetch gives up and readers get the error.
+rounds of dead parents the fetch gives up and readers get the error. The rounds go
+through the one retry helper (``deltasync.retry.retry``, its back-off table), each
+round through the one per-parent loop (``Upstream.each_parent``).
 """
 
 from __future__ import annotations
@@ -19,20 +21,19 @@ import time
 import aiohttp
 
 from deltasync.blob import check_blob_id
-from deltasync.errors import DeltaSyncError, IntegrityError, NotFoundError
+from deltasync.errors import DeltaSyncError, IntegrityError, NotFoundError, UnavailableError, UpstreamError, UpstreamTimeout
+from deltasync.retry import RETRY_BACKOFF, describe, retry
 
 from .config import Timeouts
-from .errors import UpstreamError, UpstreamTimeout, UnavailableError
 from .inflight import InflightBlob
 from .metrics import Metrics
 from .store import DiskStore
-from .upstream import Upstream, _describe
+from .upstream import Upstream
 
 log = logging.getLogger("deltasync.server.fetcher")
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 ATTEMPTS = 3
-BACKOFF = (0.2, 1.0, 3.0)
 
 
 class BlobFetcher:
@@ -89,38 +90,23 @@ class BlobFetcher:
     # -- the fetch -----------------------------------------------------------------------
     async def _run(self, blob: InflightBlob) -> None:
         started = time.monotonic()
-        reserved = 0
+        fetch = _Fetch(blob)
         try:
             blob.part = await self.store.open_partial(blob.id)
-            rotate = 0
-            for attempt in range(self.attempts):
-                try:
-                    parent, reserved = await self._download(blob, rotate, reserved)
-                except (UpstreamError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                    if attempt + 1 == self.attempts:
-                        raise
-                    log.warning("blob %s: every parent failed (%s); retrying in %.1f s", blob.id, _describe(e),
-                                BACKOFF[attempt])
-                    await asyncio.sleep(BACKOFF[attempt])
-                    continue
-                try:
-                    blob.part.verify()
-                except IntegrityError as e:
-                    self.metrics.inc("hash_failures")
-                    log.error("blob %s from %s failed its hash check (%s); discarded, refetching", blob.id,
-                              parent, e)
-                    self.upstream.mark_failed(parent, "sent bytes that fail their hash")
-                    blob.reset()
-                    rotate += 1
-                    if attempt + 1 == self.attempts:
-                        raise
-                    continue
-                blob.verified = True
-                blob.progress()
-                await blob.part.commit()
-                log.info("blob %s: %d bytes from %s in %.2f s", blob.id, blob.part.written, parent,
-                         time.monotonic() - started)
-                return
+
+            def again(e: BaseException) -> bool:
+                return isinstance(e, (UpstreamError, IntegrityError))
+
+            def on_retry(n: int, e: BaseException, delay: float) -> None:
+                log.warning("blob %s: %s; retrying in %.1f s", blob.id, describe(e), delay)
+
+            parent = await retry(lambda: self._round(fetch), backoff=RETRY_BACKOFF, attempts=self.attempts,
+                                 again=again, on_retry=on_retry)
+            blob.verified = True
+            blob.progress()
+            await blob.part.commit()
+            log.info("blob %s: %d bytes from %s in %.2f s", blob.id, blob.part.written, parent,
+                     time.monotonic() - started)
         except asyncio.CancelledError:
             blob.fail(UnavailableError(f"fetch of blob {blob.id} cancelled (shutting down)"))
             raise
@@ -132,76 +118,89 @@ class BlobFetcher:
             blob.fail(UpstreamTimeout(f"every parent timed out sending blob {blob.id}"))
             log.error("blob %s: giving up: every parent timed out", blob.id)
         except (aiohttp.ClientError, OSError) as e:
-            blob.fail(UpstreamError(f"could not fetch blob {blob.id}: {_describe(e)}"))
-            log.error("blob %s: giving up: %s", blob.id, _describe(e))
+            blob.fail(UpstreamError(f"could not fetch blob {blob.id}: {describe(e)}"))
+            log.error("blob %s: giving up: %s", blob.id, describe(e))
         finally:
-            self.store.release(reserved)
+            self.store.release(fetch.reserved)
             if self._inflight.get(blob.id) is blob:
                 del self._inflight[blob.id]
             blob.finish()
 
-    async def _download(self, blob: InflightBlob, rotate: int, reserved: int) -> tuple[str, int]:
-        """Fill the blob's temp file from the first parent that works, resuming on the next after a failure.
+    async def _round(self, fetch: _Fetch) -> str:
+        """One round: every byte from the parents (resuming on the next), then the hash check.
+        Returns the parent that sent the last byte; a copy that fails its hash is discarded."""
+        blob = fetch.blob
+        parent = await self.upstream.each_parent(lambda p: self._download(fetch, p), what=f"blob {blob.id}",
+                                                 rotate=fetch.rotate, on_failure=self._failed_over)
+        try:
+            blob.part.verify()
+        except IntegrityError as e:
+            self.metrics.inc("hash_failures")
+            log.error("blob %s from %s failed its hash check (%s); discarded, refetching", blob.id, parent, e)
+            self.upstream.mark_failed(parent, "sent bytes that fail their hash")
+            blob.reset()
+            fetch.rotate += 1
+            raise
+        return parent
 
-        Returns the parent that delivered the last byte and the bytes reserved in the store.
-        """
-        not_found = 0
-        tried = self.upstream.candidates(rotate=rotate)
-        last: BaseException | None = None
-        for parent in tried:
-            offset = blob.part.written
-            if blob.size is not None and offset >= blob.size:
-                return parent, reserved
-            self.metrics.inc("upstream_requests")
-            if offset:
-                self.metrics.inc("upstream_resumes")
-            try:
-                async with self.upstream.blob_request(parent, blob.id, offset) as resp:
-                    if resp.status == 404:
-                        not_found += 1
+    def _failed_over(self, parent: str, e: BaseException) -> None:
+        self.metrics.inc("upstream_failovers")
+
+    async def _download(self, fetch: _Fetch, parent: str) -> str:
+        """Fill the blob's temp file from ``parent``, from the byte it has (Range resume)."""
+        blob = fetch.blob
+        offset = blob.part.written
+        if blob.size is not None and offset >= blob.size:
+            return parent
+        self.metrics.inc("upstream_requests")
+        if offset:
+            self.metrics.inc("upstream_resumes")
+        async with self.upstream.blob_request(parent, blob.id, offset) as resp:
+            if resp.status == 404:
+                raise NotFoundError(f"{parent} has no blob {blob.id}")
+            start, total = _body_range(resp, offset)
+            if blob.size is None:
+                self.store.reserve(total)
+                fetch.reserved = total
+                blob.set_size(total)
+            elif total != blob.size:
+                raise UpstreamError(f"{parent} says blob {blob.id} has {total} bytes, another parent said "
+                                    f"{blob.size}")
+            skip = offset - start  # a parent that ignored our Range sends from 0
+            content = resp.content
+            while True:
+                # readchunk hands over each buffered piece as received; readany would join
+                # everything buffered into one new (large, page-faulting) bytes object.
+                chunk, boundary = await content.readchunk()
+                if not chunk:
+                    if boundary:
+                        continue  # a chunked-encoding boundary
+                    break
+                if skip:
+                    if len(chunk) <= skip:
+                        skip -= len(chunk)
                         continue
-                    start, total = _body_range(resp, offset)
-                    if blob.size is None:
-                        self.store.reserve(total)
-                        reserved = total
-                        blob.set_size(total)
-                    elif total != blob.size:
-                        raise UpstreamError(f"{parent} says blob {blob.id} has {total} bytes, another parent said "
-                                            f"{blob.size}")
-                    skip = offset - start  # a parent that ignored our Range sends from 0
-                    content = resp.content
-                    while True:
-                        # readchunk hands over each buffered piece as received; readany would join
-                        # everything buffered into one new (large, page-faulting) bytes object.
-                        chunk, boundary = await content.readchunk()
-                        if not chunk:
-                            if boundary:
-                                continue  # a chunked-encoding boundary
-                            break
-                        if skip:
-                            if len(chunk) <= skip:
-                                skip -= len(chunk)
-                                continue
-                            chunk = chunk[skip:]
-                            skip = 0
-                        if blob.part.written + len(chunk) > total:
-                            raise UpstreamError(f"{parent} sent more than the {total} bytes of blob {blob.id}")
-                        blob.part.write(chunk)
-                        self.metrics.inc("bytes_in", len(chunk))
-                        blob.progress()
-                    if blob.part.written < total:
-                        raise UpstreamError(f"{parent} ended blob {blob.id} at byte {blob.part.written} of {total}")
-                self.upstream.mark_ok(parent)
-                return parent, reserved
-            except (UpstreamError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                last = e
-                self.metrics.inc("upstream_failovers")
-                self.upstream.mark_failed(parent, _describe(e))
-        if not_found == len(tried):
-            raise NotFoundError(f"blob {blob.id} is not on this relay nor on any of its parents")
-        if isinstance(last, asyncio.TimeoutError):
-            raise UpstreamTimeout(f"every parent timed out sending blob {blob.id}")
-        raise UpstreamError(f"no parent could send blob {blob.id}: {_describe(last)}")
+                    chunk = chunk[skip:]
+                    skip = 0
+                if blob.part.written + len(chunk) > total:
+                    raise UpstreamError(f"{parent} sent more than the {total} bytes of blob {blob.id}")
+                blob.part.write(chunk)
+                self.metrics.inc("bytes_in", len(chunk))
+                blob.progress()
+            if blob.part.written < total:
+                raise UpstreamError(f"{parent} ended blob {blob.id} at byte {blob.part.written} of {total}")
+        return parent
+
+
+class _Fetch:
+    """What one blob's fetch carries from round to round."""
+
+    __slots__ = ("blob", "reserved", "rotate")
+
+    def __init__(self, blob: InflightBlob) -> None:
+        self.blob = blob
+        self.reserved = 0  # bytes reserved in the store (released when the fetch ends)
+        self.rotate = 0  # start further down the parents after a copy failed its hash
 
 
 def _body_range(resp: aiohttp.ClientResponse, offset: int) -> tuple[int, int]:

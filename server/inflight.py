@@ -21,10 +21,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from deltasync.errors import DeltaSyncError
+from deltasync.errors import DeltaSyncError, UpstreamError, UpstreamTimeout
 
 from .compat import timeout as timeout_after
-from .errors import UpstreamError, UpstreamTimeout
 from .sendfile import send_file_range
 from .store import PartialBlob
 

@@ -14,10 +14,17 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from deltasync.errors import BaseMismatchError, ChainError, FormatError, IntegrityError, StorageError
+from deltasync.errors import (
+    BaseMismatchError,
+    ChainError,
+    FormatError,
+    IntegrityError,
+    MissingBlobsError,
+    StorageError,
+    TooLargeError,
+)
 from deltasync.manifest import Manifest, parse_manifest
 
-from .errors import MissingBlobsError, TooLargeError
 from .events import EventHub
 from .metrics import Metrics
 from .store import DiskStore, VersionInfo

@@ -26,21 +26,20 @@ import logging
 
 import aiohttp
 
-from deltasync.errors import DeltaSyncError, NotFoundError
+from deltasync.errors import DeltaSyncError, NotFoundError, UpstreamError
 from deltasync.manifest import MODEL_RE, Manifest, parse_manifest
+from deltasync.retry import RETRY_BACKOFF, describe, retry
+from deltasync.sse import SSEDecoder
 
 from .catalog import Catalog
 from .config import Timeouts
-from .errors import UpstreamError
-from .events import EventHub, SSEDecoder
+from .events import EventHub
 from .fetcher import BlobFetcher
 from .metrics import Metrics
 from .store import DiskStore
-from .upstream import Upstream, _describe
+from .upstream import NETWORK_ERRORS, Upstream
 
 log = logging.getLogger("deltasync.server.prefetch")
-
-RETRY_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0)
 
 
 class Prefetcher:
@@ -87,19 +86,21 @@ class Prefetcher:
 
     # -- following the parent's events -----------------------------------------------------
     async def _follow_forever(self) -> None:
-        failures = 0
+        def on_retry(n: int, e: BaseException, delay: float) -> None:
+            if n & (n - 1) == 0:
+                log.warning("no parent's event stream can be followed (%s); retrying in %.1f s", describe(e), delay)
+
         while True:
-            for parent in self.upstream.candidates():
-                try:
-                    await self._follow(parent)
-                    failures = 0
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError,
-                        UpstreamError) as e:
-                    self.upstream.mark_failed(parent, f"event stream: {_describe(e)}")
-                finally:
-                    self.following = None
-            failures += 1
-            await asyncio.sleep(RETRY_DELAYS[min(failures, len(RETRY_DELAYS)) - 1])
+            # one pass over the parents, best first; a stream that ended is followed again after a pause
+            await retry(self._follow_best, backoff=RETRY_BACKOFF, attempts=None,
+                        again=lambda e: isinstance(e, UpstreamError), on_retry=on_retry)
+            await asyncio.sleep(RETRY_BACKOFF.base)
+
+    async def _follow_best(self) -> None:
+        try:
+            await self.upstream.each_parent(self._follow, what="the event stream")
+        finally:
+            self.following = None
 
     async def _follow(self, parent: str) -> None:
         async with self.upstream.events_request(parent, read_timeout=3 * self.timeouts.heartbeat) as resp:
@@ -125,7 +126,7 @@ class Prefetcher:
                 for ev in decoder.feed(chunk):
                     if ev.event in ("head", "version"):
                         data = ev.json()
-                        model, version = data["model"], data["version"]
+                        model, version = data.get("model"), data.get("version")
                         if isinstance(model, str) and MODEL_RE.match(model) and isinstance(version, int):
                             self.want(model, version, data.get("manifest"))
 
@@ -147,26 +148,24 @@ class Prefetcher:
         ev.set()
 
     async def _model_worker(self, model: str, wake: asyncio.Event) -> None:
-        failures = 0
+        def on_retry(n: int, e: BaseException, delay: float) -> None:
+            log.warning("prefetch of %s v%d failed (%s); retrying in %.1f s", model, self.parent_heads[model],
+                        describe(e), delay)
+
+        def again(e: BaseException) -> bool:
+            return isinstance(e, (DeltaSyncError, *NETWORK_ERRORS))
+
         while True:
             await wake.wait()
             wake.clear()
-            target = self.parent_heads[model]
-            head = self.store.head(model)
-            if head is not None and head >= target:
-                continue
-            try:
-                await self._sync(model, target)
-                failures = 0
-            except (DeltaSyncError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                failures += 1
-                delay = RETRY_DELAYS[min(failures, len(RETRY_DELAYS)) - 1]
-                log.warning("prefetch of %s v%d failed (%s); retrying in %.1f s", model, target, _describe(e), delay)
-                await asyncio.sleep(delay)
-                wake.set()
+            # each try aims at the parent's newest head, which may have moved on since the last
+            await retry(lambda: self._sync(model, self.parent_heads[model]), backoff=RETRY_BACKOFF, attempts=None,
+                        again=again, on_retry=on_retry)
 
     async def _sync(self, model: str, target: int) -> None:
         head = self.store.head(model)
+        if head is not None and head >= target:
+            return
         chain: list[Manifest] = []
         v: int | None = target
         while v is not None:

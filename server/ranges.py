@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import RangeError
+from deltasync.errors import RangeError
 
 _RANGE = re.compile(r"^bytes=(\d{0,19})-(\d{0,19})$")
 

@@ -19,19 +19,16 @@ import aiohttp
 from aiohttp import web
 
 from deltasync.blob import check_blob_id
-from deltasync.errors import DeltaSyncError, FormatError, NotFoundError
+from deltasync.errors import DeltaSyncError, FormatError, NotFoundError, to_wire
 from deltasync.manifest import MAX_VERSION, MODEL_RE
 
 from .compat import timeout as timeout_after
 from .errors import (
-    MissingBlobsError,
-    RangeError,
     ReadOnlyError,
     RequestTimeoutError,
     TooLargeError,
     UnauthorizedError,
     UnavailableError,
-    error_code,
 )
 from .events import INLINE_MANIFEST_MAX, event_payload, format_event
 from .inflight import InflightBlob
@@ -85,18 +82,9 @@ async def _handle(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except DeltaSyncError as e:
-        extra: dict = {}
-        resp_headers: dict[str, str] = {}
-        if isinstance(e, MissingBlobsError):
-            extra["missing"] = e.missing
-        if isinstance(e, RangeError):
-            resp_headers["Content-Range"] = f"bytes */{e.size}"
-        if isinstance(e, UnauthorizedError):
-            resp_headers["WWW-Authenticate"] = 'Bearer realm="deltasync"'
-        if isinstance(e, ReadOnlyError):
-            resp_headers["Allow"] = "GET, HEAD"
-        resp = error_response(e.http_status, error_code(e), str(e), **extra)
-        resp.headers.update(resp_headers)
+        wire = to_wire(e)  # code, status, extra members and headers all come from the error tree
+        resp = error_response(wire.status, wire.code, wire.message, **wire.extra)
+        resp.headers.update(wire.headers)
         return resp
     except web.HTTPException as e:
         if e.status < 400:

@@ -1,11 +1,13 @@
 """A relay's parents: one HTTP client session, failover order, manifest and blob requests.
 
-Parents are tried in the order given. A parent that fails (refused connection,
-timeout, 5xx, a body cut short, bytes that fail their hash) is put in a cool-down
-(doubling with each consecutive failure, up to a minute) and tried after the
-healthy ones until it answers well again. Every request has a
-connect timeout and a read timeout (silence on the socket), so a dead or stalled
-parent costs at most that long before the next one is tried.
+Parents are tried in the order given, under the one failover policy
+(``deltasync.failover``): a parent that fails (refused connection, timeout, 5xx, a
+body cut short, bytes that fail their hash) is put in a cool-down (doubling with
+each consecutive failure, from ``Timeouts.parent_cooldown`` up to a minute) and tried
+after the healthy ones until it answers well again. Every request has a connect
+timeout and a read timeout (silence on the socket), so a dead or stalled parent
+costs at most that long before the next one is tried. ``each_parent`` is the one
+per-parent loop (``deltasync.retry.first_source``) every upstream request goes through.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import aiohttp
 
-from deltasync.errors import DeltaSyncError, FormatError, NotFoundError, SignatureError
+from deltasync.errors import DeltaSyncError, FormatError, IntegrityError, NotFoundError, SignatureError, UpstreamError
+from deltasync.failover import Backoff, Failover
 from deltasync.manifest import Manifest, parse_manifest
+from deltasync.retry import describe, first_source
 
 from .config import Timeouts
-from .errors import UpstreamError, UpstreamTimeout
 from .metrics import Metrics
 
 log = logging.getLogger("deltasync.server.upstream")
@@ -28,6 +33,16 @@ log = logging.getLogger("deltasync.server.upstream")
 USER_AGENT = "deltasync-relay/0.1"
 READ_BUFSIZE = 4 << 20
 MAX_COOLDOWN = 60.0
+#: What a request to a parent may fail with and still be a parent's fault (try the next one).
+NETWORK_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+T = TypeVar("T")
+
+
+def is_outage(e: BaseException) -> bool:
+    """A parent's fault (try the next parent): the network, a bad answer, bytes or a signature that
+    do not check. Anything else (our disk full, shutting down, a cancellation) is not."""
+    return isinstance(e, (UpstreamError, FormatError, IntegrityError, *NETWORK_ERRORS))
 
 
 class Upstream:
@@ -35,13 +50,12 @@ class Upstream:
                  key: bytes | None = None, max_manifest_size: int = 64 << 20) -> None:
         if not parents:
             raise ValueError("a relay needs at least one parent")
-        self.parents = tuple(p.rstrip("/") for p in parents)
+        self.parents = tuple(dict.fromkeys(p.rstrip("/") for p in parents))  # one source per parent
         self.timeouts = timeouts
         self.metrics = metrics
         self.key = key
         self.max_manifest_size = max_manifest_size
-        self._cooldown_until: dict[str, float] = {}
-        self._failures: dict[str, int] = {}
+        self.failover = Failover(self.parents, backoff=Backoff(base=timeouts.parent_cooldown, cap=MAX_COOLDOWN))
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -64,32 +78,33 @@ class Upstream:
 
     # -- failover order ----------------------------------------------------------------
     def candidates(self, *, rotate: int = 0) -> list[str]:
-        """Parents to try, in order: healthy ones by preference, then cooling-down ones soonest first.
-
-        ``rotate`` starts the healthy list further down (used to avoid a parent whose bytes just
-        failed their hash check).
-        """
-        now = time.monotonic()
-        healthy = [p for p in self.parents if self._cooldown_until.get(p, 0.0) <= now]
-        if healthy and rotate:
-            k = rotate % len(healthy)
-            healthy = healthy[k:] + healthy[:k]
-        cooling = sorted((p for p in self.parents if p not in healthy), key=lambda p: self._cooldown_until[p])
-        return healthy + cooling
+        """Parents to try, in order: healthy ones by preference, then cooling-down ones soonest first."""
+        return self.failover.order(time.monotonic(), rotate=rotate)
 
     def mark_failed(self, parent: str, why: object) -> None:
-        now = time.monotonic()
-        if self._cooldown_until.get(parent, 0.0) > now:
-            return  # already cooling down (several requests failed at once)
-        n = self._failures[parent] = self._failures.get(parent, 0) + 1
-        self._cooldown_until[parent] = now + min(self.timeouts.parent_cooldown * 2 ** (n - 1), MAX_COOLDOWN)
-        if n & (n - 1) == 0:  # 1st, 2nd, 4th, 8th... failure in a row
-            log.warning("parent %s failed (%s; %d in a row); trying the next parent", parent, why, n)
+        self._failed(parent, why, self.failover.failed(parent, time.monotonic(), str(why)))
+
+    def _failed(self, parent: str, why: object, cooldown: float | None) -> None:
+        n = self.failover.failures(parent)
+        if cooldown is not None and n & (n - 1) == 0:  # 1st, 2nd, 4th, 8th... failure in a row
+            log.warning("parent %s failed (%s; %d in a row); trying the next parent for %.0f s", parent, why, n,
+                        cooldown)
 
     def mark_ok(self, parent: str) -> None:
-        self._cooldown_until.pop(parent, None)
-        if self._failures.pop(parent, None) is not None:
+        if self.failover.succeeded(parent):
             log.info("parent %s is answering again", parent)
+
+    async def each_parent(self, attempt: Callable[[str], Awaitable[T]], *, what: str, rotate: int = 0,
+                          keep: tuple[type[DeltaSyncError], ...] = (),
+                          on_failure: Callable[[str, BaseException], None] | None = None) -> T:
+        """``attempt(parent)`` on each parent in failover order until one delivers (``first_source``)."""
+        def failed(parent: str, e: BaseException, cooldown: float | None) -> None:
+            if on_failure is not None:
+                on_failure(parent, e)
+            self._failed(parent, describe(e), cooldown)
+
+        return await first_source(self.failover, attempt, what=what, outage=is_outage, on_failure=failed,
+                                  keep=keep, rotate=rotate)
 
     # -- requests ------------------------------------------------------------------------
     def blob_request(self, parent: str, blob_id: str, offset: int = 0, *, method: str = "GET"):
@@ -109,65 +124,41 @@ class Upstream:
                                              model=model, version=version)
 
     async def _get_manifest_path(self, path: str, what: str, *, model: str, version: int | None) -> Manifest:
-        not_found = 0
-        last: BaseException | None = None
-        tried = self.candidates()
-        for parent in tried:
+        async def attempt(parent: str) -> Manifest:
+            async with self.session.get(parent + path) as resp:
+                if resp.status == 404:
+                    raise NotFoundError(f"{parent} has no {what}")
+                if resp.status != 200:
+                    raise UpstreamError(f"{parent} answered {resp.status} for {what}")
+                if (resp.content_length or 0) > self.max_manifest_size:
+                    raise UpstreamError(f"{parent} sent a {resp.content_length}-byte manifest for {what}")
+                body = await resp.read()
             try:
-                async with self.session.get(parent + path) as resp:
-                    if resp.status == 404:
-                        not_found += 1
-                        continue
-                    if resp.status != 200:
-                        raise UpstreamError(f"{parent} answered {resp.status} for {what}")
-                    if (resp.content_length or 0) > self.max_manifest_size:
-                        raise UpstreamError(f"{parent} sent a {resp.content_length}-byte manifest for {what}")
-                    body = await resp.read()
                 m = parse_manifest(body, key=self.key)
-                if m.model != model or (version is not None and m.version != version):
-                    raise FormatError(f"{parent} answered {m.model} v{m.version} when asked for {what}")
-                self.metrics.inc("manifest_fetches")
-                self.mark_ok(parent)
-                return m
             except SignatureError as e:
                 log.error("parent %s sent %s with a bad signature: %s", parent, what, e)
-                last = e
-                self.mark_failed(parent, "bad manifest signature")
-            except (DeltaSyncError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                last = e
-                self.mark_failed(parent, _describe(e))
-        if not_found == len(tried):
-            raise NotFoundError(f"{what} is not on this relay nor on any of its parents")
-        if isinstance(last, (SignatureError, FormatError)):
-            raise last
-        if isinstance(last, asyncio.TimeoutError):
-            raise UpstreamTimeout(f"every parent timed out fetching {what}")
-        raise UpstreamError(f"no parent could serve {what}: {_describe(last)}")
+                raise
+            if m.model != model or (version is not None and m.version != version):
+                raise FormatError(f"{parent} answered {m.model} v{m.version} when asked for {what}")
+            self.metrics.inc("manifest_fetches")
+            return m
+
+        try:
+            return await self.each_parent(attempt, what=what, keep=(SignatureError, FormatError))
+        except NotFoundError:
+            raise NotFoundError(f"{what} is not on this relay nor on any of its parents") from None
 
     async def head_blob(self, blob_id: str) -> int | None:
         """The size of a blob according to the first parent that has it; None if none has it."""
-        not_found = 0
-        tried = self.candidates()
-        for parent in tried:
-            try:
-                async with self.blob_request(parent, blob_id, method="HEAD") as resp:
-                    if resp.status == 404:
-                        not_found += 1
-                        continue
-                    if resp.status == 200 and resp.content_length is not None:
-                        return resp.content_length
-                    raise UpstreamError(f"{parent} answered {resp.status} to HEAD of blob {blob_id}")
-            except (DeltaSyncError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                self.mark_failed(parent, _describe(e))
-        if not_found == len(tried):
+        async def attempt(parent: str) -> int:
+            async with self.blob_request(parent, blob_id, method="HEAD") as resp:
+                if resp.status == 404:
+                    raise NotFoundError(f"{parent} has no blob {blob_id}")
+                if resp.status == 200 and resp.content_length is not None:
+                    return resp.content_length
+                raise UpstreamError(f"{parent} answered {resp.status} to HEAD of blob {blob_id}")
+
+        try:
+            return await self.each_parent(attempt, what=f"HEAD of blob {blob_id}")
+        except NotFoundError:
             return None
-        raise UpstreamError(f"no parent answered for blob {blob_id}")
-
-
-def _describe(e: BaseException | None) -> str:
-    if e is None:
-        return "no parent answered"
-    if isinstance(e, asyncio.TimeoutError):
-        return "timed out"
-    text = str(e)
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__

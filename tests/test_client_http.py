@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from deltasync.blob import blob_id
-from deltasync.client.errors import TransportError
+from deltasync.errors import UpstreamError as TransportError
 from deltasync.client.http import HttpClient, Timeouts
 from deltasync.errors import NotFoundError
 

@@ -10,7 +10,7 @@ import pytest
 from deltasync.errors import ChainError, FormatError, IntegrityError, NotFoundError, SignatureError
 from deltasync.server.cli import parse_listen, parse_size
 from deltasync.server.errors import MissingBlobsError, RangeError, UpstreamTimeout, error_code
-from deltasync.server.events import SSEDecoder, format_event
+from deltasync.sse import SSEDecoder, format_event
 from deltasync.server.metrics import Metrics, parse_metrics
 from deltasync.server.ranges import etag_matches, if_range_allows, parse_range
 from deltasync.server.store import DiskStore

@@ -1,0 +1,115 @@
+"""The one retry helper and the one per-source loop, for every caller that talks to servers.
+
+* :func:`first_source` asks the sources of a :class:`~deltasync.failover.Failover` in its
+  order until one delivers: the client's reads (its URLs), a relay's manifest, HEAD
+  and blob fetches and its event stream (its parents).
+* :func:`retry` runs one call again after a back-off when it fails in a way the
+  caller says is worth retrying: the client's writes, Range resumes of a cut
+  blob, a relay's refetch of a blob and its prefetch rounds.
+
+Both take the caller's coroutine function; neither knows HTTP. Which errors are an
+outage (try the next source / try again) and which are an answer (raise at once) is
+the caller's ``outage`` predicate. ``asyncio.sleep`` is the only wait here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from .errors import DeltaSyncError, IntegrityError, NotFoundError, UpstreamError, UpstreamTimeout
+from .failover import Backoff, Failover
+
+T = TypeVar("T")
+
+#: The back-off between retries of one call (writes, refetches, prefetch rounds).
+RETRY_BACKOFF = Backoff(base=0.2, cap=2.0)
+#: Resuming a cut transfer: at once, the bytes already in hand are kept.
+RESUME_NOW = Backoff(base=0.0, cap=0.0)
+
+
+def describe(e: BaseException | None) -> str:
+    """A short one-line account of an error for logs and messages."""
+    if e is None:
+        return "no source answered"
+    if isinstance(e, (asyncio.TimeoutError, TimeoutError)) and not isinstance(e, DeltaSyncError):
+        return "timed out"
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _timed_out(e: BaseException) -> bool:
+    return isinstance(e, (asyncio.TimeoutError, TimeoutError, UpstreamTimeout))
+
+
+async def first_source(policy: Failover, attempt: Callable[[str], Awaitable[T]], *, what: str,
+                       outage: Callable[[BaseException], bool],
+                       on_failure: Callable[[str, BaseException, float | None], None] | None = None,
+                       keep: tuple[type[DeltaSyncError], ...] = (), rotate: int = 0,
+                       clock: Callable[[], float] = time.monotonic) -> T:
+    """``await attempt(source)`` for each source in ``policy.order(clock())`` until one returns.
+
+    * A result: the source is marked healthy and the result returned.
+    * ``NotFoundError``: the next source is asked (one behind its parent may not have it yet).
+    * An error ``outage(e)`` accepts: the source is marked failed (``on_failure(source, e,
+      cooldown)`` is told), the next one is asked.
+    * Anything else (an answer such as a 4xx, a cancellation) propagates at once.
+
+    When no source delivered: ``NotFoundError`` if some source said not found and none sent
+    bytes that failed a check (the rest were down); else the last error if it is one of
+    ``keep``; else ``UpstreamTimeout`` if every failure was a timeout; else ``UpstreamError``
+    naming each source's failure.
+    """
+    failures: list[tuple[str, BaseException]] = []
+    not_found: list[NotFoundError] = []
+    for source in policy.order(clock(), rotate=rotate):
+        try:
+            result = await attempt(source)
+        except NotFoundError as e:
+            not_found.append(e)
+            continue
+        except BaseException as e:
+            if not outage(e):
+                raise
+            failures.append((source, e))
+            cooldown = policy.failed(source, clock(), describe(e))
+            if on_failure is not None:
+                on_failure(source, e, cooldown)
+            continue
+        policy.succeeded(source)
+        return result
+    if not_found and not any(isinstance(e, IntegrityError) for _, e in failures):
+        raise NotFoundError(f"{what}: not found on the sources that answered: "
+                            + "; ".join(str(e) for e in not_found)) from not_found[-1]
+    last = failures[-1][1] if failures else None
+    if isinstance(last, keep):
+        raise last
+    listed = "; ".join(f"{source}: {describe(e)}" for source, e in failures)
+    if failures and all(_timed_out(e) for _, e in failures):
+        raise UpstreamTimeout(f"{what}: every source timed out: {listed}") from last
+    raise UpstreamError(f"{what}: every source failed: {listed or 'no source answered'}") from last
+
+
+async def retry(call: Callable[[], Awaitable[T]], *, backoff: Backoff, attempts: int | None,
+                again: Callable[[BaseException], bool],
+                on_retry: Callable[[int, BaseException, float], None] | None = None) -> T:
+    """``await call()``; when it raises an error ``again(e)`` accepts, wait ``backoff.delay(n)``
+    (n = failures so far) and call again, at most ``attempts`` times in all (None: until it
+    succeeds). The last error propagates; so does any error ``again`` refuses.
+    ``on_retry(n, error, delay)`` is told before each wait."""
+    if attempts is not None and attempts < 1:
+        raise ValueError(f"attempts must be at least 1, found {attempts}")
+    n = 0
+    while True:
+        try:
+            return await call()
+        except BaseException as e:
+            n += 1
+            if not again(e) or (attempts is not None and n >= attempts):
+                raise
+            delay = backoff.delay(n)
+            if on_retry is not None:
+                on_retry(n, e, delay)
+        await asyncio.sleep(delay)
