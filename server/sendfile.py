@@ -25,7 +25,7 @@ import time
 
 from aiohttp import web
 
-from .blobstore import BlobReader, FileBacked
+from .blobstore import BlobReader
 from .compat import timeout as timeout_after
 
 FALLBACK_CHUNK = 1 << 20
@@ -38,8 +38,9 @@ class SlowClientError(ConnectionError):
 async def send_blob_range(request: web.BaseRequest, resp: web.StreamResponse, reader: BlobReader, offset: int,
                           count: int, *, timeout: float) -> int:
     """Send ``count`` bytes of ``reader`` from ``offset``; returns the bytes sent (always ``count``) or raises."""
-    if isinstance(reader, FileBacked):
-        return await send_file_range(request, resp, reader.fileno(), offset, count, timeout=timeout)
+    fileno = getattr(reader, "fileno", None)  # the FileBacked capability (getattr: this runs per piece)
+    if fileno is not None:
+        return await send_file_range(request, resp, fileno(), offset, count, timeout=timeout)
     sent = 0
     while sent < count:
         chunk = await reader.read(offset + sent, min(FALLBACK_CHUNK, count - sent))

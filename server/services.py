@@ -78,7 +78,7 @@ def _open_store(config: ServerConfig, metrics: Metrics) -> BlobStore:
         metrics.inc("evictions", n)
         metrics.inc("evicted_bytes", nbytes)
 
-    if config.store == "memory":
+    if config.store_kind == "memory":
         return MemoryStore(budget=config.cache_size, retention=config.retention, on_evict=on_evict)
     return DiskStore(config.store_dir, budget=config.cache_size, retention=config.retention, fsync=config.fsync,
                      durable_manifests=config.is_origin, on_evict=on_evict)

@@ -9,7 +9,8 @@ from deltasync.errors import IntegrityError, NotFoundError
 from deltasync.server.blobstore import FileBacked
 from deltasync.server.store import DiskStore, MemoryStore
 from inprocess_servers import origin_config, relay_config, serving
-from server_fixtures import delta, get_bytes, keyframe, make_blob, metrics, publish, session, wait_head
+from server_fixtures import delta, get_bytes, keyframe, make_blob, metrics, publish, put_blob, session, wait_for,
+    wait_head
 
 MODEL = "mem"
 
@@ -64,8 +65,8 @@ async def test_memory_origin_and_relay_serve_a_publish_bit_exact():
     d_blobs = [make_blob(40_000, 12)]
     kf = keyframe(MODEL, 1, kf_blobs)
     d2 = delta(MODEL, 2, 1, d_blobs)
-    async with serving(origin_config(store="memory")) as (o_url, o_svc), \
-            serving(relay_config([o_url], store="memory")) as (r_url, r_svc):
+    async with serving(origin_config(store_kind="memory")) as (o_url, o_svc), \
+            serving(relay_config([o_url], store_kind="memory")) as (r_url, r_svc):
         assert isinstance(o_svc.store, MemoryStore) and isinstance(r_svc.store, MemoryStore)
         async with session() as s:
             await publish(s, o_url, kf, kf_blobs)
@@ -86,9 +87,20 @@ async def test_memory_origin_and_relay_serve_a_publish_bit_exact():
             assert status == 200 and body == d2.to_json() and headers["X-Deltasync-Version"] == "2"
             status, _, body = await get_bytes(s, f"{r_url}/v1/models/{MODEL}/delta?from=1&to=2")
             assert status == 200 and body == d2.to_json()
+            # A blob no version names: the relay fetches it on demand and streams it to the reader
+            # while it arrives (cut-through from a growing in-memory blob).
+            loose_id, loose = make_blob(2 << 20, 13)
+            assert await put_blob(s, o_url, loose_id, loose) == 201
+            status, headers, body = await get_bytes(s, f"{r_url}/v1/blobs/{loose_id}")
+            assert status == 200 and body == loose
+            assert {k.lower(): v for k, v in headers.items()}["x-deltasync-cache"] == "miss"
             r_metrics = await metrics(s, r_url)
-            total = sum(len(d) for _, d in kf_blobs + d_blobs) + 1_500_000
+            total = sum(len(d) for _, d in kf_blobs + d_blobs) + 1_500_000 + len(loose)
             assert r_metrics["deltasync_bytes_out_total"] == total
-            assert r_metrics["deltasync_upstream_fetches_total"] == 3
-        assert r_svc.store.blob_count == 3 and r_svc.store.head(MODEL) == 2
+            assert r_metrics["deltasync_upstream_fetches_total"] == 4
+
+            async def stored():
+                return r_svc.store.blob_count == 4
+            await wait_for(stored, what="the relay to keep all four blobs")
+        assert r_svc.store.head(MODEL) == 2
         assert o_svc.store.files.blobs[d_blobs[0][0]] == d_blobs[0][1]
