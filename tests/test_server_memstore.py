@@ -9,8 +9,9 @@ from deltasync.errors import IntegrityError, NotFoundError
 from deltasync.server.blobstore import FileBacked
 from deltasync.server.store import DiskStore, MemoryStore
 from inprocess_servers import origin_config, relay_config, serving
-from server_fixtures import delta, get_bytes, keyframe, make_blob, metrics, publish, put_blob, session, wait_for,
-    wait_head
+from server_fixtures import (
+    delta, get_bytes, keyframe, make_blob, metrics, publish, put_blob, session, wait_for, wait_head,
+)
 
 MODEL = "mem"
 
