@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from deltasync.client.cluster import LocalCluster
+from deltasync.cli.cluster import LocalCluster
 from deltasync.statefile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 

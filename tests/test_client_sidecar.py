@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deltasync.client.checkpoints import CheckpointError, MappedCheckpoint, checkpoint_step, find_checkpoints
-from deltasync.client.cluster import LocalCluster
+from deltasync.cli.cluster import LocalCluster
 from deltasync.client.sidecar import STATE_NAME, Sidecar
 from deltasync.client.subscriber import ThreadedSubscriber
 from deltasync.statefile import write_state_file
