@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from deltasync.atomic import remove_temp_files
+from deltasync.cli.keys import signer_from_file, verifier_from_file
 from deltasync.cli.run import run_command
 from deltasync.dtypes import dtype_info
 from deltasync.errors import DeltaSyncError, NotFoundError
 from deltasync.fingerprint import state_fingerprint_of
 from deltasync.manifest import parse_manifest
-from deltasync.signing import HmacSigner, HmacVerifier, Signer, Verifier, load_key
+from deltasync.signing import Verifier
 from deltasync.tensorfile import MappedTensorFile, read_state_file, write_state_file
 
 from .http import HttpClient, Timeouts
@@ -44,20 +45,6 @@ META_STATE_FP = "deltasync.state_fp"
 def _say(args, text: str) -> None:
     if not args.quiet:
         print(text, flush=True)
-
-
-def _read_key(args) -> bytes | None:
-    return load_key(Path(args.key_file).read_text()) if args.key_file else None
-
-
-def _signer(args) -> Signer | None:
-    key = _read_key(args)
-    return None if key is None else HmacSigner(key)
-
-
-def _verifier(args) -> Verifier | None:
-    key = _read_key(args)
-    return None if key is None else HmacVerifier(key)
 
 
 def _read_token(path: str) -> str:
@@ -104,8 +91,8 @@ async def _head_state(url: str, model: str, verifier: Verifier | None, like: dic
 def cmd_publish(args) -> int:
     _setup_logging(args)
     token = _read_token(args.token_file)
-    signer = _signer(args)
-    verifier = _verifier(args)
+    signer = signer_from_file(args.key_file)
+    verifier = verifier_from_file(args.key_file)
     state = read_state_file(args.state)
     base = None
     head_v = None
@@ -228,7 +215,7 @@ def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> i
     if args.once and args.until is not None:
         print("deltasync subscribe: error: --once and --until exclude each other", file=sys.stderr)
         return 2
-    return asyncio.run(_subscribe(args, _verifier(args), on_applied))
+    return asyncio.run(_subscribe(args, verifier_from_file(args.key_file), on_applied))
 
 
 # -- sidecar ----------------------------------------------------------------------------------------
@@ -236,7 +223,7 @@ def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> i
 def cmd_sidecar(args) -> int:
     _setup_logging(args)
     token = _read_token(args.token_file)
-    signer = _signer(args)
+    signer = signer_from_file(args.key_file)
     if not Path(args.watch).is_dir():
         print(f"deltasync sidecar: error: {args.watch} is not a directory", file=sys.stderr)
         return 1

@@ -159,7 +159,7 @@ def _tensor(whole: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     if e.stop == e.start:
         return torch.empty(e.shape, dtype=info.torch_dtype)
     raw = whole[e.start : e.stop]
-    if e.start % info.word_size:  # a foreign file with unaligned data: views need alignment
+    if e.start % info.element_size:  # unaligned (complex128 in a shard, a foreign file): copy to view
         raw = raw.clone()
     return raw.view(info.torch_dtype).reshape(e.shape)
 
