@@ -66,8 +66,8 @@ class Sidecar:
     def __init__(self, watch_dir: str | os.PathLike, origin: str, model: str, token: str,
                  signer: Signer | bytes | None = None, *,
                  keyframe_every: int = 20, delete_published: bool = False, marker: str | None = None,
-                 poll: float = 1.0, state_file: str | os.PathLike | None = None, options: EncodeOptions | None = None,
-                 timeouts: Timeouts | None = None, on_event: Callable[[SidecarEvent], None] | None = None) -> None:
+                 poll: float = 1.0, state_file: str | os.PathLike | None = None,
+                 on_event: Callable[[SidecarEvent], None] | None = None) -> None:
         self.dir = Path(watch_dir)
         self.model = model
         self.side_model = keyframe_stream(model)
@@ -77,8 +77,8 @@ class Sidecar:
         self.marker = marker
         self.poll = poll
         self.state_path = Path(state_file) if state_file else self.dir / STATE_NAME
-        self.options = options or EncodeOptions()
-        self.client = HttpClient([origin], token=token, timeouts=timeouts or Timeouts())
+        self.options = EncodeOptions()
+        self.client = HttpClient([origin], token=token, timeouts=Timeouts())
         self.on_event = on_event
         # resumable state
         self.version: int | None = None

@@ -22,14 +22,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .atomic import fsync_dir, write_atomic  # noqa: F401  (fsync_dir, write_atomic: the old import path)
+from .atomic import fsync_dir, write_atomic  # re-exported: their old import path (server/store.py uses it)
 from .blob import verify_blob
 from .errors import FormatError, IntegrityError
 from .manifest import Manifest, parse_manifest
 from .signing import Verifier
 
-__all__ = ["DeltaFile", "MAGIC", "VERSION", "pack_delta_file", "read_delta_file", "unpack_delta_file",
-           "write_delta_file"]
+__all__ = ["DeltaFile", "MAGIC", "VERSION", "fsync_dir", "pack_delta_file", "read_delta_file", "unpack_delta_file",
+           "write_atomic", "write_delta_file"]
 
 MAGIC = b"DSYNCDLT"
 VERSION = 1

@@ -17,7 +17,7 @@ from .dtypes import dtype_info
 from .errors import BaseMismatchError, FormatError, IntegrityError
 from .fingerprint import fp_hex, state_fingerprint, tensor_fingerprint
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
-from .tensorfile import DTYPE_META_PREFIX, load_shard, save_shard  # noqa: F401  (re-exported: shard I/O lives there)
+from .tensorfile import load_shard, save_shard  # shard bytes live there; re-exported for keyframe users
 
 __all__ = ["DEFAULT_SHARD_BYTES", "apply_keyframe", "copy_state", "encode_keyframe", "load_keyframe", "load_shard",
            "save_shard"]

@@ -42,7 +42,7 @@ from .errors import FormatError
 
 __all__ = [
     "DTYPE_META_PREFIX", "MAX_HEADER_BYTES", "MappedTensorFile", "ST_DTYPES", "TensorEntry", "TensorHeader",
-    "load_shard", "parse_header", "read_state_file", "read_state_metadata", "save_shard", "tensors_of",
+    "load_shard", "parse_header", "read_state_file", "save_shard", "tensors_of",
     "write_state_file",
 ]
 
@@ -70,8 +70,6 @@ class TensorEntry:
     shape: tuple[int, ...]
     start: int
     stop: int
-    stored_dtype: str  # the name the bytes are stored as (``uint8`` for exotic dtypes)
-    stored_shape: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,8 +139,7 @@ def parse_header(buf, *, where: str = "") -> TensorHeader:
             if stored != "uint8" or not shape or shape[-1] != rinfo.element_size:
                 raise FormatError(f"{where}{name}: stored as {tag} {shape}, cannot be {real}")
             dtype, real_shape = rinfo.name, tuple(shape[:-1])
-        entries.append(TensorEntry(name=name, dtype=dtype, shape=real_shape, start=base + b, stop=base + end,
-                                   stored_dtype=stored, stored_shape=tuple(shape)))
+        entries.append(TensorEntry(name=name, dtype=dtype, shape=real_shape, start=base + b, stop=base + end))
     at = base
     for e in sorted(entries, key=lambda e: (e.start, e.stop)):
         if e.start != at:
@@ -248,12 +245,6 @@ def read_state_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     used; writes stay in this process). Bad files raise FormatError, a missing one FileNotFoundError."""
     f = MappedTensorFile(path)
     return f.tensors  # the tensors keep the map alive
-
-
-def read_state_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors file (its header is checked in full)."""
-    with MappedTensorFile(path) as f:
-        return dict(f.metadata)
 
 
 def write_state_file(path: str | os.PathLike, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> int:

@@ -4,10 +4,8 @@ real files on disk, cross-checked against the safetensors library itself."""
 from __future__ import annotations
 
 import json
-import os
 import struct
 import warnings
-from pathlib import Path
 
 import pytest
 import safetensors
@@ -18,7 +16,7 @@ from deltasync.atomic import remove_temp_files, temp_files, write_atomic
 from deltasync.dtypes import DTYPES
 from deltasync.errors import FormatError, StorageError
 from deltasync.tensorfile import (ST_DTYPES, MappedTensorFile, load_shard, parse_header, read_state_file,
-                                  read_state_metadata, save_shard, write_state_file)
+                                  save_shard, write_state_file)
 
 warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
 
@@ -57,7 +55,8 @@ def test_every_dtype_round_trips_through_bytes_and_files(tmp_path):
         assert set(back) == set(state)
         for n, t in state.items():
             assert back[n].dtype == t.dtype and back[n].shape == t.shape and _bits(back[n]) == _bits(t), n
-    assert read_state_metadata(path)["step"] == "3"
+    with MappedTensorFile(path) as f:
+        assert f.metadata["step"] == "3" and f.metadata["deltasync.dtype.t.complex32"] == "complex32"
 
 
 def test_native_dtypes_agree_with_the_safetensors_library(tmp_path):
