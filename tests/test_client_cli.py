@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltasync.cli.cluster import LocalCluster
-from deltasync.statefile import read_state_file, write_state_file
+from deltasync.tensorfile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 
 KEY = bytes(range(7, 39))

@@ -19,7 +19,7 @@ import torch
 from deltasync.cli.cluster import LocalCluster
 from deltasync.client.publisher import Publisher
 from deltasync.client.subscriber import SyncEvent, ThreadedSubscriber
-from deltasync.statefile import read_state_file
+from deltasync.tensorfile import read_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 
 KEY = bytes(range(100, 132))
