@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
-from deltasync.client.cluster import LocalCluster
+from deltasync.cli.cluster import LocalCluster
 from deltasync.client.publisher import Publisher
 from deltasync.client.subscriber import ThreadedSubscriber
 from deltasync.testing.trace import RLTrace, lr_for_unchanged, shape_for_params

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltasync.client.cluster import LocalCluster
+from deltasync.cli.cluster import LocalCluster
 from deltasync.client.publisher import Publisher
 from deltasync.client.subscriber import SyncEvent, ThreadedSubscriber
 from deltasync.fingerprint import state_fingerprint_of

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from pathlib import Path
 
 from deltasync.blob import BlobReader
 from deltasync.codec import EncodeOptions, encode_delta
@@ -14,15 +13,12 @@ from deltasync.deltafile import MAGIC as DELTA_MAGIC, read_delta_file, write_del
 from deltasync.dtypes import dtype_info
 from deltasync.errors import ChainError
 from deltasync.fingerprint import fingerprint_state, fp_hex, state_fingerprint_of
-from deltasync.manifest import load_key
+from deltasync.signing import HmacSigner, HmacVerifier
 from deltasync.squash import squash_chain
-from deltasync.statefile import read_state_file, write_state_file
+from deltasync.tensorfile import read_state_file, write_state_file
 
+from .keys import read_key_file, signer_from_file, verifier_from_file
 from .progress import Progress, say
-
-
-def _key(args) -> bytes | None:
-    return load_key(Path(args.key_file).read_text()) if getattr(args, "key_file", None) else None
 
 
 def _nbytes(state) -> int:
@@ -84,9 +80,9 @@ def cmd_diff(args) -> int:
                        options=EncodeOptions(level=args.level, chunk_words=args.chunk_words), progress=prog.update)
     prog.done()
     manifest = enc.manifest
-    key = _key(args)
-    if key:
-        manifest = manifest.sign(key)
+    signer = signer_from_file(args.key_file)
+    if signer is not None:
+        manifest = manifest.sign(signer)
     size = write_delta_file(args.out, manifest, enc.blobs)
     dt = time.perf_counter() - t0
     raw = _nbytes(new)
@@ -98,13 +94,13 @@ def cmd_diff(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    key = _key(args)
+    verifier = verifier_from_file(args.key_file)
     state = read_state_file(args.base)
     fps = fingerprint_state(state)
     prev = None
     prog = Progress("replay", quiet=args.quiet)
     for i, path in enumerate(args.deltas):
-        df = read_delta_file(path, key=key)
+        df = read_delta_file(path, verifier=verifier)
         m = df.manifest
         if prev is not None and m.parent != prev.version:
             raise ChainError(f"{path}: starts at v{m.parent} but the chain is at v{prev.version} (a gap or wrong order)")
@@ -121,13 +117,14 @@ def cmd_replay(args) -> int:
 
 
 def cmd_squash(args) -> int:
-    key = _key(args)
-    files = [read_delta_file(p, key=key) for p in args.deltas]
+    key = read_key_file(args.key_file)  # one shared HMAC secret: verifies the inputs, signs the result
+    verifier, signer = (None, None) if key is None else (HmacVerifier(key), HmacSigner(key))
+    files = [read_delta_file(p, verifier=verifier) for p in args.deltas]
     blobs: dict[str, bytes] = {}
     for f in files:
         blobs.update(f.blobs)
     enc = squash_chain([f.manifest for f in files], blobs.__getitem__)
-    manifest = enc.manifest.sign(key) if key else enc.manifest
+    manifest = enc.manifest.sign(signer) if signer is not None else enc.manifest
     size = write_delta_file(args.out, manifest, enc.blobs)
     total_in = sum(f.manifest.total_bytes for f in files)
     say(args, f"{args.out}: v{manifest.parent}->v{manifest.version}, {manifest.changed_words:,} changed words, "
@@ -214,7 +211,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    df = read_delta_file(args.delta, key=_key(args))
+    df = read_delta_file(args.delta, verifier=verifier_from_file(args.key_file))
     m = df.manifest
     if args.base and m.kind != "delta":
         raise ChainError(f"{args.delta} is a keyframe: it has no base")

@@ -7,8 +7,8 @@ import time
 
 
 class Progress:
-    def __init__(self, label: str, *, quiet: bool = False, stream=None) -> None:
-        self.stream = stream or sys.stderr
+    def __init__(self, label: str, *, quiet: bool = False) -> None:
+        self.stream = sys.stderr
         self.enabled = not quiet and self.stream.isatty()
         self.label = label
         self.t0 = time.perf_counter()

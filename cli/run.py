@@ -4,24 +4,63 @@ Used by ``deltasync`` (cli/main.py) and by the standalone entry points
 ``python -m deltasync.server.cli`` and ``python -m deltasync.client.cli``, which
 exist so a server starts without importing the client (and torch). Imports only the
 core's error tree.
+
+Exit statuses: 0 success, 1 an error (one line on stderr), 2 bad usage (argparse),
+130 interrupted, 141 (128 + SIGPIPE, as a shell tool killed by it) when the reader of
+our standard output went away, e.g. ``deltasync inspect X.dsd | head``: quietly, no
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import sys
 
 from deltasync.errors import DeltaSyncError
 
+__all__ = ["EXIT_BROKEN_PIPE", "run_command"]
+
+EXIT_BROKEN_PIPE = 141
+
 
 def run_command(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     """Parse ``argv``, run the chosen subcommand; a DeltaSyncError or a missing/unreadable file
-    is one line on stderr and exit status 1, an interrupt 130."""
+    is one line on stderr and exit status 1, an interrupt 130, a closed stdout 141."""
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return rc
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise  # a socket or a child's pipe, not our output: a real error
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except (DeltaSyncError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"deltasync {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe (or socket) whose reader has closed it."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no fd (a replaced stdout cannot break a pipe), no poll
+        return False
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass

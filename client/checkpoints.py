@@ -8,38 +8,26 @@ once complete:
   contain ``.tmp``/``.part``/``.partial``/``~`` are ignored), or
 * with ``marker=".done"``: once ``NAME.safetensors.done`` exists.
 
-:func:`map_checkpoint` opens a file through ``mmap`` and returns tensors that are views
-of the file's pages (nothing is read until compared), after checking the header
-against the file's size: a truncated, garbled or unreadable file raises
-:class:`CheckpointError` and is never published.
+:class:`MappedCheckpoint` opens a file through ``mmap`` (:mod:`deltasync.tensorfile`):
+its tensors are views of the file's pages (nothing is read until compared), and the
+header is checked against the file's size first: a truncated, garbled or unreadable
+file raises :class:`CheckpointError` and is never published.
 """
 
 from __future__ import annotations
 
-import json
-import mmap
 import os
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from deltasync.dtypes import dtype_info
 from deltasync.errors import FormatError
-from deltasync.keyframe import DTYPE_META_PREFIX as _META_PREFIX  # exotic dtypes, as save_shard writes them
+from deltasync.tensorfile import MappedTensorFile
+
+__all__ = ["Checkpoint", "CheckpointError", "MappedCheckpoint", "checkpoint_step", "find_checkpoints"]
 
 _STEP_RE = re.compile(r"(\d+)(?!.*\d)")
 _TEMP_MARKS = (".tmp", ".part", ".partial", "~", ".incomplete")
-MAX_HEADER = 100 << 20
-
-_ST_DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64, "F16": torch.float16,
-    "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64, "C64": torch.complex64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 
 
 class CheckpointError(FormatError):
@@ -95,101 +83,17 @@ def find_checkpoints(folder: str | os.PathLike, *, marker: str | None = None) ->
     return [out[s] for s in sorted(out)]
 
 
-class MappedCheckpoint:
-    """Tensors of a safetensors file as views of its mmap. ``close()`` when done (after the last use)."""
+class MappedCheckpoint(MappedTensorFile):
+    """A checkpoint's tensors as views of its mmap (:class:`deltasync.tensorfile.MappedTensorFile`);
+    any problem opening or parsing it is a CheckpointError. ``close()`` when done (after the last use)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            super().__init__(path)
+        except FormatError as e:
+            raise CheckpointError(str(e)) from None
         except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot open ({e.strerror})") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < 8:
-                raise CheckpointError(f"{self.path}: {size} bytes, too short for a safetensors header (truncated?)")
-            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if size else None
-        except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot map ({e.strerror})") from None
-        finally:
-            os.close(fd)
-        self.size = size
-        try:
-            self.tensors, self.metadata = self._parse()
-        except BaseException:
-            self.close()
-            raise
-
-    def _parse(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        mm = self._mm
-        (n,) = struct.unpack_from("<Q", mm, 0)
-        if n > MAX_HEADER or 8 + n > self.size:
-            raise CheckpointError(f"{self.path}: header of {n} bytes runs past the end of the {self.size}-byte file (truncated?)")
-        try:
-            header = json.loads(bytes(mm[8 : 8 + n]))
-        except (ValueError, UnicodeDecodeError):
-            raise CheckpointError(f"{self.path}: header is not JSON (corrupt or not safetensors)") from None
-        if not isinstance(header, dict):
-            raise CheckpointError(f"{self.path}: header is not a JSON object")
-        meta = header.pop("__metadata__", None) or {}
-        if not isinstance(meta, dict):
-            raise CheckpointError(f"{self.path}: __metadata__ is not an object")
-        base = 8 + n
-        data_len = self.size - base
-        spans = []
-        whole = torch.frombuffer(mm, dtype=torch.uint8) if data_len > 0 or n else None
-        tensors: dict[str, torch.Tensor] = {}
-        for name, e in header.items():
-            if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
-                raise CheckpointError(f"{self.path}: entry {name!r} is malformed")
-            dt = _ST_DTYPES.get(e["dtype"])
-            if dt is None:
-                raise CheckpointError(f"{self.path}: {name}: dtype {e['dtype']!r} is not supported")
-            shape, (b, end) = e["shape"], e["data_offsets"]
-            if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
-                raise CheckpointError(f"{self.path}: {name}: bad shape {shape!r}")
-            numel = 1
-            for s in shape:
-                numel *= s
-            itemsize = torch.empty(0, dtype=dt).element_size()
-            if not (isinstance(b, int) and isinstance(end, int) and 0 <= b <= end) or end - b != numel * itemsize:
-                raise CheckpointError(f"{self.path}: {name}: data offsets {e['data_offsets']} do not fit {shape} {e['dtype']}")
-            if end > data_len:
-                raise CheckpointError(f"{self.path}: {name} ends at byte {base + end} but the file has {self.size} (truncated?)")
-            spans.append((b, end))
-            t = whole[base + b : base + end].view(dt).reshape(shape) if end > b else torch.empty(shape, dtype=dt)
-            real = meta.get(_META_PREFIX + name)
-            if real is not None:
-                info = dtype_info(real)
-                if dt != torch.uint8 or not shape or shape[-1] != info.element_size:
-                    raise CheckpointError(f"{self.path}: {name} stored as {e['dtype']} {shape}, cannot be {real}")
-                t = t.view(info.torch_dtype).reshape(shape[:-1]) if t.numel() else torch.empty(shape[:-1], dtype=info.torch_dtype)
-            tensors[name] = t
-        spans.sort()
-        at = 0
-        for b, end in spans:
-            if b != at:
-                raise CheckpointError(f"{self.path}: tensor data has a hole or overlap at byte {base + b}")
-            at = end
-        if at != data_len:
-            raise CheckpointError(f"{self.path}: {data_len - at} bytes after the last tensor (a torn write?)")
-        return tensors, {k: v for k, v in meta.items() if isinstance(k, str) and isinstance(v, str)}
-
-    def close(self) -> None:
-        self.tensors = {}
-        mm, self._mm = getattr(self, "_mm", None), None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:  # a view still exists somewhere; the map goes with it
-                pass
+            raise CheckpointError(f"{path}: cannot open ({e.strerror or e})") from None
 
     def __enter__(self) -> MappedCheckpoint:
         return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def map_checkpoint(path: str | os.PathLike) -> MappedCheckpoint:
-    return MappedCheckpoint(path)

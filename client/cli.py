@@ -12,19 +12,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from deltasync.atomic import remove_temp_files
+from deltasync.cli.keys import signer_from_file, verifier_from_file
 from deltasync.cli.run import run_command
+from deltasync.dtypes import dtype_info
 from deltasync.errors import DeltaSyncError, NotFoundError
 from deltasync.fingerprint import state_fingerprint_of
-from deltasync.manifest import load_key
-from deltasync.statefile import read_state_file, write_state_file
+from deltasync.manifest import parse_manifest
+from deltasync.signing import Verifier
+from deltasync.tensorfile import MappedTensorFile, read_state_file, write_state_file
 
 from .http import HttpClient, Timeouts
 from .publisher import Publisher
@@ -36,19 +40,11 @@ log = logging.getLogger("deltasync.client.cli")
 META_MODEL = "deltasync.model"
 META_VERSION = "deltasync.version"
 META_STATE_FP = "deltasync.state_fp"
-# Test-only fault injection (the end-to-end tests kill a subscriber mid-apply):
-# "V" makes `subscribe` SIGKILL itself right after applying version >= V in memory,
-# before the file is replaced. Never set it outside tests.
-FAULT_ENV = "DELTASYNC_TEST_KILL_AFTER_APPLY"
 
 
 def _say(args, text: str) -> None:
     if not args.quiet:
         print(text, flush=True)
-
-
-def _read_key(args) -> bytes | None:
-    return load_key(Path(args.key_file).read_text()) if args.key_file else None
 
 
 def _read_token(path: str) -> str:
@@ -69,7 +65,7 @@ def _setup_logging(args) -> None:
 
 # -- publish ---------------------------------------------------------------------------------------
 
-async def _head_state(url: str, model: str, key: bytes | None, like: dict[str, torch.Tensor], timeout: float):
+async def _head_state(url: str, model: str, verifier: Verifier | None, like: dict[str, torch.Tensor], timeout: float):
     """The head version's state, rebuilt from the servers into tensors shaped like ``like``;
     None when the origin has no version or the layout differs."""
     client = HttpClient([url])
@@ -80,7 +76,7 @@ async def _head_state(url: str, model: str, key: bytes | None, like: dict[str, t
     if head is None:
         return None
     target = {n: torch.empty_like(t) for n, t in like.items()}
-    sub = Subscriber([url], model, target, key=key, use_squash=True)
+    sub = Subscriber([url], model, target, key=verifier, use_squash=True)
     await sub.start()
     try:
         v = await sub.sync(timeout)
@@ -95,12 +91,13 @@ async def _head_state(url: str, model: str, key: bytes | None, like: dict[str, t
 def cmd_publish(args) -> int:
     _setup_logging(args)
     token = _read_token(args.token_file)
-    key = _read_key(args)
+    signer = signer_from_file(args.key_file)
+    verifier = verifier_from_file(args.key_file)
     state = read_state_file(args.state)
     base = None
     head_v = None
     try:
-        got = asyncio.run(_head_state(args.origin, args.model, key, state, args.timeout))
+        got = asyncio.run(_head_state(args.origin, args.model, verifier, state, args.timeout))
     except DeltaSyncError as e:
         raise DeltaSyncError(f"cannot read {args.model}'s head from {args.origin}: {e}") from e
     if got is not None:
@@ -113,7 +110,7 @@ def cmd_publish(args) -> int:
         return 1
     if base is None and head_v is not None:
         _say(args, f"origin has v{head_v} but its state could not be rebuilt here; publishing a keyframe")
-    pub = Publisher(args.origin, args.model, token, key, keyframe_every=0, base=base, check_origin=False)
+    pub = Publisher(args.origin, args.model, token, signer, keyframe_every=0, base=base, check_origin=False)
     try:
         pending = pub.publish(step, state, keyframe=args.keyframe and base is not None)
         res = pending.result(args.timeout)
@@ -129,28 +126,18 @@ def cmd_publish(args) -> int:
 
 # -- subscribe -------------------------------------------------------------------------------------
 
-def _clean_temp_files(out: Path) -> None:
-    """Remove temp files a killed writer left beside ``out`` (deltasync.deltafile.write_atomic's names)."""
-    for p in out.parent.glob(f".{out.name}.*.tmp"):
-        try:
-            p.unlink()
-        except OSError:
-            pass
-
-
-async def _subscribe(args, key: bytes | None) -> int:
+async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int], None] | None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _clean_temp_files(out)
+    remove_temp_files(out)  # a killed earlier run's; only one subscriber writes a file
     timeouts = Timeouts(poll=args.poll)
     version = None
     target: dict[str, torch.Tensor] | None = None
     if out.exists():
         try:
-            import safetensors
-            with safetensors.safe_open(str(out), framework="pt") as f:
-                meta = f.metadata() or {}
-            target = {n: t.clone() for n, t in read_state_file(out).items()}
+            with MappedTensorFile(out) as f:
+                meta = dict(f.metadata)
+                target = {n: t.clone() for n, t in f.tensors.items()}
             if meta.get(META_MODEL) == args.model and (meta.get(META_VERSION) or "").isdigit():
                 version = int(meta[META_VERSION])
                 _say(args, f"{out}: holds {args.model} v{version}; resuming")
@@ -172,18 +159,14 @@ async def _subscribe(args, key: bytes | None) -> int:
                 raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
         finally:
             await client.close()
-        from deltasync.dtypes import dtype_info
-        from deltasync.manifest import parse_manifest
-        m = parse_manifest(head.body, key=key)
+        m = parse_manifest(head.body, verifier=verifier)
         target = {t.name: torch.zeros(t.shape, dtype=dtype_info(t.dtype).torch_dtype) for t in m.tensors}
-    fault = os.environ.get(FAULT_ENV)
-    fault_v = int(fault) if fault and fault.isdigit() else None
 
     def on_event(ev: SyncEvent) -> None:
         if ev.kind in ("rollback", "refetch", "resync", "scrub", "error"):
             _say(args, f"{ev.kind} v{ev.version}: {ev.detail}")
 
-    sub = Subscriber(args.sources, args.model, target, key=key, version=version, timeouts=timeouts,
+    sub = Subscriber(args.sources, args.model, target, key=verifier, version=version, timeouts=timeouts,
                      scrub_every=args.scrub_every, on_event=on_event)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -202,8 +185,8 @@ async def _subscribe(args, key: bytes | None) -> int:
         while not stop.is_set():
             v = sub.apply_pending()
             if v is not None and v != written:
-                if fault_v is not None and v >= fault_v:
-                    os.kill(os.getpid(), signal.SIGKILL)  # test-only: die between the apply and the file write
+                if on_applied is not None:
+                    on_applied(v)  # applied in memory, the file not yet replaced
                 sfp = state_fingerprint_of(target, sub.fps)
                 write_state_file(out, target, {META_MODEL: args.model, META_VERSION: str(v), META_STATE_FP: sfp})
                 written = v
@@ -225,12 +208,14 @@ async def _subscribe(args, key: bytes | None) -> int:
         await sub.close()
 
 
-def cmd_subscribe(args) -> int:
+def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> int:
+    """``deltasync subscribe``. ``on_applied(version)``, for programs that embed the command, runs after
+    each version is applied in memory and before the file is replaced (tests use it to die there)."""
     _setup_logging(args)
     if args.once and args.until is not None:
         print("deltasync subscribe: error: --once and --until exclude each other", file=sys.stderr)
         return 2
-    return asyncio.run(_subscribe(args, _read_key(args)))
+    return asyncio.run(_subscribe(args, verifier_from_file(args.key_file), on_applied))
 
 
 # -- sidecar ----------------------------------------------------------------------------------------
@@ -238,7 +223,7 @@ def cmd_subscribe(args) -> int:
 def cmd_sidecar(args) -> int:
     _setup_logging(args)
     token = _read_token(args.token_file)
-    key = _read_key(args)
+    signer = signer_from_file(args.key_file)
     if not Path(args.watch).is_dir():
         print(f"deltasync sidecar: error: {args.watch} is not a directory", file=sys.stderr)
         return 1
@@ -249,7 +234,7 @@ def cmd_sidecar(args) -> int:
         else:
             _say(args, f"{ev.kind} {Path(ev.path).name}" + (f": {ev.detail}" if ev.detail else ""))
 
-    car = Sidecar(args.watch, args.origin, args.model, token, key, keyframe_every=args.keyframe_every,
+    car = Sidecar(args.watch, args.origin, args.model, token, signer, keyframe_every=args.keyframe_every,
                   delete_published=args.delete_published, marker=args.marker, poll=args.poll,
                   state_file=args.state_file, on_event=on_event)
 
@@ -322,11 +307,16 @@ def register(subparsers) -> None:
     c.set_defaults(func=cmd_sidecar)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The standalone parser: ``publish``, ``subscribe`` and ``sidecar``."""
     parser = argparse.ArgumentParser(prog="deltasync", description="deltasync publish / subscribe / sidecar")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
-    return run_command(parser, argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":

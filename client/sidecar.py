@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltasync.codec import EncodeOptions, encode_delta
-from deltasync.deltafile import write_atomic
+from deltasync.atomic import write_atomic
 from deltasync.errors import ChainError, DeltaSyncError, NotFoundError
-from deltasync.fingerprint import fingerprint_state, fp_hex, state_fingerprint_of
+from deltasync.fingerprint import fingerprint_state, fp_hex
 from deltasync.keyframe import encode_keyframe
 from deltasync.manifest import parse_manifest
+from deltasync.signing import Signer, as_signer
 
 from .checkpoints import Checkpoint, CheckpointError, MappedCheckpoint, find_checkpoints
 from .http import HttpClient, Timeouts
@@ -62,21 +63,22 @@ class SidecarEvent:
 class Sidecar:
     """Publishes checkpoints from ``watch_dir`` to ``origin`` (see the module docstring)."""
 
-    def __init__(self, watch_dir: str | os.PathLike, origin: str, model: str, token: str, key: bytes | None = None, *,
+    def __init__(self, watch_dir: str | os.PathLike, origin: str, model: str, token: str,
+                 signer: Signer | bytes | None = None, *,
                  keyframe_every: int = 20, delete_published: bool = False, marker: str | None = None,
-                 poll: float = 1.0, state_file: str | os.PathLike | None = None, options: EncodeOptions | None = None,
-                 timeouts: Timeouts | None = None, on_event: Callable[[SidecarEvent], None] | None = None) -> None:
+                 poll: float = 1.0, state_file: str | os.PathLike | None = None,
+                 on_event: Callable[[SidecarEvent], None] | None = None) -> None:
         self.dir = Path(watch_dir)
         self.model = model
         self.side_model = keyframe_stream(model)
-        self.key = key
+        self.signer = as_signer(signer)  # a raw key (bytes) signs with HMAC-SHA256
         self.keyframe_every = keyframe_every
         self.delete_published = delete_published
         self.marker = marker
         self.poll = poll
         self.state_path = Path(state_file) if state_file else self.dir / STATE_NAME
-        self.options = options or EncodeOptions()
-        self.client = HttpClient([origin], token=token, timeouts=timeouts or Timeouts())
+        self.options = EncodeOptions()
+        self.client = HttpClient([origin], token=token, timeouts=Timeouts())
         self.on_event = on_event
         # resumable state
         self.version: int | None = None
@@ -244,10 +246,10 @@ class Sidecar:
                 raise DeltaSyncError(f"the origin already holds a different {self.model} v{ck.step}; not publishing {ck.path}")
             kind = "adopted"  # committed by an earlier run that died before saving its state
         else:
-            await upload_version(self.client, main.manifest, main.blobs, key=self.key)
+            await upload_version(self.client, main.manifest, main.blobs, key=self.signer)
             kind = "published"
         if side is not None:
-            await upload_version(self.client, side.manifest, side.blobs, key=self.key)
+            await upload_version(self.client, side.manifest, side.blobs, key=self.signer)
         if main.manifest.kind == "keyframe" or side is not None:
             self.last_keyframe = ck.step
         self.version = ck.step
@@ -287,8 +289,3 @@ class Sidecar:
         finally:
             await self.client.close()
 
-
-def checkpoint_state_fp(path: str | os.PathLike) -> str:
-    """The state fingerprint of a checkpoint file (a full read)."""
-    with MappedCheckpoint(path) as ck:
-        return state_fingerprint_of(ck.tensors)

@@ -1,4 +1,4 @@
-"""Self-contained delta files (manifest + blobs in one file) and atomic file writes.
+"""Self-contained delta files: a manifest and its blobs in one file.
 
 Layout (docs/FORMAT.md, "delta file")::
 
@@ -9,21 +9,27 @@ Layout (docs/FORMAT.md, "delta file")::
     manifest mlen bytes (canonical manifest JSON, signature included if any)
     blobs    each blob of manifest.blobs, in order, back to back (sizes from the manifest)
 
-Readers verify every blob's hash and that nothing trails the last blob.
+Readers verify every blob's hash and that nothing trails the last blob; with a
+verifier (or a raw HMAC key) also the manifest's signature. Writes are atomic
+(:mod:`deltasync.atomic`).
 """
 
 from __future__ import annotations
 
 import os
 import struct
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic import fsync_dir, write_atomic  # re-exported: their old import path (server/store.py uses it)
 from .blob import verify_blob
-from .errors import FormatError, IntegrityError, StorageError
+from .errors import FormatError, IntegrityError
 from .manifest import Manifest, parse_manifest
+from .signing import Verifier
+
+__all__ = ["DeltaFile", "MAGIC", "VERSION", "fsync_dir", "pack_delta_file", "read_delta_file", "unpack_delta_file",
+           "write_atomic", "write_delta_file"]
 
 MAGIC = b"DSYNCDLT"
 VERSION = 1
@@ -47,7 +53,9 @@ def pack_delta_file(manifest: Manifest, blobs: Mapping[str, bytes]) -> bytes:
     return b"".join(parts)
 
 
-def unpack_delta_file(data: bytes | memoryview, *, key: bytes | None = None) -> DeltaFile:
+def unpack_delta_file(data: bytes | memoryview, *, verifier: Verifier | bytes | None = None,
+                      key: bytes | None = None) -> DeltaFile:
+    """A delta file's manifest and blobs, everything checked; ``key`` is the older spelling of ``verifier``."""
     view = memoryview(data)
     if len(view) < _PREFIX.size:
         raise FormatError(f"file of {len(view)} bytes is too short to be a delta file")
@@ -60,7 +68,7 @@ def unpack_delta_file(data: bytes | memoryview, *, key: bytes | None = None) -> 
         raise FormatError(f"delta file: reserved field is {reserved}, must be 0")
     if _PREFIX.size + mlen > len(view):
         raise FormatError("delta file is truncated inside its manifest")
-    manifest = parse_manifest(bytes(view[_PREFIX.size : _PREFIX.size + mlen]), key=key)
+    manifest = parse_manifest(bytes(view[_PREFIX.size : _PREFIX.size + mlen]), verifier=verifier, key=key)
     at = _PREFIX.size + mlen
     blobs = {}
     for ref in manifest.blobs:
@@ -78,51 +86,9 @@ def unpack_delta_file(data: bytes | memoryview, *, key: bytes | None = None) -> 
     return DeltaFile(manifest=manifest, blobs=blobs)
 
 
-def read_delta_file(path: str | os.PathLike, *, key: bytes | None = None) -> DeltaFile:
-    return unpack_delta_file(Path(path).read_bytes(), key=key)
-
-
-def write_atomic(path: str | os.PathLike, data: bytes | memoryview, *, tmp_dir: str | os.PathLike | None = None,
-                 fsync: bool = True) -> None:
-    """Write to a temp file (beside ``path``, or in ``tmp_dir`` on the same filesystem), fsync, rename:
-    readers see all or nothing. Any failure (a full disk, say) removes the temp file and raises
-    StorageError; the previous file, if any, is untouched."""
-    path = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=tmp_dir or path.parent or ".")
-    except OSError as e:
-        raise StorageError(f"cannot write {path}: {e.strerror or e}") from e
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        if isinstance(e, OSError):
-            raise StorageError(f"writing {path} failed ({e.strerror or e}); the previous file, if any, is untouched") from e
-        raise
-    if fsync:
-        fsync_dir(path.parent)
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a rename in ``path`` durable (best effort where directories cannot be opened)."""
-    try:
-        dfd = os.open(path or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
+def read_delta_file(path: str | os.PathLike, *, verifier: Verifier | bytes | None = None,
+                    key: bytes | None = None) -> DeltaFile:
+    return unpack_delta_file(Path(path).read_bytes(), verifier=verifier, key=key)
 
 
 def write_delta_file(path: str | os.PathLike, manifest: Manifest, blobs: Mapping[str, bytes]) -> int:

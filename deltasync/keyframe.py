@@ -1,21 +1,14 @@
 """Keyframes: a whole state as safetensors shards, so any tool can open them.
 
 Each shard is one blob holding whole tensors (a tensor larger than the shard
-size gets a shard of its own). Dtypes safetensors cannot name (complex32,
-complex128, float8_e8m0fnu, float4_e2m1fn_x2) are stored as a ``U8`` tensor of
-shape ``[*shape, element_size]`` and the real dtype in the shard's metadata under
-``deltasync.dtype.<name>``; :func:`load_shard` restores them.
+size gets a shard of its own). The bytes of a shard are written and read by
+:mod:`deltasync.tensorfile` (exotic dtypes as tagged ``U8`` tensors).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-import json
-import struct
-
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 import torch
 
 from .blob import blob_id
@@ -24,52 +17,12 @@ from .dtypes import dtype_info
 from .errors import BaseMismatchError, FormatError, IntegrityError
 from .fingerprint import fp_hex, state_fingerprint, tensor_fingerprint
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
+from .tensorfile import load_shard, save_shard  # shard bytes live there; re-exported for keyframe users
+
+__all__ = ["DEFAULT_SHARD_BYTES", "apply_keyframe", "copy_state", "encode_keyframe", "load_keyframe", "load_shard",
+           "save_shard"]
 
 DEFAULT_SHARD_BYTES = 256 << 20
-DTYPE_META_PREFIX = "deltasync.dtype."  # shard metadata key prefix naming an exotic dtype
-_META_PREFIX = DTYPE_META_PREFIX
-_NATIVE = {
-    "bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "bfloat16",
-    "float32", "float64", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "complex64",
-}
-
-
-def _storable(name: str, t: torch.Tensor, meta: dict[str, str]) -> torch.Tensor:
-    t = t.detach().cpu().contiguous()
-    info = dtype_info(t.dtype)
-    if info.name in _NATIVE:
-        return t
-    meta[_META_PREFIX + name] = info.name
-    return t.reshape(-1).view(torch.uint8).reshape(*t.shape, info.element_size)
-
-
-def save_shard(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
-    meta = dict(metadata or {})
-    data = {n: _storable(n, t, meta) for n, t in tensors.items()}
-    return save_safetensors(data, metadata=meta or None)
-
-
-def load_shard(data: bytes) -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors shard, exotic dtypes restored. Malformed input raises FormatError."""
-    meta = _read_metadata(data)
-    try:
-        tensors = load_safetensors(bytes(data))
-    except Exception as e:  # safetensors raises SafetensorError and others on bad input
-        raise FormatError(f"not a valid safetensors shard: {type(e).__name__}: {e}") from None
-    return {name: restore_dtype(name, t, meta) for name, t in tensors.items()}
-
-
-def restore_dtype(name: str, t: torch.Tensor, meta: dict[str, str], *, where: str = "") -> torch.Tensor:
-    """A tensor as read from safetensors, turned back into its exotic dtype if the metadata names one."""
-    real = meta.get(DTYPE_META_PREFIX + name)
-    if real is None:
-        return t
-    info = dtype_info(real)
-    if t.dtype != torch.uint8 or t.dim() == 0 or t.shape[-1] != info.element_size:
-        raise FormatError(f"{where}{name}: stored as {t.dtype} {tuple(t.shape)}, cannot be {real}")
-    if t.numel() == 0:
-        return torch.empty(t.shape[:-1], dtype=info.torch_dtype)
-    return t.contiguous().view(info.torch_dtype).reshape(t.shape[:-1])
 
 
 def copy_state(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], fps: dict[str, int], *,
@@ -94,24 +47,6 @@ def copy_state(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
                 raise IntegrityError(f"{name}: fingerprint {fp_hex(got)} after copying keyframe v{version}, expected "
                                      f"{fp_hex(fps[name])}: the device memory is not what was written (resync)")
     return dict(fps)
-
-
-def _read_metadata(data: bytes) -> dict[str, str]:
-    if len(data) < 8:
-        raise FormatError(f"safetensors data of {len(data)} bytes is shorter than its 8-byte header length")
-    (n,) = struct.unpack_from("<Q", data)
-    if n > len(data) - 8:
-        raise FormatError(f"safetensors header of {n} bytes runs past the end ({len(data)} bytes)")
-    try:
-        header = json.loads(bytes(data[8 : 8 + n]))
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise FormatError("safetensors header is not JSON") from None
-    if not isinstance(header, dict):
-        raise FormatError("safetensors header is not a JSON object")
-    meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict):
-        raise FormatError("safetensors __metadata__ is not an object")
-    return {k: v for k, v in meta.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def encode_keyframe(

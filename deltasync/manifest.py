@@ -2,14 +2,14 @@
 
 A manifest is canonical JSON (docs/FORMAT.md, "manifest"). ``Manifest.to_json``
 writes it, ``parse_manifest`` reads it back and rejects anything malformed with a
-FormatError. ``sign``/``verify_signature`` use HMAC-SHA256 over the canonical
-encoding of every field but the signature itself.
+FormatError. ``sign`` takes a :class:`~deltasync.signing.Signer`, ``verify_signature``
+and ``parse_manifest(verifier=...)`` a :class:`~deltasync.signing.Verifier`; both sign
+the canonical encoding of every field but the signature itself. A raw ``bytes`` key is
+still accepted wherever one was (wrapped into HMAC-SHA256).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import re
 from dataclasses import dataclass, field, replace
@@ -18,6 +18,11 @@ from typing import Any
 from .blob import check_blob_id
 from .dtypes import dtype_info, word_count
 from .errors import DeltaSyncError, FormatError, SignatureError
+from .signing import Signer, Verifier, as_signer, as_verifier, load_key
+
+__all__ = [
+    "BlobRef", "ChunkRef", "FORMAT_VERSION", "KINDS", "Manifest", "TensorRecord", "load_key", "parse_manifest",
+]
 
 FORMAT_VERSION = 1
 KINDS = ("keyframe", "delta")
@@ -125,23 +130,18 @@ class Manifest:
     def to_json(self) -> bytes:
         return _canonical(self.to_obj())
 
-    def sign(self, key: bytes) -> Manifest:
-        return replace(self, signature=hmac_signature(key, self.canonical_bytes()))
+    def sign(self, signer: Signer | bytes) -> Manifest:
+        """This manifest with ``signer``'s signature (a raw ``bytes`` key signs with HMAC-SHA256)."""
+        return replace(self, signature=as_signer(signer).sign(self.canonical_bytes()))
 
-    def verify_signature(self, key: bytes) -> None:
-        """Raise SignatureError unless signed with ``key``."""
+    def verify_signature(self, verifier: Verifier | bytes) -> None:
+        """Raise SignatureError unless ``verifier`` accepts the signature (a raw ``bytes`` key: HMAC-SHA256)."""
         if self.signature is None:
             raise SignatureError(f"{self.model} v{self.version}: manifest is unsigned but a key is configured")
-        expected = hmac_signature(key, self.canonical_bytes())
-        if not hmac.compare_digest(expected.encode(), self.signature.encode("utf-8", "replace")):
-            raise SignatureError(
-                f"{self.model} v{self.version}: manifest signature does not verify with the configured key "
-                "(forged, altered in transit, or signed with another key)"
-            )
-
-
-def hmac_signature(key: bytes, data: bytes) -> str:
-    return "hmac-sha256:" + hmac.new(key, data, hashlib.sha256).hexdigest()
+        try:
+            as_verifier(verifier).verify(self.canonical_bytes(), self.signature)
+        except SignatureError as e:
+            raise SignatureError(f"{self.model} v{self.version}: manifest {e}") from None
 
 
 def _canonical(obj: Any) -> bytes:
@@ -155,23 +155,16 @@ def _numel(shape) -> int:
     return n
 
 
-def load_key(text: str | bytes) -> bytes:
-    """A signing key from a key file's contents: hex (whitespace ignored), at least 16 bytes."""
-    s = text.decode() if isinstance(text, bytes) else text
-    s = "".join(s.split())
-    try:
-        key = bytes.fromhex(s)
-    except ValueError:
-        raise FormatError("key file must hold the signing key as hex digits") from None
-    if len(key) < 16:
-        raise FormatError(f"signing key is {len(key)} bytes; use at least 16 (32 recommended)")
-    return key
-
-
 # -- parsing ------------------------------------------------------------------------
 
-def parse_manifest(data: bytes | str | dict, *, key: bytes | None = None) -> Manifest:
-    """Parse and validate a manifest; with ``key``, also verify its signature."""
+def parse_manifest(data: bytes | str | dict, *, verifier: Verifier | bytes | None = None,
+                   key: bytes | None = None) -> Manifest:
+    """Parse and validate a manifest; with ``verifier``, also verify its signature (SignatureError).
+    ``key`` is the older spelling of ``verifier`` for a raw HMAC key."""
+    if key is not None:
+        if verifier is not None:
+            raise TypeError("parse_manifest: pass verifier= or key=, not both")
+        verifier = key
     if isinstance(data, dict):
         obj = data
     else:
@@ -187,8 +180,8 @@ def parse_manifest(data: bytes | str | dict, *, key: bytes | None = None) -> Man
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise FormatError(f"manifest is malformed: {type(e).__name__}: {e}") from None
-    if key is not None:
-        m.verify_signature(key)
+    if verifier is not None:
+        m.verify_signature(verifier)
     return m
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltasync.statefile import read_state_file, write_state_file
+from deltasync.tensorfile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 
 CLI = [sys.executable, "-m", "deltasync.cli.main"]
@@ -140,3 +140,31 @@ def test_replay_onto_a_full_disk_keeps_the_old_file(chain: Path, tmp_path: Path)
         assert [f.name for f in mnt.iterdir()] == ["out.safetensors"]  # no temp file left behind
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.mark.parametrize("json_out", [False, True], ids=["table", "json"])
+def test_inspect_piped_into_head_exits_quietly(tmp_path: Path, json_out: bool) -> None:
+    # far more output than a pipe holds, so the write after `head -1` exits really hits a closed pipe
+    state = {f"layers.{i:05d}.weight": torch.full((2,), float(i)) for i in range(4000)}
+    path = tmp_path / "many.safetensors"
+    write_state_file(path, state)
+    cmd = " ".join(f"'{a}'" for a in [*CLI, "inspect", str(path), *(["--json"] if json_out else [])])
+    p = subprocess.run(["bash", "-c", f'{cmd} | head -1; echo "deltasync exit ${{PIPESTATUS[0]}}" >&2'],
+                       capture_output=True, text=True, timeout=120)
+    assert p.stdout.count("\n") == 1 and p.stdout.strip()
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
+    assert p.stderr.strip() == "deltasync exit 141"
+
+
+def test_a_broken_pipe_that_is_not_stdout_stays_an_error() -> None:
+    import argparse
+
+    from deltasync.cli.run import run_command
+
+    def fails(args):
+        raise BrokenPipeError(32, "Broken pipe")  # as from a socket; our stdout is fine
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(func=fails, command="x")
+    with pytest.raises(BrokenPipeError):
+        run_command(parser, [])

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from deltasync.client.cluster import LocalCluster
-from deltasync.statefile import read_state_file, write_state_file
+from deltasync.cli.cluster import LocalCluster
+from deltasync.tensorfile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 
 KEY = bytes(range(7, 39))

@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 
-from deltasync.client.cluster import LocalCluster
+from deltasync.cli.cluster import LocalCluster
 from deltasync.client.errors import PublishError
 from deltasync.client.publisher import Part, Publisher, merge_parts
 from deltasync.client.subscriber import ThreadedSubscriber

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from deltasync.client.checkpoints import CheckpointError, MappedCheckpoint, checkpoint_step, find_checkpoints
-from deltasync.client.cluster import LocalCluster
+from deltasync.cli.cluster import LocalCluster
 from deltasync.client.sidecar import STATE_NAME, Sidecar
 from deltasync.client.subscriber import ThreadedSubscriber
-from deltasync.statefile import write_state_file
+from deltasync.tensorfile import write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 
 SHAPE = ModelShape(vocab=256, hidden=32, layers=1, ffn=64)

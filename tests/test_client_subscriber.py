@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from deltasync.client.cluster import LocalCluster
+from deltasync.cli.cluster import LocalCluster
 from deltasync.client.errors import SyncTimeout
 from deltasync.client.http import Timeouts
 from deltasync.client.publisher import Publisher

@@ -7,7 +7,6 @@ through integer views.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -17,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltasync.client.cluster import LocalCluster
+from deltasync.cli.cluster import LocalCluster
 from deltasync.client.publisher import Publisher
 from deltasync.client.subscriber import SyncEvent, ThreadedSubscriber
-from deltasync.statefile import read_state_file
+from deltasync.tensorfile import read_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 
 KEY = bytes(range(100, 132))
@@ -119,8 +118,8 @@ def test_subscriber_killed_mid_apply_restarts_and_recovers(cluster, tmp_path):
             states[step] = trace.step()
             pub.publish(step, states[step])
         pub.flush(60)
-        env = {**os.environ, "DELTASYNC_TEST_KILL_AFTER_APPLY": "6"}
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        killed = [sys.executable, str(Path(__file__).with_name("kill_after_apply.py")), "6", *argv[3:]]
+        proc = subprocess.Popen(killed, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 60
             while not out.exists() and time.monotonic() < deadline:

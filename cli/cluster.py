@@ -17,10 +17,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 _LISTENING = re.compile(r"listening on (http://[^\s,()]+)")
+RETENTION = 16  # versions each server keeps
 
 
 @dataclass(slots=True, kw_only=True)
@@ -33,14 +34,6 @@ class ServerProcess:
     proc: subprocess.Popen
     log_path: Path
     data_dir: Path
-    argv: list[str] = field(default_factory=list)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM, wait, then SIGKILL; returns the exit code."""
@@ -59,34 +52,25 @@ class ServerProcess:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
 
-
-def start_server(role: str, name: str, root: Path, args: Sequence[str], *, timeout: float = 30.0,
-                 python: str = sys.executable, env: dict[str, str] | None = None) -> ServerProcess:
+def start_server(role: str, name: str, root: Path, args: Sequence[str], *, timeout: float = 30.0) -> ServerProcess:
     """Start ``deltasync.server.cli ROLE ARGS`` and wait for its listening line."""
-    return _wait_listening(*_spawn(role, name, root, args, python=python, env=env), timeout=timeout)
+    return _wait_listening(*_spawn(role, name, root, args), timeout=timeout)
 
 
-def _spawn(role: str, name: str, root: Path, args: Sequence[str], *, python: str = sys.executable,
-           env: dict[str, str] | None = None):
+def _spawn(role: str, name: str, root: Path, args: Sequence[str]):
     root.mkdir(parents=True, exist_ok=True)
     log_path = root / f"{name}.log"
-    argv = [python, "-m", "deltasync.server.cli", role, *args]
+    argv = [sys.executable, "-m", "deltasync.server.cli", role, *args]
     logf = open(log_path, "wb")
     try:
-        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     finally:
         logf.close()
-    return role, name, root, proc, log_path, argv
+    return role, name, root, proc, log_path
 
 
-def _wait_listening(role: str, name: str, root: Path, proc: subprocess.Popen, log_path: Path, argv: list[str], *,
+def _wait_listening(role: str, name: str, root: Path, proc: subprocess.Popen, log_path: Path, *,
                     timeout: float = 30.0) -> ServerProcess:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -94,7 +78,7 @@ def _wait_listening(role: str, name: str, root: Path, proc: subprocess.Popen, lo
         m = _LISTENING.search(text)
         if m:
             return ServerProcess(name=name, role=role, url=m.group(1).rstrip("/"), proc=proc, log_path=log_path,
-                                 data_dir=root / name, argv=argv)
+                                 data_dir=root / name)
         if proc.poll() is not None:
             raise RuntimeError(f"{role} {name} exited with {proc.returncode} before listening:\n{text[-3000:]}")
         time.sleep(0.05)
@@ -111,11 +95,10 @@ class LocalCluster:
     most preferred first, in start order: ``{"eu": ["origin"], "eu-1": ["eu"], ...}``.
     """
 
-    def __init__(self, root: str | os.PathLike, *, key: bytes | None = None, token: str | None = None,
-                 retention: int = 16, fsync: bool = False, extra_args: Sequence[str] = ()) -> None:
+    def __init__(self, root: str | os.PathLike, *, key: bytes | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.token = token or secrets.token_hex(16)
+        self.token = secrets.token_hex(16)
         self.key = key
         self.token_file = self.root / "token"
         self.token_file.write_text(self.token + "\n")
@@ -123,15 +106,11 @@ class LocalCluster:
         if key is not None:
             self.key_file = self.root / "key"
             self.key_file.write_text(key.hex() + "\n")
-        self.retention = retention
-        self.fsync = fsync
-        self.extra_args = list(extra_args)
         self.servers: dict[str, ServerProcess] = {}
 
     def _common(self, listen: str = "127.0.0.1:0") -> list[str]:
-        args = ["--listen", listen, "--retention", str(self.retention), "--log-level", "INFO", *self.extra_args]
-        if not self.fsync:
-            args.append("--no-fsync")
+        # throwaway stores: no fsync (durability is not what a local tree is for)
+        args = ["--listen", listen, "--retention", str(RETENTION), "--log-level", "INFO", "--no-fsync"]
         if self.key_file is not None:
             args += ["--key-file", str(self.key_file)]
         return args
@@ -141,15 +120,6 @@ class LocalCluster:
         store = self.root / name
         s = start_server("origin", name, self.root,
                          [*self._common(f"127.0.0.1:{port}"), "--store", str(store), "--token-file", str(self.token_file)])
-        self.servers[name] = s
-        return s
-
-    def start_relay(self, name: str, parents: Sequence[str]) -> ServerProcess:
-        urls = [self.servers[p].url if p in self.servers else p for p in parents]
-        args = [*self._common(), "--cache", str(self.root / name)]
-        for u in urls:
-            args += ["--parent", u]
-        s = start_server("relay", name, self.root, args)
         self.servers[name] = s
         return s
 

@@ -1,0 +1,254 @@
+"""Safetensors, the one place that reads and writes them: shards in memory, state files on disk.
+
+Layout (the safetensors spec)::
+
+    N        u64 LE   length of the JSON header
+    header   N bytes  {"__metadata__": {str: str}, NAME: {"dtype": TAG, "shape": [..], "data_offsets": [b, e]}, ...}
+    data     the rest; tensor NAME is data[b:e], little-endian, row-major
+
+Readers here enforce the spec's MUST rules and raise :class:`FormatError` (naming the
+file, if any) for anything else: a header that runs past the end or is not a JSON
+object, a duplicate key, an unknown dtype tag, a shape that is not a list of
+non-negative integers, offsets that do not fit the shape, holes or overlaps in the
+data, bytes after the last tensor. Empty and 0-d tensors are legal.
+
+Dtypes safetensors cannot name (complex32, complex128, float8_e8m0fnu,
+float4_e2m1fn_x2) are stored as a ``U8`` tensor of shape ``[*shape, element_size]``
+with the real dtype in the metadata under ``deltasync.dtype.<name>``; readers here
+restore them, other tools see bytes.
+
+* :func:`save_shard` / :func:`load_shard`: bytes in memory (keyframe shards).
+* :class:`MappedTensorFile`: a file through ``mmap`` (copy-on-write), its tensors views
+  of the mapped pages: nothing is read until used, nothing is copied.
+* :func:`read_state_file` / :func:`write_state_file`: whole states on disk (atomic writes).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as _save_safetensors
+
+from .atomic import write_atomic
+from .dtypes import dtype_info
+from .errors import FormatError
+
+__all__ = [
+    "DTYPE_META_PREFIX", "MAX_HEADER_BYTES", "MappedTensorFile", "ST_DTYPES", "TensorEntry", "TensorHeader",
+    "load_shard", "parse_header", "read_state_file", "save_shard", "tensors_of",
+    "write_state_file",
+]
+
+DTYPE_META_PREFIX = "deltasync.dtype."  # metadata key prefix naming an exotic dtype
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+# safetensors dtype tag -> deltasync dtype name (the dtypes stored natively)
+ST_DTYPES: dict[str, str] = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
+    "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2": "float8_e5m2", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+}
+_NATIVE = frozenset(ST_DTYPES.values())
+_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
+_LEN = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorEntry:
+    """One tensor of a header: ``dtype``/``shape`` as restored, bytes ``[start, stop)`` of the whole buffer."""
+
+    name: str
+    dtype: str  # deltasync dtype name
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorHeader:
+    entries: tuple[TensorEntry, ...]  # in header order
+    metadata: dict[str, str]
+    data_start: int  # 8 + header length
+    size: int  # the whole buffer's length
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise FormatError(f"key {k!r} appears twice")
+        out[k] = v
+    return out
+
+
+def parse_header(buf, *, where: str = "") -> TensorHeader:
+    """Parse and check the header of a safetensors buffer (bytes, memoryview or mmap), the data
+    layout included: every MUST rule of the spec holds, or FormatError (prefixed by ``where``)."""
+    size = len(buf)
+    if size < 8:
+        raise FormatError(f"{where}{size} bytes, too short for a safetensors header (truncated?)")
+    (n,) = _LEN.unpack_from(buf, 0)
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise FormatError(f"{where}header of {n} bytes runs past the end of the {size}-byte data (truncated?)")
+    try:
+        header = json.loads(bytes(buf[8 : 8 + n]), object_pairs_hook=_no_duplicates)
+    except FormatError as e:
+        raise FormatError(f"{where}header: {e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise FormatError(f"{where}header is not JSON (corrupt, or not safetensors)") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{where}header is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    meta = {} if meta is None else meta
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise FormatError(f"{where}__metadata__ is not an object of strings")
+    base = 8 + n
+    data_len = size - base
+    entries = []
+    for name, e in header.items():
+        if not isinstance(e, dict) or set(e) != _ENTRY_KEYS:
+            raise FormatError(f"{where}entry {name!r} is malformed (expected {sorted(_ENTRY_KEYS)})")
+        tag, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+        stored = ST_DTYPES.get(tag) if isinstance(tag, str) else None
+        if stored is None:
+            raise FormatError(f"{where}{name}: dtype {tag!r} is not supported; supported: {', '.join(ST_DTYPES)}")
+        if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
+            raise FormatError(f"{where}{name}: bad shape {shape!r}")
+        numel = 1
+        for s in shape:
+            numel *= s
+        info = dtype_info(stored)
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in offsets)
+                and 0 <= offsets[0] <= offsets[1] and offsets[1] - offsets[0] == numel * info.element_size):
+            raise FormatError(f"{where}{name}: data offsets {offsets!r} do not fit {shape} {tag}")
+        b, end = offsets
+        if end > data_len:
+            raise FormatError(f"{where}{name} ends at byte {base + end} but the data has {size} (truncated?)")
+        dtype, real_shape = stored, tuple(shape)
+        real = meta.get(DTYPE_META_PREFIX + name)
+        if real is not None:
+            rinfo = dtype_info(real)  # an unknown name raises UnsupportedError (a FormatError)
+            if stored != "uint8" or not shape or shape[-1] != rinfo.element_size:
+                raise FormatError(f"{where}{name}: stored as {tag} {shape}, cannot be {real}")
+            dtype, real_shape = rinfo.name, tuple(shape[:-1])
+        entries.append(TensorEntry(name=name, dtype=dtype, shape=real_shape, start=base + b, stop=base + end))
+    at = base
+    for e in sorted(entries, key=lambda e: (e.start, e.stop)):
+        if e.start != at:
+            raise FormatError(f"{where}tensor data has a hole or overlap at byte {e.start}")
+        at = e.stop
+    if at != size:
+        raise FormatError(f"{where}{size - at} bytes after the last tensor (a torn write?)")
+    return TensorHeader(entries=tuple(entries), metadata=dict(meta), data_start=base, size=size)
+
+
+def _tensor(whole: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    """The entry's tensor as a view of ``whole`` (the buffer as uint8), copied only if misaligned."""
+    info = dtype_info(e.dtype)
+    if e.stop == e.start:
+        return torch.empty(e.shape, dtype=info.torch_dtype)
+    raw = whole[e.start : e.stop]
+    if e.start % info.element_size:  # unaligned (complex128 in a shard, a foreign file): copy to view
+        raw = raw.clone()
+    return raw.view(info.torch_dtype).reshape(e.shape)
+
+
+def tensors_of(whole: torch.Tensor, header: TensorHeader) -> dict[str, torch.Tensor]:
+    """Every tensor of a parsed buffer (``whole``: the buffer as a flat uint8 tensor), as views of it."""
+    return {e.name: _tensor(whole, e) for e in header.entries}
+
+
+# -- in memory ---------------------------------------------------------------------------------
+
+def _storable(name: str, t: torch.Tensor, meta: dict[str, str]) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    info = dtype_info(t.dtype)
+    if info.name in _NATIVE:
+        return t
+    meta[DTYPE_META_PREFIX + name] = info.name
+    return t.reshape(-1).view(torch.uint8).reshape(*t.shape, info.element_size)
+
+
+def save_shard(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Tensors (any device, any supported dtype) as safetensors bytes, with ``metadata``."""
+    meta = dict(metadata or {})
+    data = {n: _storable(n, t, meta) for n, t in tensors.items()}
+    return _save_safetensors(data, metadata=meta or None)
+
+
+def load_shard(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Tensors of safetensors bytes, exotic dtypes restored, in one buffer the caller owns (one copy
+    of the data). Malformed input raises FormatError."""
+    header = parse_header(data)
+    whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # parse_header saw at least 8 bytes
+    return tensors_of(whole, header)
+
+
+# -- on disk -----------------------------------------------------------------------------------
+
+class MappedTensorFile:
+    """A safetensors file through ``mmap``: ``tensors`` are views of its pages, ``metadata`` its header's.
+
+    The map is copy-on-write (``MAP_PRIVATE``): writing to a tensor never changes the file.
+    ``close()`` (or ``with``) releases the map once nothing uses the tensors; tensors still
+    referenced keep it alive. Opening checks the whole header against the file's size, so a
+    truncated or garbled file raises FormatError before any tensor is read. Replace such files
+    by renaming (:func:`~deltasync.atomic.write_atomic`); truncating a mapped file in place
+    makes reads of the lost pages fault.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        fd = os.open(self.path, os.O_RDONLY)  # OSError (FileNotFoundError, ...) as is
+        try:
+            size = os.fstat(fd).st_size
+            if size < 8:
+                raise FormatError(f"{self.path}: {size} bytes, too short for a safetensors header (truncated?)")
+            self._mm: mmap.mmap | None = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
+        self.size = size
+        try:
+            self.header = parse_header(self._mm, where=f"{self.path}: ")
+            self.tensors: dict[str, torch.Tensor] = tensors_of(torch.frombuffer(self._mm, dtype=torch.uint8), self.header)
+        except BaseException:
+            self.close()
+            raise
+        self.metadata: dict[str, str] = self.header.metadata
+
+    def close(self) -> None:
+        self.tensors = {}
+        mm, self._mm = getattr(self, "_mm", None), None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # a tensor still views the map; the map goes with the last one
+                pass
+
+    def __enter__(self) -> MappedTensorFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_state_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file, as copy-on-write views of its mmap (nothing is read until
+    used; writes stay in this process). Bad files raise FormatError, a missing one FileNotFoundError."""
+    f = MappedTensorFile(path)
+    return f.tensors  # the tensors keep the map alive
+
+
+def write_state_file(path: str | os.PathLike, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> int:
+    """Write a state atomically (temp file, fsync, rename); returns the file size."""
+    data = save_shard(state, metadata)
+    write_atomic(path, data)
+    return len(data)

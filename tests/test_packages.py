@@ -1,0 +1,56 @@
+"""The public packages: each imports cleanly in a fresh interpreter, everything in ``__all__`` exists,
+and the server side never loads torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+PACKAGES = ["deltasync", "deltasync.client", "deltasync.server", "deltasync.cli"]
+
+
+def _fresh(code: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_package_imports_cleanly_and_all_names_exist(package):
+    got = _fresh(f"""
+import importlib, json, warnings
+warnings.simplefilter("error")  # an import that warns is not clean
+pkg = importlib.import_module({package!r})
+names = list(pkg.__all__)
+missing = [n for n in names if not hasattr(pkg, n)]
+star = {{}}
+exec("from {package} import *", star)
+print(json.dumps({{"names": names, "missing": missing, "star": sorted(k for k in star if k != "__builtins__")}}))
+""")
+    assert got["names"], f"{package} has an empty __all__"
+    assert len(set(got["names"])) == len(got["names"]), "duplicate names in __all__"
+    assert got["missing"] == []
+    assert got["star"] == sorted(got["names"])
+
+
+def test_server_and_manifest_code_never_load_torch():
+    got = _fresh("""
+import json, sys
+import deltasync, deltasync.server, deltasync.server.app, deltasync.server.cli
+from deltasync import HmacVerifier, Manifest, parse_manifest, write_atomic
+from deltasync.server import *
+import deltasync.deltafile, deltasync.signing, deltasync.atomic, deltasync.cli.run, deltasync.cli.keys
+print(json.dumps({"torch": "torch" in sys.modules, "client": any(m.startswith("deltasync.client") for m in sys.modules)}))
+""")
+    assert got == {"torch": False, "client": False}
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    import deltasync
+
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        deltasync.nope  # noqa: B018
+    assert "encode_delta" in dir(deltasync)
