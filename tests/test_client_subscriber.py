@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 
 import pytest
@@ -163,3 +164,104 @@ def test_nn_module_target_in_auto_mode_with_the_asyncio_api(cluster):
     assert applied and applied[-1] == 4
     for (n, a), (_, b) in zip(engine.state_dict().items(), trainer.state_dict().items()):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), n
+
+
+def _engine_holding(sub, seconds: float, seen: dict) -> threading.Thread:
+    """An engine thread inside ``hold()`` for ``seconds``, noting what the subscriber did meanwhile."""
+    held = threading.Event()
+
+    def run():
+        with sub.hold():
+            held.set()
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < seconds:
+                st = sub.status
+                if st.ready >= 1 and "ready_after_s" not in seen:
+                    seen["ready_after_s"] = time.monotonic() - t0
+                seen["version_during_hold"] = st.version
+                time.sleep(0.02)
+            seen["ready_at_end"] = sub.status.ready
+        seen["released_at"] = time.monotonic()
+
+    th = threading.Thread(target=run, name="engine")
+    th.start()
+    assert held.wait(5)
+    return th
+
+
+def test_a_version_published_during_hold_is_downloaded_meanwhile_and_applied_at_once(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=14)
+    with Publisher(cluster.origin, "hold", cluster.token, KEY, keyframe_every=0) as pub:
+        s0 = trace.step()
+        pub.publish(0, s0)
+        pub.flush(60)
+        target = _zeros(s0)
+        with ThreadedSubscriber(cluster.url("relay"), "hold", target, key=KEY) as sub:
+            assert sub.wait_version(0, 60) == 0
+            seen: dict = {}
+            engine = _engine_holding(sub, 4.0, seen)
+            s1 = trace.step()
+            pub.publish(1, s1)
+            pub.flush(60)
+            assert engine.is_alive(), "publishing took longer than the hold; the test shows nothing"
+            engine.join(30)
+            # downloaded and decoded while the engine held the lock
+            assert seen["ready_at_end"] >= 1 and "ready_after_s" in seen, seen
+            assert seen["version_during_hold"] == 0
+            t0 = time.perf_counter()
+            assert sub.apply_pending() == 1
+            took = time.perf_counter() - t0
+            assert took < 0.5, took
+            assert _same(target, s1)
+            print(f"\nhold test: v1 ready {seen['ready_after_s']:.2f}s into a 4 s hold; apply_pending took {took * 1e3:.1f} ms")
+
+
+def test_auto_mode_never_patches_inside_hold_and_applies_when_it_ends(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=15)
+    with Publisher(cluster.origin, "holda", cluster.token, KEY, keyframe_every=0) as pub:
+        s0 = trace.step()
+        pub.publish(0, s0)
+        pub.flush(60)
+        target = _zeros(s0)
+        with ThreadedSubscriber(cluster.url("relay"), "holda", target, key=KEY, auto=True) as sub:
+            assert sub.wait_version(0, 60) == 0
+            seen: dict = {}
+            engine = _engine_holding(sub, 3.0, seen)
+            s1 = trace.step()
+            pub.publish(1, s1)
+            pub.flush(60)
+            engine.join(30)
+            assert seen["ready_at_end"] >= 1 and seen["version_during_hold"] == 0, seen
+            assert sub.wait_version(1, 10) == 1
+            assert time.monotonic() - seen["released_at"] < 2.0
+            assert _same(target, s1)
+
+
+def test_on_event_runs_with_no_lock_held(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=16)
+    results: list[str] = []
+
+    def on_event(ev: SyncEvent) -> None:
+        # another thread asks for status and applies: it must not wait for a lock this callback holds
+        def other():
+            _ = sub.status
+            sub.apply_pending()
+            results.append(ev.kind)
+
+        th = threading.Thread(target=other)
+        th.start()
+        th.join(5)
+        if th.is_alive():
+            results.append(f"deadlock in {ev.kind} on {threading.current_thread().name}")
+
+    with Publisher(cluster.origin, "cb", cluster.token, KEY, keyframe_every=0) as pub:
+        s0, s1 = trace.step(), trace.step()
+        pub.publish(0, s0)
+        pub.publish(1, s1)
+        pub.flush(60)
+        target = _zeros(s1)
+        sub = ThreadedSubscriber(cluster.url("relay"), "cb", target, key=KEY, scrub_every=1, on_event=on_event)
+        with sub:
+            assert sub.wait_version(1, 60) == 1
+    assert results and not [r for r in results if r.startswith("deadlock")], results
+    assert "applied" in results and "scrub" in results
