@@ -21,11 +21,11 @@ M, KF = "m", "m.kf"
 
 def sfp(v: int) -> str:
     """The state fingerprint of version v: one tensor whose fingerprint is v + 1."""
-    return state_fingerprint([("w", "bf16", (4,), v + 1)])
+    return state_fingerprint([("w", "bfloat16", (4,), v + 1)])
 
 
 def rec(v: int) -> TensorRecord:
-    return TensorRecord(name="w", dtype="bf16", shape=(4,), fp_before=None, fp_after=fp_hex(v + 1), changed=1)
+    return TensorRecord(name="w", dtype="bfloat16", shape=(4,), fp_before=None, fp_after=fp_hex(v + 1), changed=1)
 
 
 def delta(v: int, parent: int | None = None, size: int = 10, model: str = M) -> Manifest:
