@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from deltasync.client.appliers import TensorApplier
 from deltasync.client.cluster import LocalCluster
 from deltasync.client.errors import SyncTimeout
 from deltasync.client.http import Timeouts
@@ -265,3 +266,70 @@ def test_on_event_runs_with_no_lock_held(cluster):
             assert sub.wait_version(1, 60) == 1
     assert results and not [r for r in results if r.startswith("deadlock")], results
     assert "applied" in results and "scrub" in results
+
+
+class _RecordingApplier:
+    """An Applier that is not a dict or a module (as an engine's sharded applier is): it wraps a
+    TensorApplier, names the blobs it needs explicitly and records what it is asked to do."""
+
+    def __init__(self, target) -> None:
+        self.inner = TensorApplier(target)
+        self.calls: list[str] = []
+
+    def layout(self):
+        return self.inner.layout()
+
+    def scan(self):
+        self.calls.append("scan")
+        return self.inner.scan()
+
+    def needed_blobs(self, manifest):
+        self.calls.append(f"needed v{manifest.version}")
+        return {b.id for b in manifest.blobs}
+
+    def stage_delta(self, prepared, fps, *, verify):
+        self.calls.append(f"delta v{prepared.manifest.version}")
+        return self.inner.stage_delta(prepared, fps, verify=verify)
+
+    def stage_keyframe(self, state, fps):
+        self.calls.append("keyframe")
+        return self.inner.stage_keyframe(state, fps)
+
+
+def test_an_applier_object_plugs_in_and_group_glue_can_apply_up_to_a_version(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=17)
+    with Publisher(cluster.origin, "grp", cluster.token, KEY, keyframe_every=0) as pub:
+        states = [trace.step() for _ in range(4)]
+        for v, s in enumerate(states):
+            pub.publish(v, s)
+        pub.flush(60)
+        target = _zeros(states[0])
+        applier = _RecordingApplier(target)
+        with ThreadedSubscriber(cluster.url("relay"), "grp", applier, key=KEY, use_squash=False) as sub:
+            deadline = time.monotonic() + 60
+            while len(sub.ready_steps()) < 4:
+                assert time.monotonic() < deadline, sub.status
+                time.sleep(0.05)
+            assert sub.ready_steps() == [(None, 0), (0, 1), (1, 2), (2, 3)]
+            assert sub.apply_pending(up_to=1) == 1
+            assert _same(target, states[1]) and sub.ready_steps() == [(1, 2), (2, 3)]
+            assert sub.apply_pending() == 3
+    assert _same(target, states[3])
+    staged = [c for c in applier.calls if c == "keyframe" or c.startswith("delta")]
+    assert staged == ["keyframe", "delta v1", "delta v2", "delta v3"] and "needed v3" in applier.calls
+
+
+def test_a_trusted_initial_version_is_scanned_and_used(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=18)
+    with Publisher(cluster.origin, "trust", cluster.token, KEY, keyframe_every=0) as pub:
+        s0, s1 = trace.step(), trace.step()
+        pub.publish(0, s0)
+        pub.flush(60)
+        target = {n: t.clone() for n, t in s0.items()}
+        applier = _RecordingApplier(target)
+        with ThreadedSubscriber(cluster.url("relay"), "trust", applier, key=KEY, version=0) as sub:
+            assert sub.version == 0 and sub.status.verify == "ok" and applier.calls == ["scan"]
+            pub.publish(1, s1)
+            pub.flush(60)
+            assert sub.wait_version(1, 60) == 1
+    assert "keyframe" not in applier.calls and _same(target, s1)
