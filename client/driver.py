@@ -86,7 +86,13 @@ class SyncDriver:
             event = await self._events.get()
             if isinstance(event, (sm.Applied, sm.ApplyFailed)):
                 self.changed.set()
-            self._dispatch(self.machine.send(event))
+            try:
+                actions = self.machine.send(event)
+            except Exception as e:  # a bug in the machine: be loud, the subscriber stops following
+                log.exception("%s: the sync machine failed on %s", self.machine.config.model, type(event).__name__)
+                self.notify("error", self.machine.pipeline_version, f"sync machine failed: {type(e).__name__}: {e}", e)
+                raise
+            self._dispatch(actions)
 
     def _dispatch(self, actions: list[object]) -> None:
         for a in actions:

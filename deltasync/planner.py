@@ -159,8 +159,6 @@ class ChainWalk:
         lo = max(v - self._batch + 1, 0 if self.floor is None else self.floor + 1)
         lo = max(lo, v - (self.limit - len(self.chain)) + 1)
         out = [u for u in range(v, lo - 1, -1) if u not in self._known and u not in self._missing and u not in self._asked]
-        if v not in out and v not in self._asked:
-            out.insert(0, v)
         self._asked.update(out)
         self._batch = min(self._batch * 2, self._max_batch)
         return out
