@@ -36,6 +36,8 @@ from deltasync.fingerprint import tensor_fingerprint
 from deltasync.keyframe import copy_state
 from deltasync.manifest import Manifest
 
+__all__ = ["Applier", "Staged", "TensorApplier", "as_applier"]
+
 
 @runtime_checkable
 class Staged(Protocol):

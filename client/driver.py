@@ -29,6 +29,8 @@ from .http import HttpClient
 from .livestate import LiveState
 from .ready import ReadyQueue, ReadyStep
 
+__all__ = ["SyncDriver"]
+
 log = logging.getLogger("deltasync.client.driver")
 
 

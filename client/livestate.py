@@ -26,6 +26,8 @@ from deltasync.manifest import Manifest
 from .appliers import Applier, TensorApplier
 from .ready import ReadyStep
 
+__all__ = ["LiveState", "Outcome", "Told"]
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Told:

@@ -22,6 +22,8 @@ import torch
 from deltasync.apply import PreparedDelta
 from deltasync.manifest import Manifest
 
+__all__ = ["ReadyQueue", "ReadyStep"]
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReadyStep:
