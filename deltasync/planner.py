@@ -109,7 +109,7 @@ class ChainWalk:
     reached are ignored."""
 
     def __init__(self, top: int, *, floor: int | None = None, limit: int = 256, stop_at_keyframe: bool = True,
-                 known: Mapping[int, Manifest] | None = None, batch: int = 4, max_batch: int = 32) -> None:
+                 known: Mapping[int, Manifest] | None = None, batch: int = 4, max_batch: int = 8) -> None:
         if limit < 1 or batch < 1 or max_batch < batch:
             raise ValueError("limit and batch must be >= 1 and max_batch >= batch")
         self.top, self.floor, self.limit, self.stop_at_keyframe = top, floor, limit, stop_at_keyframe
