@@ -43,7 +43,7 @@ class EncodeOptions:
     level: int = 1  # zstd level; above 1 buys at most ~2% on weight deltas
     chunk_words: int = DEFAULT_CHUNK_WORDS  # words per chunk: bounds decode memory, unit of pipelining
     blob_target: int = DEFAULT_BLOB_TARGET  # pre-compression bytes at which a blob is closed
-    cell_blob_min: int = 1 << 20  # a blob holding at least this many raw bytes is also closed at a row-cell boundary
+    cell_blob_min: int = 256 << 10  # a blob holding this many raw bytes also closes where a tensor or row cell begins
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_words <= 1 << 40:
@@ -390,20 +390,18 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
     options = options or EncodeOptions()
     packer = ChunkPacker(options)
     names = sorted(diff.layout)
-    # Chunks go into blobs cell by cell (all tensors' first row cell, then the second...), and a blob that
-    # is big enough closes at a cell boundary, so a TP rank's rows sit in few blobs. Each tensor's chunks
-    # stay in word order.
-    by_cell: dict[int, list[tuple[str, ChunkDiff]]] = {}
+    # A blob holding at least ``cell_blob_min`` raw bytes closes where a tensor or one of its row cells
+    # begins, so a tensor-parallel rank finds its rows of a tensor in few blobs of their own.
     for name in names:
         dt, shape = diff.layout[name]
-        words = word_count(shape, dtype_info(dt))
+        info = dtype_info(dt)
+        words = word_count(shape, info)
+        cell = None
         for c in diff.chunks.get(name, ()):
-            by_cell.setdefault(_cell(shape, words, c.start), []).append((name, c))
-    for cell in sorted(by_cell):
-        if packer.writer.raw_bytes >= options.cell_blob_min:
-            packer.close_blob()
-        for name, c in by_cell[cell]:
-            info = dtype_info(diff.layout[name][0])
+            k = _cell(shape, words, c.start)
+            if k != cell and packer.writer.raw_bytes >= options.cell_blob_min:
+                packer.close_blob()
+            cell = k
             ch = changes_from_words(c.positions, c.old, c.new, is_float=info.is_float)
             if c.positions.size == c.stop - c.start and ch.raw.mean() > 0.5:  # a rewritten chunk: ship it whole
                 packer.add_dense(name, info, c.start, c.stop, c.new)

@@ -443,7 +443,7 @@ def _moe_block(b: _Builder, f: ModelFacts, i: int, p: str, e: str, experts_tpl: 
             b.replicated(f"{e}.mlp.shared_expert_gate.weight", f"{p}.mlp.shared_expert_gate.weight", (1, f.hidden))
 
 
-def _engine_layout(f: ModelFacts, par: Parallel, experts_tpl: str) -> RankLayout:
+def _engine_layout(f: ModelFacts, par: Parallel, experts_tpl: str, tied_copy: bool) -> RankLayout:
     b = _Builder(f.dtype, par)
     b.vocab("model.embed_tokens.weight", "model.embed_tokens.weight", f.vocab, f.hidden)
     for i in range(f.layers):
@@ -459,9 +459,10 @@ def _engine_layout(f: ModelFacts, par: Parallel, experts_tpl: str) -> RankLayout
     aliases = {}
     if f.tie_word_embeddings:
         # models/qwen2.py (vllm 0.32.0): ``if config.tie_word_embeddings: self.lm_head = self.model.embed_tokens``;
-        # load_weights skips lm_head.weight. A stream that has it is an alias of the embedding.
-        b.tensor("lm_head.weight", (f.vocab, f.hidden))
-        aliases["lm_head.weight"] = "model.embed_tokens.weight"
+        # load_weights skips lm_head.weight. A stream that has it (``tied_copy``) is an alias of the embedding.
+        if tied_copy:
+            b.tensor("lm_head.weight", (f.vocab, f.hidden))
+            aliases["lm_head.weight"] = "model.embed_tokens.weight"
     else:
         b.vocab("lm_head.weight", "lm_head.weight", f.vocab, f.hidden)
     return b.layout(aliases)
@@ -473,15 +474,19 @@ VLLM_EXPERTS = "experts.routed_experts.{w}_weight"
 SGLANG_EXPERTS = "experts.{w}_weight"  # sglang .../moe/fused_moe_triton/layer.py FusedMoE
 
 
-def vllm_layout(facts: ModelFacts, par: Parallel, *, experts: str = VLLM_EXPERTS) -> RankLayout:
-    """vLLM's parameters on one rank (names as ``model.named_parameters()`` gives them)."""
-    return _engine_layout(facts, par, experts)
+def vllm_layout(facts: ModelFacts, par: Parallel, *, experts: str = VLLM_EXPERTS, tied_copy: bool = False) -> RankLayout:
+    """vLLM's parameters on one rank (names as ``model.named_parameters()`` gives them).
+
+    ``tied_copy``: with tied embeddings, whether the stream also carries ``lm_head.weight`` (published from
+    a state dict: yes; from Hugging Face checkpoint files: no). Decide from the stream's first manifest."""
+    return _engine_layout(facts, par, experts, tied_copy)
 
 
-def sglang_layout(facts: ModelFacts, par: Parallel, *, experts: str = SGLANG_EXPERTS) -> RankLayout:
+def sglang_layout(facts: ModelFacts, par: Parallel, *, experts: str = SGLANG_EXPERTS,
+                  tied_copy: bool = False) -> RankLayout:
     """SGLang's parameters on one rank: the same fused layout as vLLM (sglang/srt/models/qwen2.py
     ``stacked_params_mapping``, layers/linear.py, layers/vocab_parallel_embedding.py, FusedMoE)."""
-    return _engine_layout(facts, par, experts)
+    return _engine_layout(facts, par, experts, tied_copy)
 
 
 def hf_layout(params: Mapping[str, tuple[str, tuple[int, ...]]], *, stream: Iterable[str] | None = None,
