@@ -329,9 +329,9 @@ class _Builder:
         n = max(0, min(vocab, lo + per) - lo)
         self.tensor(source, (vocab, hidden))
         self.param(param, (per, hidden))
-        if n:
-            self.regions.append(Region(source=source, param=param, src=((lo, n), (0, hidden)),
-                                       dst=((0, n), (0, hidden))))
+        # a shard of padding only (small vocab, many ranks) gets an empty region: known, nothing to feed
+        self.regions.append(Region(source=source, param=param, src=((min(lo, vocab), n), (0, hidden)),
+                                   dst=((0, n), (0, hidden))))
 
     def layout(self, aliases: Mapping[str, str] | None = None) -> RankLayout:
         world = self.par.tp_size
