@@ -285,3 +285,86 @@ def run_ranks(n: int, fn):
     for t in ts:
         t.join(120)
     return out, errs
+
+
+def gloo_worker(rank: int, world: int, port: int, facts_name: str, ep: int, out_dir: str) -> None:
+    """One rank of a real gloo group: follow two deltas, survive a failing rank, end identical to the loader."""
+    import datetime
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from deltasync.client.sharded import ShardedApplier, prepare_needed
+    from deltasync.codec import EncodeOptions, encode_delta
+    from deltasync.errors import DeltaSyncError
+    from deltasync.fingerprint import fingerprint_state
+    from deltasync.layout import Parallel, vllm_layout
+    import deltasync.codec
+
+    torch.set_num_threads(1)
+    deltasync.codec.MIN_CELL_WORDS = 16
+    facts = GLOO_FACTS[facts_name]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        tpl = "experts.routed_experts.{w}_weight"
+        er = rank if ep > 1 else 0
+        states = trainer_steps(trainer_shapes(facts), 2, seed=3)
+        opts = EncodeOptions(chunk_words=256, blob_target=4096, cell_blob_min=1)
+        encs = [encode_delta(a, b, model="m", version=i + 1, parent=i, options=opts)
+                for i, (a, b) in enumerate(zip(states, states[1:]))]
+        params = engine_load(facts, states[0], world, rank, ep, er, tpl)
+        app = ShardedApplier(vllm_layout(facts, Parallel(tp_rank=rank, tp_size=world, ep_rank=er, ep_size=ep)), params)
+        fps = app.scan()
+        assert fps == fingerprint_state(states[0])
+        report = {"fetched": [], "total": []}
+
+        def stage(e, fps):
+            need = app.needed_blobs(e.manifest)
+            report["fetched"].append(app.last_needed_bytes)
+            report["total"].append(sum(b.size for b in e.manifest.blobs))
+            return app.stage_delta(prepare_needed(e.manifest, e.blobs, need), fps)
+
+        st = stage(encs[0], fps)
+        st.commit()
+        fps = st.fps
+        before = {n: t.clone() for n, t in params.items()}
+        # fault injection (this rank's patching raises half-way): every rank must roll back, bit-exact
+        real = app._patch_chunk
+        calls = {"n": 0}
+
+        def failing(*a, **k):
+            calls["n"] += 1
+            if rank == world - 1 and calls["n"] == 3:
+                raise RuntimeError("injected failure on the last rank")
+            return real(*a, **k)
+
+        app._patch_chunk = failing
+        try:
+            stage(encs[1], fps)
+            raise AssertionError("the step should have failed on every rank")
+        except DeltaSyncError as e:
+            report["error"] = f"{type(e).__name__}: {e}"
+        app._patch_chunk = real
+        for n, t in params.items():
+            assert torch.equal(t.view(torch.int16), before[n].view(torch.int16)), n
+        st = stage(encs[1], fps)
+        st.commit()
+        assert st.fps == fingerprint_state(states[2])
+        final = engine_load(facts, states[2], world, rank, ep, er, tpl)
+        for n, t in final.items():
+            assert torch.equal(params[n].view(torch.int16), t.view(torch.int16)), n
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+    finally:
+        dist.destroy_process_group()
+
+
+from deltasync.layout import MoEFacts  # noqa: E402
+
+GLOO_FACTS = {
+    "qwen2": ModelFacts(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=48, vocab=100, qkv_bias=True),
+    "mixtral": ModelFacts(layers=1, hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=32, vocab=100,
+                          moe=MoEFacts(style="mixtral", experts=4, intermediate=16)),
+}
