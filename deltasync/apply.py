@@ -4,12 +4,19 @@ Two phases, so the expensive part can run while inference goes on:
 
 1. :func:`prepare_delta` (host only, any thread): decode every blob of a version,
    check that the chunks match the manifest exactly. Touches no live tensor.
-2. :func:`apply_prepared` (between batches): refuse unless every tensor's tracked
+2. :func:`stage_prepared` / :func:`apply_prepared` (between batches): refuse unless every tensor's tracked
    fingerprint equals the manifest's ``fp_before``; then patch each chunk in place
    (gather old words, write new ones, keep the old words for undo), read the
    written words back and update the fingerprint incrementally (O(changed)); on
    any mismatch or exception, restore every word touched, in reverse order, and
    raise. No second copy of the model is made: undo memory is O(changed words).
+
+:func:`stage_prepared` leaves the undo log open (:class:`StagedPatch`: ``commit()`` drops it,
+``rollback()`` restores every word), so a caller can check more (the signed state
+fingerprint, a vote across ranks) before the version is final; :func:`apply_prepared`
+is stage + commit. ``prepare_delta(..., only=ids)`` decodes a subset of the blobs (a
+target that holds part of the model); tensors whose chunks all lie outside it are
+left out (listed in ``PreparedDelta.skipped``).
 
 Targets are a ``dict`` of tensors or an ``nn.Module`` (parameters and buffers by
 their state-dict names), on CPU or GPU.
@@ -63,17 +70,28 @@ class PreparedDelta:
     manifest: Manifest
     patches: dict[str, list[ChunkPatch]]  # tensor name -> chunks in word order
     decoded_bytes: int
+    skipped: frozenset[str] = frozenset()  # tensors left out by ``prepare_delta(only=...)``
 
 
-def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor | None = None) -> PreparedDelta:
+def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor | None = None,
+                  only: set[str] | frozenset[str] | None = None) -> PreparedDelta:
     """Decode a delta's blobs and check them against its manifest. Raises FormatError/IntegrityError.
 
-    ``executor``: decode chunks on its threads (the caller owns it; the core starts none)."""
+    ``executor``: decode chunks on its threads (the caller owns it; the core starts none).
+    ``only``: decode just these blob ids (None: all). A tensor with no chunk in them is left
+    out (``skipped``); a tensor with chunks both in and out of them raises FormatError."""
     if manifest.kind != "delta":
         raise FormatError(f"v{manifest.version} is a {manifest.kind}, not a delta")
+    if only is not None:
+        unknown = set(only) - {ref.id for ref in manifest.blobs}
+        if unknown:
+            raise FormatError(f"v{manifest.version} has no blobs {sorted(unknown)[:3]} (asked for in only=)")
     decoded: dict[str, list[ChunkPatch]] = {}
     total = 0
+    skipped: set[str] = set()
     for ref in manifest.blobs:
+        if only is not None and ref.id not in only:
+            continue
         data = get_blob(blobs, ref.id, ref.size)
         decoded[ref.id] = decode_blob(data, executor=executor)
         total += len(data)
@@ -82,6 +100,15 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
     for rec in manifest.tensors:
         info = dtype_info(rec.dtype)
         words = rec.words
+        if only is not None:
+            inside = [ref.blob in decoded for ref in rec.chunks]
+            if inside and not any(inside):
+                skipped.add(rec.name)
+                continue
+            if not all(inside):
+                missing = sorted({ref.blob for ref in rec.chunks if ref.blob not in decoded})
+                raise FormatError(f"{rec.name}: its chunks are also in blobs {missing[:3]}, which only= leaves out; "
+                                  "a target must ask for every blob of each tensor it holds")
         out = []
         count = 0
         last_stop = 0
@@ -105,7 +132,7 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
     n_chunks = sum(len(v) for v in decoded.values())
     if len(used) != n_chunks:
         raise FormatError(f"blobs hold {n_chunks} chunks but the manifest uses {len(used)}")
-    return PreparedDelta(manifest=manifest, patches=patches, decoded_bytes=total)
+    return PreparedDelta(manifest=manifest, patches=patches, decoded_bytes=total, skipped=frozenset(skipped))
 
 
 class _Undo:
@@ -174,9 +201,41 @@ def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Map
             f"target state {have} is not v{manifest.parent} ({manifest.state_fp_before}); the tensor sets differ")
 
 
+class StagedPatch:
+    """A delta written into the live tensors and verified tensor by tensor, its undo log still kept.
+
+    ``fps``: the fingerprints after the patch. ``commit()`` drops the undo log;
+    ``rollback()`` restores every word written (idempotent; a no-op after commit)."""
+
+    __slots__ = ("fps", "_undo")
+
+    def __init__(self, fps: dict[str, int], undo: _Undo) -> None:
+        self.fps = fps
+        self._undo: _Undo | None = undo
+
+    def commit(self) -> None:
+        self._undo = None
+
+    def rollback(self) -> None:
+        if self._undo is not None:
+            with torch.no_grad():
+                self._undo.rollback()
+            self._undo = None
+
+
 def apply_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | None = None, *, verify: str = "incremental",
                    executor: Executor | None = None) -> dict[str, int]:
     """Patch ``target`` in place from v(parent) to v(version); returns the new fingerprints.
+
+    :func:`stage_prepared` then ``commit()``: see there."""
+    staged = stage_prepared(target, prepared, fps, verify=verify, executor=executor)
+    staged.commit()
+    return staged.fps
+
+
+def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | None = None, *, verify: str = "incremental",
+                   executor: Executor | None = None) -> StagedPatch:
+    """Patch ``target`` in place from v(parent) to v(version), keeping the undo log (a :class:`StagedPatch`).
 
     ``fps``: the target's current fingerprints as tracked by the caller; computed
     (a full scrub) when None. ``verify``: ``"incremental"`` (O(changed)) or
@@ -234,7 +293,7 @@ def apply_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
         if isinstance(e, Exception):
             raise ApplyError(f"patching v{manifest.version} failed ({type(e).__name__}: {e}); rolled back") from e
         raise
-    return new_fps
+    return StagedPatch(new_fps, undo)
 
 
 def _patch_tensor(live: torch.Tensor, chunks: list[ChunkPatch], fp: int, undo: _Undo) -> int:

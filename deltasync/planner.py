@@ -3,15 +3,25 @@
 Edges are what a server offers: a delta ``a → b`` (one step, or a squashed one)
 and a keyframe ``→ v`` (usable from anywhere, also from nothing). Versions only
 increase, so the cheapest path is a shortest path over a DAG.
+
+The offers come from walking parent links back from the head: :class:`ChainWalk`
+says which manifests to ask for next (pure: it guesses that versions are
+consecutive and asks for a window of them at once, growing the window as the walk
+goes on, so a subscriber 40 versions behind waits for a handful of round trips,
+not 40), and :func:`walk_parents` runs it over a caller-given ``fetch`` coroutine,
+the window's requests concurrently. It is the one parent-chain walk: subscribers,
+relays and the CLI use it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import heapq
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from .errors import NotFoundError
+from .manifest import Manifest
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,3 +97,100 @@ def plan_catchup(
         if st.kind == "keyframe":
             break
     return Plan(steps=tuple(reversed(steps)))
+
+
+class ChainWalk:
+    """Walk parent links back from ``top`` through manifests fetched as it goes (pure: no I/O).
+
+    Stops at a version ``<= floor`` (exclusive floor; None: none), at a keyframe (with
+    ``stop_at_keyframe``), at a version the servers do not have, or after ``limit``
+    manifests. Loop: ``wanted()`` lists versions to fetch now (empty once ``done``);
+    report each with ``add`` or ``missing``. Versions asked for speculatively and never
+    reached are ignored."""
+
+    def __init__(self, top: int, *, floor: int | None = None, limit: int = 256, stop_at_keyframe: bool = True,
+                 known: Mapping[int, Manifest] | None = None, batch: int = 4, max_batch: int = 32) -> None:
+        if limit < 1 or batch < 1 or max_batch < batch:
+            raise ValueError("limit and batch must be >= 1 and max_batch >= batch")
+        self.top, self.floor, self.limit, self.stop_at_keyframe = top, floor, limit, stop_at_keyframe
+        self._known: dict[int, Manifest] = dict(known or {})
+        self._missing: set[int] = set()
+        self._asked: set[int] = set()
+        self._batch, self._max_batch = batch, max_batch
+        self.chain: list[Manifest] = []  # from top down, each the parent of the one before
+        self.cursor: int | None = top  # the next version on the chain, not yet known
+        self.reason = ""  # why the walk stopped: "floor" | "keyframe" | "missing" | "limit" | "root"
+        self._advance()
+
+    @property
+    def done(self) -> bool:
+        return bool(self.reason)
+
+    @property
+    def reaches_floor(self) -> bool:
+        return self.reason == "floor" and self.floor is not None and self.cursor == self.floor
+
+    def _advance(self) -> None:
+        while not self.reason:
+            v = self.cursor
+            if v is None:
+                self.reason = "root"
+            elif self.floor is not None and v <= self.floor:
+                self.reason = "floor"
+            elif len(self.chain) >= self.limit:
+                self.reason = "limit"
+            elif v in self._missing:
+                self.reason = "missing"
+            elif v in self._known:
+                m = self._known[v]
+                self.chain.append(m)
+                if m.kind == "keyframe" and self.stop_at_keyframe:
+                    self.reason = "keyframe"
+                else:
+                    self.cursor = m.parent
+            else:
+                return
+
+    def wanted(self) -> list[int]:
+        """Versions to fetch now: the next one on the chain and a window below it, newest first."""
+        if self.reason or self.cursor is None:
+            return []
+        v = self.cursor
+        lo = max(v - self._batch + 1, 0 if self.floor is None else self.floor + 1)
+        lo = max(lo, v - (self.limit - len(self.chain)) + 1)
+        out = [u for u in range(v, lo - 1, -1) if u not in self._known and u not in self._missing and u not in self._asked]
+        if v not in out and v not in self._asked:
+            out.insert(0, v)
+        self._asked.update(out)
+        self._batch = min(self._batch * 2, self._max_batch)
+        return out
+
+    def add(self, version: int, manifest: Manifest) -> None:
+        self._asked.discard(version)
+        self._known[version] = manifest
+        self._advance()
+
+    def missing(self, version: int) -> None:
+        self._asked.discard(version)
+        self._missing.add(version)
+        self._advance()
+
+
+async def walk_parents(fetch: Callable[[int], Awaitable[Manifest | None]], top: int, *, floor: int | None = None,
+                       limit: int = 256, stop_at_keyframe: bool = True,
+                       known: Mapping[int, Manifest] | None = None) -> ChainWalk:
+    """Run a :class:`ChainWalk` over ``fetch(version)`` (a verified manifest, or None when the servers
+    do not have it); each window of versions is fetched concurrently. Returns the finished walk
+    (``chain``, ``reason``, ``reaches_floor``). An exception from ``fetch`` propagates."""
+    walk = ChainWalk(top, floor=floor, limit=limit, stop_at_keyframe=stop_at_keyframe, known=known)
+    while not walk.done:
+        versions = walk.wanted()
+        if not versions:
+            raise RuntimeError(f"chain walk stuck at v{walk.cursor}")  # unreachable: wanted() always asks for the cursor
+        got = await asyncio.gather(*(fetch(v) for v in versions))
+        for v, m in zip(versions, got):
+            if m is None:
+                walk.missing(v)
+            else:
+                walk.add(v, m)
+    return walk

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 
 import pytest
 import torch
 from torch import nn
 
+from deltasync.client.appliers import TensorApplier
 from deltasync.client.cluster import LocalCluster
 from deltasync.client.errors import SyncTimeout
 from deltasync.client.http import Timeouts
@@ -163,3 +165,171 @@ def test_nn_module_target_in_auto_mode_with_the_asyncio_api(cluster):
     assert applied and applied[-1] == 4
     for (n, a), (_, b) in zip(engine.state_dict().items(), trainer.state_dict().items()):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), n
+
+
+def _engine_holding(sub, seconds: float, seen: dict) -> threading.Thread:
+    """An engine thread inside ``hold()`` for ``seconds``, noting what the subscriber did meanwhile."""
+    held = threading.Event()
+
+    def run():
+        with sub.hold():
+            held.set()
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < seconds:
+                st = sub.status
+                if st.ready >= 1 and "ready_after_s" not in seen:
+                    seen["ready_after_s"] = time.monotonic() - t0
+                seen["version_during_hold"] = st.version
+                time.sleep(0.02)
+            seen["ready_at_end"] = sub.status.ready
+        seen["released_at"] = time.monotonic()
+
+    th = threading.Thread(target=run, name="engine")
+    th.start()
+    assert held.wait(5)
+    return th
+
+
+def test_a_version_published_during_hold_is_downloaded_meanwhile_and_applied_at_once(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=14)
+    with Publisher(cluster.origin, "hold", cluster.token, KEY, keyframe_every=0) as pub:
+        s0 = trace.step()
+        pub.publish(0, s0)
+        pub.flush(60)
+        target = _zeros(s0)
+        with ThreadedSubscriber(cluster.url("relay"), "hold", target, key=KEY) as sub:
+            assert sub.wait_version(0, 60) == 0
+            seen: dict = {}
+            engine = _engine_holding(sub, 4.0, seen)
+            s1 = trace.step()
+            pub.publish(1, s1)
+            pub.flush(60)
+            assert engine.is_alive(), "publishing took longer than the hold; the test shows nothing"
+            engine.join(30)
+            # downloaded and decoded while the engine held the lock
+            assert seen["ready_at_end"] >= 1 and "ready_after_s" in seen, seen
+            assert seen["version_during_hold"] == 0
+            t0 = time.perf_counter()
+            assert sub.apply_pending() == 1
+            took = time.perf_counter() - t0
+            assert took < 0.5, took
+            assert _same(target, s1)
+            print(f"\nhold test: v1 ready {seen['ready_after_s']:.2f}s into a 4 s hold; apply_pending took {took * 1e3:.1f} ms")
+
+
+def test_auto_mode_never_patches_inside_hold_and_applies_when_it_ends(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=15)
+    with Publisher(cluster.origin, "holda", cluster.token, KEY, keyframe_every=0) as pub:
+        s0 = trace.step()
+        pub.publish(0, s0)
+        pub.flush(60)
+        target = _zeros(s0)
+        with ThreadedSubscriber(cluster.url("relay"), "holda", target, key=KEY, auto=True) as sub:
+            assert sub.wait_version(0, 60) == 0
+            seen: dict = {}
+            engine = _engine_holding(sub, 3.0, seen)
+            s1 = trace.step()
+            pub.publish(1, s1)
+            pub.flush(60)
+            engine.join(30)
+            assert seen["ready_at_end"] >= 1 and seen["version_during_hold"] == 0, seen
+            assert sub.wait_version(1, 10) == 1
+            assert time.monotonic() - seen["released_at"] < 2.0
+            assert _same(target, s1)
+
+
+def test_on_event_runs_with_no_lock_held(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=16)
+    results: list[str] = []
+
+    def on_event(ev: SyncEvent) -> None:
+        # another thread asks for status and applies: it must not wait for a lock this callback holds
+        def other():
+            _ = sub.status
+            sub.apply_pending()
+            results.append(ev.kind)
+
+        th = threading.Thread(target=other)
+        th.start()
+        th.join(5)
+        if th.is_alive():
+            results.append(f"deadlock in {ev.kind} on {threading.current_thread().name}")
+
+    with Publisher(cluster.origin, "cb", cluster.token, KEY, keyframe_every=0) as pub:
+        s0, s1 = trace.step(), trace.step()
+        pub.publish(0, s0)
+        pub.publish(1, s1)
+        pub.flush(60)
+        target = _zeros(s1)
+        sub = ThreadedSubscriber(cluster.url("relay"), "cb", target, key=KEY, scrub_every=1, on_event=on_event)
+        with sub:
+            assert sub.wait_version(1, 60) == 1
+    assert results and not [r for r in results if r.startswith("deadlock")], results
+    assert "applied" in results and "scrub" in results
+
+
+class _RecordingApplier:
+    """An Applier that is not a dict or a module (as an engine's sharded applier is): it wraps a
+    TensorApplier, names the blobs it needs explicitly and records what it is asked to do."""
+
+    def __init__(self, target) -> None:
+        self.inner = TensorApplier(target)
+        self.calls: list[str] = []
+
+    def layout(self):
+        return self.inner.layout()
+
+    def scan(self):
+        self.calls.append("scan")
+        return self.inner.scan()
+
+    def needed_blobs(self, manifest):
+        self.calls.append(f"needed v{manifest.version}")
+        return {b.id for b in manifest.blobs}
+
+    def stage_delta(self, prepared, fps, *, verify):
+        self.calls.append(f"delta v{prepared.manifest.version}")
+        return self.inner.stage_delta(prepared, fps, verify=verify)
+
+    def stage_keyframe(self, state, fps):
+        self.calls.append("keyframe")
+        return self.inner.stage_keyframe(state, fps)
+
+
+def test_an_applier_object_plugs_in_and_group_glue_can_apply_up_to_a_version(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=17)
+    with Publisher(cluster.origin, "grp", cluster.token, KEY, keyframe_every=0) as pub:
+        states = [trace.step() for _ in range(4)]
+        for v, s in enumerate(states):
+            pub.publish(v, s)
+        pub.flush(60)
+        target = _zeros(states[0])
+        applier = _RecordingApplier(target)
+        with ThreadedSubscriber(cluster.url("relay"), "grp", applier, key=KEY, use_squash=False) as sub:
+            deadline = time.monotonic() + 60
+            while len(sub.ready_steps()) < 4:
+                assert time.monotonic() < deadline, sub.status
+                time.sleep(0.05)
+            assert sub.ready_steps() == [(None, 0), (0, 1), (1, 2), (2, 3)]
+            assert sub.apply_pending(up_to=1) == 1
+            assert _same(target, states[1]) and sub.ready_steps() == [(1, 2), (2, 3)]
+            assert sub.apply_pending() == 3
+    assert _same(target, states[3])
+    staged = [c for c in applier.calls if c == "keyframe" or c.startswith("delta")]
+    assert staged == ["keyframe", "delta v1", "delta v2", "delta v3"] and "needed v3" in applier.calls
+
+
+def test_a_trusted_initial_version_is_scanned_and_used(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=18)
+    with Publisher(cluster.origin, "trust", cluster.token, KEY, keyframe_every=0) as pub:
+        s0, s1 = trace.step(), trace.step()
+        pub.publish(0, s0)
+        pub.flush(60)
+        target = {n: t.clone() for n, t in s0.items()}
+        applier = _RecordingApplier(target)
+        with ThreadedSubscriber(cluster.url("relay"), "trust", applier, key=KEY, version=0) as sub:
+            assert sub.version == 0 and sub.status.verify == "ok" and applier.calls == ["scan"]
+            pub.publish(1, s1)
+            pub.flush(60)
+            assert sub.wait_version(1, 60) == 1
+    assert "keyframe" not in applier.calls and _same(target, s1)

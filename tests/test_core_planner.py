@@ -143,3 +143,92 @@ def test_plan_is_valid_and_optimal(o):
     assert at == head
     # a keyframe, if any, is the first step (nothing before a full state is worth fetching)
     assert all(s.kind == "delta" for s in plan.steps[1:])
+
+
+# -- the parent-chain walk -----------------------------------------------------------------------------------------
+
+import asyncio  # noqa: E402
+
+from deltasync.manifest import BlobRef, Manifest  # noqa: E402
+from deltasync.planner import ChainWalk, walk_parents  # noqa: E402
+
+
+def _m(v: int, parent: int | None, kind: str = "delta") -> Manifest:
+    return Manifest(model="m", version=v, parent=parent, kind=kind, tensors=(), blobs=(BlobRef(id=f"b{v}", size=1),),
+                    state_fp="0" * 16)
+
+
+def _linear(a: int, b: int, keyframe_at: int | None = None) -> dict[int, Manifest]:
+    return {v: _m(v, None if v == keyframe_at else v - 1, "keyframe" if v == keyframe_at else "delta")
+            for v in range(a, b + 1)}
+
+
+WALKS = [
+    # (id, servers' manifests, top, floor, limit, expected chain (top down), reason, at most this many rounds)
+    ("one-behind-known-head", _linear(0, 10), 10, 9, 256, [10], "floor", 1),
+    ("forty-behind", _linear(0, 60), 60, 20, 256, list(range(60, 20, -1)), "floor", 5),
+    ("stops-at-keyframe", _linear(0, 30, keyframe_at=25), 30, None, 256, [30, 29, 28, 27, 26, 25], "keyframe", 3),
+    ("gap-stops-the-walk", {**_linear(0, 3), **_linear(7, 12)}, 12, 0, 256, [12, 11, 10, 9, 8, 7], "missing", 4),
+    ("skipping-parents", {10: _m(10, 6), 6: _m(6, 2), 2: _m(2, 0), 0: _m(0, None, "keyframe")}, 10, None, 256,
+     [10, 6, 2, 0], "keyframe", 4),
+    ("limit", _linear(0, 100), 100, None, 10, list(range(100, 90, -1)), "limit", 3),
+    ("down-to-the-root", {0: _m(0, None), 1: _m(1, 0)}, 1, None, 256, [1, 0], "root", 2),
+    ("top-missing", _linear(0, 3), 5, 0, 256, [], "missing", 1),
+    ("floor-at-top", _linear(0, 3), 3, 3, 256, [], "floor", 0),
+]
+
+
+@pytest.mark.parametrize("case", WALKS, ids=[c[0] for c in WALKS])
+def test_chain_walk(case):
+    _, servers, top, floor, limit, expected, reason, max_rounds = case
+    known = {top: servers[top]} if case[0] == "one-behind-known-head" else None  # the head answer carried it
+    walk = ChainWalk(top, floor=floor, limit=limit, known=known)
+    rounds = 0
+    while not walk.done:
+        wanted = walk.wanted()
+        assert wanted and len(set(wanted)) == len(wanted)
+        assert all(floor is None or v > floor for v in wanted)
+        rounds += 1
+        for v in wanted:
+            if v in servers:
+                walk.add(v, servers[v])
+            else:
+                walk.missing(v)
+    assert [m.version for m in walk.chain] == expected
+    assert walk.reason == reason
+    assert rounds <= max_rounds
+    assert walk.reaches_floor == (reason == "floor" and floor is not None and walk.cursor == floor)
+
+
+def test_walk_parents_fetches_each_window_concurrently():
+    servers = _linear(0, 60)
+    in_flight, peak, calls = 0, 0, 0
+
+    async def fetch(v: int):
+        nonlocal in_flight, peak, calls
+        calls += 1
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0)
+        in_flight -= 1
+        return servers.get(v)
+
+    walk = asyncio.run(walk_parents(fetch, 60, floor=20))
+    assert [m.version for m in walk.chain] == list(range(60, 20, -1)) and walk.reaches_floor
+    assert peak >= 8  # not one request per version behind
+    assert calls == 40  # and nothing below the floor
+
+
+def test_walk_parents_passes_fetch_errors_through():
+    servers = _linear(0, 5)
+
+    async def fetch(v: int):
+        if v == 3:
+            raise NotFoundError("boom")
+        return servers[v]
+
+    async def main():
+        return await walk_parents(fetch, 5, floor=0)
+
+    with pytest.raises(NotFoundError, match="boom"):
+        asyncio.run(main())

@@ -1,0 +1,220 @@
+"""The I/O driver: runs the pure :class:`~deltasync.syncmachine.SyncMachine` on an asyncio loop.
+
+It does what the machine's actions say with the :class:`~deltasync.client.http.HttpClient`
+(which owns failover across the listed servers) and a decode thread, and sends the
+results back as events. It never touches the live tensors and never takes the engine's
+lock: a prepared step goes into the :class:`~deltasync.client.ready.ReadyQueue`; apply
+results come back through :meth:`SyncDriver.post` (thread-safe).
+
+One blocking action runs at a time, as a task; when the machine supersedes it (an apply
+failed, say), the task is cancelled and its result, if any, ignored by ticket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+from collections.abc import Callable
+
+from deltasync import syncmachine as sm
+from deltasync.apply import prepare_delta
+from deltasync.errors import DeltaSyncError, IntegrityError, NotFoundError, SignatureError
+from deltasync.keyframe import load_keyframe
+from deltasync.manifest import Manifest, parse_manifest
+from deltasync.planner import walk_parents
+
+from .http import HttpClient
+from .livestate import LiveState
+from .ready import ReadyQueue, ReadyStep
+
+log = logging.getLogger("deltasync.client.driver")
+
+
+class SyncDriver:
+    """Runs one machine for one model stream. Create, ``await start()``, ``await close()``; all on one loop."""
+
+    def __init__(self, machine: sm.SyncMachine, client: HttpClient, live: LiveState, queue: ReadyQueue, *,
+                 key: bytes | None, notify: Callable[[str, int | None, str, BaseException | None], None],
+                 download_concurrency: int = 4, squash_timeout: float = 15.0) -> None:
+        self.machine, self.client, self.live, self.queue = machine, client, live, queue
+        self.key = key
+        self.notify = notify  # tells on_event (refetch, resync, error); runs on the loop thread, no lock held
+        self.download_concurrency = max(1, download_concurrency)
+        self.squash_timeout = squash_timeout
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deltasync-decode")
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.changed: asyncio.Event | None = None  # set on every delivery and apply result
+        self._events: asyncio.Queue | None = None
+        self._main: asyncio.Task | None = None
+        self._work: asyncio.Task | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    async def start(self, trusted: int | None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.changed = asyncio.Event()
+        self._events = asyncio.Queue()
+        actions = self.machine.send(sm.Started(trusted=trusted))
+        pending = self.machine.pending
+        if isinstance(pending, sm.CheckInitial):  # before start() returns, as the subscriber always did
+            actions = self.machine.send(await self._check_initial(pending))
+        self._main = asyncio.create_task(self._run(actions), name=f"deltasync-driver-{self.machine.config.model}")
+
+    async def close(self) -> None:
+        for task in (self._main, self._work):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._main = self._work = None
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def post(self, event: object) -> None:
+        """Send an event from any thread (the engine's side: Applied, ApplyFailed)."""
+        loop = self.loop
+        if loop is None or loop.is_closed() or self._events is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is shutting down
+            loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    async def _run(self, actions: list[object]) -> None:
+        assert self._events is not None
+        self._dispatch(actions)
+        while True:
+            event = await self._events.get()
+            if isinstance(event, (sm.Applied, sm.ApplyFailed)):
+                self.changed.set()
+            self._dispatch(self.machine.send(event))
+
+    def _dispatch(self, actions: list[object]) -> None:
+        for a in actions:
+            if isinstance(a, sm.Deliver):
+                self.queue.push(a.payload)
+                self.changed.set()
+            elif isinstance(a, sm.Notify):
+                self.notify(a.kind, a.version, a.detail, a.error)
+            else:
+                if self._work is not None and not self._work.done():
+                    self._work.cancel()  # superseded: its result would be ignored anyway
+                self._work = asyncio.create_task(self._perform(a))
+
+    async def _perform(self, a: object) -> None:
+        try:
+            event = await self._do(a)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # every failure goes to the machine, which reports it and backs off
+            event = sm.SourceFailed(ticket=a.ticket, error=e)
+        self._events.put_nowait(event)
+
+    async def _do(self, a: object) -> object:
+        if isinstance(a, sm.PollHead):
+            return await self._head(a)
+        if isinstance(a, sm.WalkChain):
+            return await self._walk(a)
+        if isinstance(a, sm.FetchManifests):
+            got = await asyncio.gather(*(self._manifest_or_none(a.stream, v) for v in a.versions))
+            return sm.ManifestsVerified(ticket=a.ticket, stream=a.stream,
+                                        manifests={v: m for v, m in zip(a.versions, got) if m is not None},
+                                        missing=frozenset(v for v, m in zip(a.versions, got) if m is None))
+        if isinstance(a, sm.FetchSquashed):
+            return await self._squashed(a)
+        if isinstance(a, sm.FetchBlobs):
+            return await self._blobs(a)
+        if isinstance(a, sm.Prepare):
+            return await self._prepare(a)
+        if isinstance(a, sm.Wait):
+            await asyncio.sleep(a.seconds)
+            return sm.Woke(ticket=a.ticket)
+        if isinstance(a, sm.CheckInitial):
+            return await self._check_initial(a)
+        raise TypeError(f"the driver cannot do {a!r}")
+
+    # -- actions -----------------------------------------------------------------------------------------------
+    def parse(self, body: bytes, stream: str, version: int) -> Manifest:
+        m = parse_manifest(body, key=self.key)
+        if m.model != stream or m.version != version:
+            raise IntegrityError(f"asked for {stream} v{version}, the server sent {m.model} v{m.version}")
+        return m
+
+    async def _head(self, a: sm.PollHead) -> sm.HeadSeen:
+        t = self.client.timeouts
+        if a.after is None:
+            head = await self.client.get_head(a.stream)
+        else:
+            try:
+                head = await asyncio.wait_for(self.client.get_head(a.stream, after=a.after), t.poll + t.read + t.connect)
+            except asyncio.TimeoutError:  # nothing newer within the long-poll: ask again
+                return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=a.after)
+        if head is None:
+            return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=None)
+        m = self.parse(head.body, a.stream, head.version) if head.body is not None else None
+        return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=head.version, manifest=m)
+
+    async def _manifest_or_none(self, stream: str, version: int) -> Manifest | None:
+        try:
+            return self.parse(await self.client.get_manifest(stream, version), stream, version)
+        except NotFoundError:
+            return None
+
+    async def _walk(self, a: sm.WalkChain) -> sm.ManifestsVerified:
+        fetched: dict[int, Manifest] = {}
+
+        async def fetch(v: int) -> Manifest | None:
+            m = await self._manifest_or_none(a.stream, v)
+            if m is not None:
+                fetched[v] = m
+            return m
+
+        walk = await walk_parents(fetch, a.top, floor=a.floor, limit=a.limit, known=a.known)
+        return sm.ManifestsVerified(ticket=a.ticket, stream=a.stream, manifests={**fetched, **{m.version: m for m in walk.chain}})
+
+    async def _squashed(self, a: sm.FetchSquashed) -> sm.SquashFetched:
+        model = self.machine.config.model
+        try:
+            body = await self.client.get_squashed(model, a.start, a.end, timeout=self.squash_timeout)
+            m = parse_manifest(body, key=self.key)
+        except SignatureError as e:
+            log.info("%s: squashed delta v%d→v%d is not signed with our key (%s); walking the chain", model, a.start, a.end, e)
+            return sm.SquashFetched(ticket=a.ticket, manifest=None, detail=str(e))
+        except DeltaSyncError as e:
+            log.info("%s: no squashed delta v%d→v%d (%s); walking the chain", model, a.start, a.end, e)
+            return sm.SquashFetched(ticket=a.ticket, manifest=None, detail=str(e))
+        return sm.SquashFetched(ticket=a.ticket, manifest=m)
+
+    async def _blobs(self, a: sm.FetchBlobs) -> sm.BlobsReady:
+        m = a.manifest
+        only = self.live.applier.needed_blobs(m) if m.kind == "delta" else None
+        refs = [r for r in m.blobs if only is None or r.id in only]
+        sem = asyncio.Semaphore(self.download_concurrency)
+
+        async def one(ref) -> tuple[str, bytes]:
+            async with sem:
+                return ref.id, await self.client.get_blob(ref.id, ref.size)
+
+        blobs = dict(await asyncio.gather(*(one(r) for r in refs)))
+        return sm.BlobsReady(ticket=a.ticket, version=m.version, blobs=(blobs, only))
+
+    async def _prepare(self, a: sm.Prepare) -> sm.StepPrepared:
+        blobs, only = a.blobs
+        loop = asyncio.get_running_loop()
+        common = dict(version=a.version, base=a.base, state_fp=a.state_fp, manifest=a.manifest, generation=a.generation,
+                      nbytes=a.manifest.total_bytes, squashed=a.squashed)
+        if a.kind == "keyframe":
+            state, fps = await loop.run_in_executor(self.pool, load_keyframe, a.manifest, blobs)
+            step = ReadyStep(kind="keyframe", state=state, fps=fps, **common)
+        else:
+            prepared = await loop.run_in_executor(
+                self.pool, lambda: prepare_delta(a.manifest, blobs, only=set(only) if only is not None else None))
+            step = ReadyStep(kind="delta", prepared=prepared, **common)
+        return sm.StepPrepared(ticket=a.ticket, version=a.version, payload=step)
+
+    async def _check_initial(self, a: sm.CheckInitial) -> sm.InitialChecked:
+        model = self.machine.config.model
+        signed = await self._manifest_or_none(model, a.version)
+        ok = await asyncio.get_running_loop().run_in_executor(self.pool, self.live.adopt, a.version, signed)
+        if not ok:
+            log.warning("%s: the target does not hold v%s (or the servers no longer have it); resyncing", model, a.version)
+        return sm.InitialChecked(ticket=a.ticket, ok=ok)

@@ -1,0 +1,138 @@
+"""The Applier seam and LiveState on real tensors: staged apply, subset prepare, signed-state checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltasync.apply import apply_prepared, prepare_delta, stage_prepared
+from deltasync.codec import EncodeOptions, encode_delta
+from deltasync.errors import FormatError
+from deltasync.fingerprint import fingerprint_state
+from deltasync.client.appliers import Applier, TensorApplier, as_applier
+from deltasync.client.livestate import LiveState
+from deltasync.client.ready import ReadyStep
+
+
+def _states(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    old = {n: torch.randn(64, 32, generator=g).to(torch.bfloat16) for n in ("a", "b", "c")}
+    new = {n: t.clone() for n, t in old.items()}
+    for t in new.values():
+        t.view(torch.int16)[::3] += 1
+    return old, new
+
+
+def _bits(state):
+    return {n: t.view(torch.int16).clone() for n, t in state.items()}
+
+
+def _same(a, b):
+    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
+
+
+def _encoded(old, new, **opts):
+    return encode_delta(old, new, model="m", version=1, parent=0, options=EncodeOptions(**opts))
+
+
+def test_stage_then_rollback_restores_every_word_and_commit_keeps_them():
+    old, new = _states()
+    enc = _encoded(old, new)
+    live = {n: t.clone() for n, t in old.items()}
+    before = _bits(live)
+    staged = stage_prepared(live, prepare_delta(enc.manifest, enc.blobs))
+    assert _same(live, new) and staged.fps == fingerprint_state(new)
+    staged.rollback()
+    assert _same(live, old) and all(torch.equal(before[n], live[n].view(torch.int16)) for n in live)
+    staged.rollback()  # idempotent
+    assert _same(live, old)
+    staged = stage_prepared(live, prepare_delta(enc.manifest, enc.blobs))
+    staged.commit()
+    staged.rollback()  # after commit: nothing to undo
+    assert _same(live, new)
+    # the one-shot API is unchanged
+    live2 = {n: t.clone() for n, t in old.items()}
+    assert apply_prepared(live2, prepare_delta(enc.manifest, enc.blobs)) == fingerprint_state(new)
+
+
+def test_prepare_a_subset_of_blobs_leaves_whole_tensors_out():
+    old, new = _states(1)
+    enc = _encoded(old, new, blob_target=64)  # about one blob per tensor
+    assert len(enc.manifest.blobs) >= 3
+    owner = {c.blob: r.name for r in enc.manifest.tensors for c in r.chunks}
+    only = {bid for bid, name in owner.items() if name == "a"}
+    prepared = prepare_delta(enc.manifest, {b: enc.blobs[b] for b in only}, only=only)
+    assert set(prepared.patches) == {"a"} and prepared.skipped == {"b", "c"}
+    full = prepare_delta(enc.manifest, enc.blobs)
+    assert full.skipped == frozenset() and set(full.patches) == {"a", "b", "c"}
+    with pytest.raises(FormatError, match="no blobs"):
+        prepare_delta(enc.manifest, enc.blobs, only={"0" * 64})
+
+
+def test_prepare_a_subset_that_splits_a_tensor_is_refused():
+    old, new = _states(2)
+    enc = _encoded(old, new, chunk_words=256, blob_target=32)  # each tensor spread over several blobs
+    rec = enc.manifest.tensor("a")
+    blobs = sorted({c.blob for c in rec.chunks})
+    assert len(blobs) >= 2
+    with pytest.raises(FormatError, match="only= leaves out"):
+        prepare_delta(enc.manifest, enc.blobs, only={blobs[0]})
+
+
+def test_tensor_applier_layout_scan_and_duck_typing():
+    old, _ = _states(3)
+    ta = as_applier(old)
+    assert isinstance(ta, TensorApplier) and isinstance(ta, Applier)
+    assert ta.layout() == {n: ("bfloat16", (64, 32)) for n in old}
+    assert ta.scan() == fingerprint_state(old)
+    assert as_applier(ta) is ta  # anything with stage_delta is used as it is
+    with pytest.raises(TypeError):
+        as_applier([1, 2])
+
+
+def _step(enc, state_fp: str, generation: int = 0) -> ReadyStep:
+    return ReadyStep(kind="delta", version=1, base=0, state_fp=state_fp, manifest=enc.manifest, generation=generation,
+                     prepared=prepare_delta(enc.manifest, enc.blobs))
+
+
+def test_live_state_applies_when_the_signed_state_matches():
+    old, new = _states(4)
+    enc = _encoded(old, new)
+    live = {n: t.clone() for n, t in old.items()}
+    ls = LiveState(TensorApplier(live), version=0)
+    ls.fps = fingerprint_state(old)
+    out = ls.apply(_step(enc, enc.manifest.state_fp))
+    assert out.applied and out.failure is None and [t.kind for t in out.told] == ["applied"]
+    assert ls.version == 1 and ls.fps == fingerprint_state(new) and _same(live, new) and ls.verify_state == "ok"
+
+
+def test_live_state_rolls_back_a_delta_that_does_not_reach_the_signed_state():
+    old, new = _states(5)
+    enc = _encoded(old, new)
+    live = {n: t.clone() for n, t in old.items()}
+    ls = LiveState(TensorApplier(live), version=0)
+    ls.fps = fingerprint_state(old)
+    out = ls.apply(_step(enc, "0" * 16))  # e.g. an unsigned squashed delta that leads elsewhere
+    assert not out.applied and out.failure == "integrity" and out.told[0].kind == "rollback"
+    assert _same(live, old) and ls.version == 0 and ls.counts["rollbacks"] == 1 and ls.verify_state == "rolled-back"
+
+
+def test_live_state_refuses_a_delta_for_another_base():
+    old, new = _states(6)
+    enc = _encoded(old, new)
+    ls = LiveState(TensorApplier({n: t.clone() for n, t in old.items()}), version=5)
+    ls.fps = fingerprint_state(old)
+    out = ls.apply(_step(enc, enc.manifest.state_fp))
+    assert out.failure == "base_mismatch" and "live state is v5" in out.told[0].detail
+
+
+def test_live_state_scrub_finds_a_scribble():
+    old, _ = _states(7)
+    live = {n: t.clone() for n, t in old.items()}
+    ls = LiveState(TensorApplier(live), version=0, scrub_every=1)
+    assert ls.adopt(0, None) is False and ls.version is None  # the servers no longer know v0
+    ls.version, ls.fps = 0, fingerprint_state(old)
+    told = []
+    assert ls.scrub(told) is None and "all 3" in told[-1].detail
+    live["b"].view(torch.int16)[0] ^= 1
+    assert ls.scrub(told) == "scrub" and ls.verify_state == "mismatch" and "['b']" in told[-1].detail
