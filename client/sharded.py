@@ -40,8 +40,8 @@ import numpy as np
 import torch
 import xxhash
 
-from deltasync.apply import PreparedDelta, get_blob
-from deltasync.codec import ChunkPatch, chunk_spans, decode_blob
+from deltasync.apply import PreparedDelta, prepare_delta
+from deltasync.codec import ChunkPatch, chunk_spans
 from deltasync.dtypes import dtype_info, signed_word_dtype, word_view
 from deltasync.errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError
 from deltasync.fingerprint import (
@@ -151,42 +151,9 @@ def needed_blobs_for(layout: RankLayout, manifest: Manifest) -> set[str] | None:
 
 
 def prepare_needed(manifest: Manifest, blobs, needed: set[str] | None) -> PreparedDelta:
-    """A PreparedDelta from only the ``needed`` blobs (all of them when None), validated against the manifest.
-
-    Chunks must belong to the tensor whose record references them and cover the span the manifest records."""
-    from deltasync.apply import prepare_delta
-
-    if needed is None:
-        return prepare_delta(manifest, blobs)
-    if manifest.kind != "delta":
-        raise FormatError(f"v{manifest.version} is a {manifest.kind}, not a delta")
-    owner: dict[tuple[str, int], tuple[str, int]] = {}
-    for rec in manifest.tensors:
-        for k, ref in enumerate(rec.chunks):
-            owner[(ref.blob, ref.index)] = (rec.name, k)
-    spans = chunk_spans(manifest)
-    sizes = {b.id: b.size for b in manifest.blobs}
-    found: dict[str, list[tuple[int, ChunkPatch]]] = {}
-    total = 0
-    for bid in sorted(needed):
-        if bid not in sizes:
-            raise FormatError(f"blob {bid} is not part of v{manifest.version}")
-        data = get_blob(blobs, bid, sizes[bid])
-        total += len(data)
-        for i, p in enumerate(decode_blob(data)):
-            who = owner.get((bid, i))
-            if who is None:
-                raise FormatError(f"chunk {i} of blob {bid} is not referenced by the manifest")
-            name, k = who
-            rec = manifest.tensor(name)
-            if p.tensor != name or p.dtype != rec.dtype or p.stop > rec.words:
-                raise FormatError(f"{name}: chunk {i} of blob {bid} belongs to {p.tensor} ({p.dtype}) [{p.start}:{p.stop}]")
-            sp = spans.get(name)
-            if sp is not None and tuple(sp[k]) != (p.start, p.stop):
-                raise FormatError(f"{name}: chunk {k} covers [{p.start}:{p.stop}], the manifest's spans say {sp[k]}")
-            found.setdefault(name, []).append((k, p))
-    patches = {n: [p for _, p in sorted(v, key=lambda kp: kp[0])] for n, v in found.items()}
-    return PreparedDelta(manifest=manifest, patches=patches, decoded_bytes=total)
+    """A PreparedDelta from only the ``needed`` blobs (all of them when None): ``prepare_delta(only=...)``,
+    which checks every decoded chunk against the span the manifest records for it."""
+    return prepare_delta(manifest, blobs, only=needed)
 
 
 # -- the applier --------------------------------------------------------------------------------------------------
