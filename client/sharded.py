@@ -59,11 +59,12 @@ _BLOCK_WORDS = 1 << 20  # scan: words per sub-box (bounds the temporary memory)
 class GroupComm:
     """The few collectives the applier needs, over a torch.distributed group (or none: one rank)."""
 
-    def __init__(self, group=None) -> None:
+    def __init__(self, group=None, *, local: bool = False) -> None:
+        """``local=True``: one rank, no collectives, even inside an initialised process group."""
         import torch.distributed as dist
 
         self.group = group
-        self.active = dist.is_available() and dist.is_initialized()
+        self.active = not local and dist.is_available() and dist.is_initialized()
         self.size = dist.get_world_size(group) if self.active else 1
         self.rank = dist.get_rank(group) if self.active else 0
         self.device = torch.device("cpu")
