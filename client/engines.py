@@ -1,5 +1,14 @@
 """Engine adapters: put an inference engine's live parameters under the trainer's names.
 
+**Start here for engines:** :mod:`deltasync.layout` (layout maps from engine facts: vLLM and SGLang
+naming of dense and MoE models, TP/EP shards, padded vocab, replicated KV heads, tied weights) and
+:class:`deltasync.client.sharded.ShardedApplier` (the Applier seam for one rank of a TP/EP group:
+blob selection, O(changed) patching, one vote, all-or-nothing over the group). This module adds
+:func:`check_engine_params`, which checks an engine's live parameters against a map before anything
+is patched (fails closed on FP8 weights fed a non-FP8 stream and on weights the map does not know);
+:mod:`deltasync.client.sglang` and :mod:`deltasync.client.hf` wire them into SGLang and Hugging Face
+models. The helpers below are the earlier single-purpose ones, kept for their callers.
+
 Trainers and engines lay weights out differently. Two cases are handled here:
 
 **Fused and renamed parameters** (vLLM/SGLang-style ``qkv_proj`` = q, k, v stacked on

@@ -189,3 +189,40 @@ def test_unknown_engine_parameters_and_fp8_fail_closed():
     fp8["model.layers.0.mlp.down_proj.weight"] = params["model.layers.0.mlp.down_proj.weight"].to(torch.float8_e4m3fn)
     with pytest.raises(UnsupportedError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*FP8"):
         check_engine_params(lay, fp8)
+
+
+def test_sharded_applier_is_an_applier_and_full_verify_and_keyframe_rollback_work():
+    from deltasync.client.appliers import Applier, Staged
+
+    shapes = trainer_shapes(MIXTRAL)
+    states = trainer_steps(shapes, 1, seed=9)
+    enc = encode_delta(states[0], states[1], model="m", version=1, parent=0, options=SMALL)
+    group = ThreadGroup(2)
+
+    def rank(r):
+        lay = vllm_layout(MIXTRAL, Parallel(tp_rank=r, tp_size=2))
+        params = engine_load(MIXTRAL, states[0], 2, r, experts_tpl="experts.routed_experts.{w}_weight")
+        app = ShardedApplier(lay, params, comm=group.comm(r))
+        assert isinstance(app, Applier)
+        fps = app.scan()
+        st = app.stage_delta(prepare_needed(enc.manifest, enc.blobs, app.needed_blobs(enc.manifest)), fps, verify="full")
+        assert isinstance(st, Staged) and st.fps == fingerprint_state(states[1])
+        st.rollback()
+        st.rollback()  # idempotent
+        assert app.scan() == fps
+        before = {n: t.clone() for n, t in params.items()}
+        kf = app.stage_keyframe(states[1], fingerprint_state(states[1]))
+        assert kf.fps == fingerprint_state(states[1]) and kf.touched
+        kf.rollback()
+        for n, t in params.items():
+            assert torch.equal(t.view(torch.int16), before[n].view(torch.int16)), n
+        with pytest.raises(IntegrityError, match="rolled back on every rank"):
+            bad = dict(fingerprint_state(states[1]))
+            bad["model.norm.weight"] ^= 1
+            app.stage_keyframe(states[1], bad)
+        for n, t in params.items():
+            assert torch.equal(t.view(torch.int16), before[n].view(torch.int16)), n
+
+    out, errs = run_ranks(2, rank)
+    for e in sorted((e for e in errs if e is not None), key=lambda e: "Barrier" in type(e).__name__):
+        raise e
