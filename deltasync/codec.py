@@ -44,6 +44,11 @@ class EncodeOptions:
     chunk_words: int = DEFAULT_CHUNK_WORDS  # words per chunk: bounds decode memory, unit of pipelining
     blob_target: int = DEFAULT_BLOB_TARGET  # pre-compression bytes at which a blob is closed
     cell_blob_min: int = 256 << 10  # a blob holding this many raw bytes also closes where a tensor or row cell begins
+    # Blob packing order (docs/FORMAT.md 5.1): "tensor" = tensor by tensor; "cells" = row cell by row cell
+    # across tensors (a TP rank's rows of every column-parallel tensor share blobs), with tensors whose name
+    # ends with one of ``dim1_suffixes`` (sharded on dim 1 by engines: every rank needs all of them) after.
+    pack: str = "tensor"
+    dim1_suffixes: tuple[str, ...] = ("o_proj.weight", "down_proj.weight", ".w2.weight", "experts.down_proj")
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_words <= 1 << 40:
@@ -52,6 +57,8 @@ class EncodeOptions:
             raise ValueError(f"blob_target must be positive, got {self.blob_target}")
         if not -7 <= self.level <= 22:
             raise ValueError(f"zstd level must be in [-7, 22], got {self.level}")
+        if self.pack not in ("tensor", "cells"):
+            raise ValueError(f"pack must be 'tensor' or 'cells', got {self.pack!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -392,21 +399,26 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
     names = sorted(diff.layout)
     # A blob holding at least ``cell_blob_min`` raw bytes closes where a tensor or one of its row cells
     # begins, so a tensor-parallel rank finds its rows of a tensor in few blobs of their own.
+    order: list[tuple[int, str, ChunkDiff]] = []  # (cell, tensor, chunk) in packing order
     for name in names:
         dt, shape = diff.layout[name]
-        info = dtype_info(dt)
-        words = word_count(shape, info)
-        cell = None
-        for c in diff.chunks.get(name, ()):
-            k = _cell(shape, words, c.start)
-            if k != cell and packer.writer.raw_bytes >= options.cell_blob_min:
-                packer.close_blob()
-            cell = k
-            ch = changes_from_words(c.positions, c.old, c.new, is_float=info.is_float)
-            if c.positions.size == c.stop - c.start and ch.raw.mean() > 0.5:  # a rewritten chunk: ship it whole
-                packer.add_dense(name, info, c.start, c.stop, c.new)
-            else:
-                packer.add(name, info, c.start, c.stop, ch)
+        words = word_count(shape, dtype_info(dt))
+        order.extend((_cell(shape, words, c.start), name, c) for c in diff.chunks.get(name, ()))
+    if options.pack == "cells":
+        late = tuple(options.dim1_suffixes)
+        order.sort(key=lambda x: (x[1].endswith(late), 0 if x[1].endswith(late) else x[0]))  # stable
+    last = None
+    for cell, name, c in order:
+        if (name, cell) != last and packer.writer.raw_bytes >= options.cell_blob_min \
+                and (options.pack == "tensor" or last is None or cell != last[1] or name.endswith(options.dim1_suffixes)):
+            packer.close_blob()
+        last = (name, cell)
+        info = dtype_info(diff.layout[name][0])
+        ch = changes_from_words(c.positions, c.old, c.new, is_float=info.is_float)
+        if c.positions.size == c.stop - c.start and ch.raw.mean() > 0.5:  # a rewritten chunk: ship it whole
+            packer.add_dense(name, info, c.start, c.stop, c.new)
+        else:
+            packer.add(name, info, c.start, c.stop, ch)
     packer.close_blob()
     tensors = []
     for name in names:
