@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codec import DENSE_FP, ChunkPatch, decode_blob
+from .codec import DENSE_FP, ChunkPatch, chunk_spans, decode_blob
 from .dtypes import dtype_info, signed_word_dtype, word_view
 from .blob import verify_blob
 from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError
@@ -97,6 +97,7 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
         total += len(data)
     used: set[tuple[str, int]] = set()
     patches: dict[str, list[ChunkPatch]] = {}
+    spans = chunk_spans(manifest) if only is not None else {}
     for rec in manifest.tensors:
         info = dtype_info(rec.dtype)
         words = rec.words
@@ -105,14 +106,20 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
             if inside and not any(inside):
                 skipped.add(rec.name)
                 continue
-            if not all(inside):
+            partial = not all(inside)
+            if partial and rec.name not in spans:
                 missing = sorted({ref.blob for ref in rec.chunks if ref.blob not in decoded})
                 raise FormatError(f"{rec.name}: its chunks are also in blobs {missing[:3]}, which only= leaves out; "
-                                  "a target must ask for every blob of each tensor it holds")
+                                  "a target must ask for every blob of each tensor it holds (or the manifest must "
+                                  "record the tensor's chunk spans)")
+        else:
+            partial = False
         out = []
         count = 0
         last_stop = 0
-        for ref in rec.chunks:
+        for k, ref in enumerate(rec.chunks):
+            if partial and ref.blob not in decoded:
+                continue  # a row range this target does not hold (chunk spans, docs/FORMAT.md 5.1)
             chunks = decoded[ref.blob]
             if ref.index is None or ref.index >= len(chunks):
                 raise FormatError(f"{rec.name}: chunk {ref.index} not in blob {ref.blob}")
@@ -121,11 +128,14 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
                 raise FormatError(f"{rec.name}: chunk {ref.index} of blob {ref.blob} belongs to {p.tensor} ({p.dtype})")
             if p.start < last_stop or p.stop > words:
                 raise FormatError(f"{rec.name}: chunk [{p.start}:{p.stop}] overlaps or leaves the tensor of {words} words")
+            if partial and (p.start, p.stop) != spans[rec.name][k]:
+                raise FormatError(f"{rec.name}: chunk {k} covers [{p.start}:{p.stop}], its recorded span is "
+                                  f"{spans[rec.name][k]}")
             last_stop = p.stop
             count += p.count
             used.add((ref.blob, ref.index))
             out.append(p)
-        if count != rec.changed:
+        if count != rec.changed and not partial:
             raise FormatError(f"{rec.name}: chunks carry {count} changes, manifest says {rec.changed}")
         if out:
             patches[rec.name] = out

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .blob import BlobReader, BlobWriter, blob_id
-from .dtypes import DtypeInfo, dtype_info, numpy_word_dtype, word_view
+from .dtypes import DtypeInfo, dtype_info, numpy_word_dtype, word_count, word_view
 from .errors import ChainError, FormatError
 from .fingerprint import fingerprint_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint, words_range_delta
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
@@ -33,6 +33,9 @@ from .values import Changes, changes_from_words, decode_values, encode_values
 
 DEFAULT_CHUNK_WORDS = 4 << 20
 DEFAULT_BLOB_TARGET = 32 << 20
+SHARD_CELLS = 8  # row cells per big tensor: chunk (and blob) boundaries fall on its 1/2, 1/4 and 1/8 row splits
+MIN_CELL_WORDS = 1 << 16  # tensors with fewer than SHARD_CELLS * this many words are not split into cells
+SPANS_META_PREFIX = "deltasync.spans."  # manifest meta key prefix: a tensor's chunk spans (docs/FORMAT.md)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +43,12 @@ class EncodeOptions:
     level: int = 1  # zstd level; above 1 buys at most ~2% on weight deltas
     chunk_words: int = DEFAULT_CHUNK_WORDS  # words per chunk: bounds decode memory, unit of pipelining
     blob_target: int = DEFAULT_BLOB_TARGET  # pre-compression bytes at which a blob is closed
+    cell_blob_min: int = 256 << 10  # a blob holding this many raw bytes also closes where a tensor or row cell begins
+    # Blob packing order (docs/FORMAT.md 5.1): "tensor" = tensor by tensor; "cells" = row cell by row cell
+    # across tensors (a TP rank's rows of every column-parallel tensor share blobs), with tensors whose name
+    # ends with one of ``dim1_suffixes`` (sharded on dim 1 by engines: every rank needs all of them) after.
+    pack: str = "tensor"
+    dim1_suffixes: tuple[str, ...] = ("o_proj.weight", "down_proj.weight", ".w2.weight", "experts.down_proj")
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_words <= 1 << 40:
@@ -48,6 +57,8 @@ class EncodeOptions:
             raise ValueError(f"blob_target must be positive, got {self.blob_target}")
         if not -7 <= self.level <= 22:
             raise ValueError(f"zstd level must be in [-7, 22], got {self.level}")
+        if self.pack not in ("tensor", "cells"):
+            raise ValueError(f"pack must be 'tensor' or 'cells', got {self.pack!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,7 +206,7 @@ def diff_states(
             nw = word_view(n_t if n_t.is_contiguous() else n_t.contiguous())
             fp = fps_before[name]
             out = []
-            for s, e in chunk_ranges(nw.numel(), chunk_words):
+            for s, e in tensor_chunk_ranges(tuple(n_t.shape), nw.numel(), chunk_words):
                 cd, fpd = diff_chunk(ow, nw, s, e, info.word_size, update_old=update_old)
                 if cd is not None:
                     fp = update_fingerprint(fp, fpd)
@@ -279,6 +290,70 @@ def chunk_ranges(words: int, chunk_words: int) -> Iterator[tuple[int, int]]:
         yield s, min(s + chunk_words, words)
 
 
+def tensor_chunk_ranges(shape: tuple[int, ...], words: int, chunk_words: int) -> list[tuple[int, int]]:
+    """The chunks :func:`diff_states` cuts a tensor into.
+
+    A tensor of 2+ dims and at least ``SHARD_CELLS * MIN_CELL_WORDS`` words is first cut into
+    ``SHARD_CELLS`` row cells (rows ``[R*k//8, R*(k+1)//8)``): the row splits tensor-parallel engines
+    shard on at TP 2, 4 and 8. Each cell is cut into chunks of whole rows (at most ``chunk_words``
+    words; plain word chunks when one row is longer). Smaller tensors: plain ``chunk_words`` chunks."""
+    rows = shape[0] if shape else 1
+    if len(shape) < 2 or rows < 2 or words < SHARD_CELLS * MIN_CELL_WORDS:
+        return list(chunk_ranges(words, chunk_words))
+    row = words // rows
+    cells = min(SHARD_CELLS, rows)
+    per = chunk_words // row
+    out: list[tuple[int, int]] = []
+    for k in range(cells):
+        r0, r1 = rows * k // cells, rows * (k + 1) // cells
+        if per == 0:
+            out.extend((s, min(s + chunk_words, r1 * row)) for s in range(r0 * row, r1 * row, chunk_words))
+        else:
+            out.extend((a * row, min(a + per, r1) * row) for a in range(r0, r1, per))
+    return out
+
+
+def _cell(shape: tuple[int, ...], words: int, start: int) -> int:
+    """Row cell of a chunk starting at word ``start`` (0 for tensors not cut into cells)."""
+    rows = shape[0] if shape else 1
+    if len(shape) < 2 or rows < 2 or words < SHARD_CELLS * MIN_CELL_WORDS:
+        return 0
+    cells = min(SHARD_CELLS, rows)
+    r = start // (words // rows)
+    return max(k for k in range(cells) if rows * k // cells <= r)
+
+
+def encode_spans(spans: list[tuple[int, int]]) -> str:
+    return ",".join(f"{s}:{e}" for s, e in spans)
+
+
+def chunk_spans(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
+    """Tensor name -> word span of each of its chunks (in the order of its record's chunks), from the
+    manifest's ``deltasync.spans.<name>`` meta entries. Tensors whose entry is absent or does not match
+    their record are left out (a reader then needs every blob of that tensor)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for rec in manifest.tensors:
+        text = manifest.meta.get(SPANS_META_PREFIX + rec.name)
+        if text is None or not rec.chunks:
+            continue
+        try:
+            spans = [tuple(int(x) for x in part.split(":")) for part in text.split(",")]
+        except ValueError:
+            continue
+        if len(spans) != len(rec.chunks) or any(len(p) != 2 for p in spans):
+            continue
+        last = 0
+        ok = True
+        for s, e in spans:
+            if s < last or e <= s or e > rec.words:
+                ok = False
+                break
+            last = e
+        if ok:
+            out[rec.name] = spans
+    return out
+
+
 def _check_layout(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
     if set(old) != set(new):
         added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))
@@ -322,14 +397,28 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
     options = options or EncodeOptions()
     packer = ChunkPacker(options)
     names = sorted(diff.layout)
+    # A blob holding at least ``cell_blob_min`` raw bytes closes where a tensor or one of its row cells
+    # begins, so a tensor-parallel rank finds its rows of a tensor in few blobs of their own.
+    order: list[tuple[int, str, ChunkDiff]] = []  # (cell, tensor, chunk) in packing order
     for name in names:
+        dt, shape = diff.layout[name]
+        words = word_count(shape, dtype_info(dt))
+        order.extend((_cell(shape, words, c.start), name, c) for c in diff.chunks.get(name, ()))
+    if options.pack == "cells":
+        late = tuple(options.dim1_suffixes)
+        order.sort(key=lambda x: (x[1].endswith(late), 0 if x[1].endswith(late) else x[0]))  # stable
+    last = None
+    for cell, name, c in order:
+        if (name, cell) != last and packer.writer.raw_bytes >= options.cell_blob_min \
+                and (options.pack == "tensor" or last is None or cell != last[1] or name.endswith(options.dim1_suffixes)):
+            packer.close_blob()
+        last = (name, cell)
         info = dtype_info(diff.layout[name][0])
-        for c in diff.chunks.get(name, ()):
-            ch = changes_from_words(c.positions, c.old, c.new, is_float=info.is_float)
-            if c.positions.size == c.stop - c.start and ch.raw.mean() > 0.5:  # a rewritten chunk: ship it whole
-                packer.add_dense(name, info, c.start, c.stop, c.new)
-            else:
-                packer.add(name, info, c.start, c.stop, ch)
+        ch = changes_from_words(c.positions, c.old, c.new, is_float=info.is_float)
+        if c.positions.size == c.stop - c.start and ch.raw.mean() > 0.5:  # a rewritten chunk: ship it whole
+            packer.add_dense(name, info, c.start, c.stop, c.new)
+        else:
+            packer.add(name, info, c.start, c.stop, ch)
     packer.close_blob()
     tensors = []
     for name in names:
@@ -338,12 +427,17 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
             name=name, dtype=dtype, shape=shape, fp_before=fp_hex(diff.fps_before[name]),
             fp_after=fp_hex(diff.fps_after[name]), changed=sum(c.positions.size for c in diff.chunks.get(name, ())),
             chunks=tuple(packer.refs.get(name, ()))))
+    meta = dict(meta or {})
+    if len(packer.order) > 1:  # with one blob there is nothing to select: no spans
+        for name in names:
+            if diff.chunks.get(name):
+                meta[SPANS_META_PREFIX + name] = encode_spans([(c.start, c.stop) for c in diff.chunks[name]])
     manifest = Manifest(
         model=model, version=version, parent=parent, kind="delta", tensors=tuple(tensors),
         blobs=tuple(BlobRef(id=b, size=len(packer.blobs[b])) for b in packer.order),
         state_fp=state_fingerprint((t.name, t.dtype, t.shape, int(t.fp_after, 16)) for t in tensors),
         state_fp_before=state_fingerprint((t.name, t.dtype, t.shape, int(t.fp_before, 16)) for t in tensors),
-        meta=dict(meta or {}),
+        meta=meta,
     )
     return Encoded(manifest=manifest, blobs=packer.blobs, fps=dict(diff.fps_after))
 

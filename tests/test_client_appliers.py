@@ -75,8 +75,31 @@ def test_prepare_a_subset_that_splits_a_tensor_is_refused():
     rec = enc.manifest.tensor("a")
     blobs = sorted({c.blob for c in rec.chunks})
     assert len(blobs) >= 2
+    from dataclasses import replace as _replace
+
+    unspanned = _replace(enc.manifest, meta={})  # no chunk spans recorded (an older writer, a squash)
     with pytest.raises(FormatError, match="only= leaves out"):
-        prepare_delta(enc.manifest, enc.blobs, only={blobs[0]})
+        prepare_delta(unspanned, enc.blobs, only={blobs[0]})
+
+
+def test_prepare_a_subset_of_a_tensor_with_chunk_spans_checks_each_chunk_against_its_span():
+    from dataclasses import replace as _replace
+
+    from deltasync.codec import SPANS_META_PREFIX
+
+    old, new = _states(2)
+    enc = _encoded(old, new, chunk_words=256, blob_target=32)
+    rec = enc.manifest.tensor("a")
+    first = rec.chunks[0].blob
+    got = prepare_delta(enc.manifest, enc.blobs, only={first})
+    assert [(p.start, p.stop) for p in got.patches["a"]][:1] == [(0, 256)]
+    assert all(p.stop <= 2048 for p in got.patches["a"])
+    lying = dict(enc.manifest.meta)
+    spans = lying[SPANS_META_PREFIX + "a"].split(",")
+    spans[0] = "0:255"
+    lying[SPANS_META_PREFIX + "a"] = ",".join(spans)
+    with pytest.raises(FormatError, match="recorded span"):
+        prepare_delta(_replace(enc.manifest, meta=lying), enc.blobs, only={first})
 
 
 def test_tensor_applier_layout_scan_and_duck_typing():
