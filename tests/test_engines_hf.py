@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from deltasync.client.cluster import LocalCluster
+from deltasync.cli.cluster import LocalCluster
 from deltasync.client.hf import hf_applier
 from deltasync.client.sidecar import Sidecar
 from deltasync.client.subscriber import ThreadedSubscriber
 from deltasync.errors import BaseMismatchError
-from deltasync.statefile import write_state_file
+from deltasync.tensorfile import write_state_file
 
 V, H, F, L, HEADS = 96, 32, 64, 2, 4
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import deltasync.client.sglang as sg
-from deltasync.client.cluster import LocalCluster
+from deltasync.cli.cluster import LocalCluster
 from deltasync.client.publisher import Publisher
 from deltasync.codec import EncodeOptions
 from engine_loaders import ThreadGroup, engine_load, run_ranks, trainer_shapes, trainer_steps
