@@ -16,7 +16,8 @@ import asyncio
 import logging
 import time
 
-from deltasync.errors import BaseMismatchError, ChainError, FormatError, UnavailableError
+from deltasync.errors import BaseMismatchError, ChainError, FormatError, NotFoundError, UnavailableError
+from deltasync.planner import walk_parents
 from deltasync.manifest import Manifest, parse_manifest
 
 from .catalog import Catalog
@@ -66,21 +67,28 @@ class CatchupBuilder:
             del self._builds[key]
 
     async def chain(self, model: str, start: int, end: int) -> list[Manifest]:
-        """The deltas leading from ``start`` to ``end``, oldest first; ChainError if there is no such chain."""
-        out: list[Manifest] = []
-        v = end
-        while v != start:
-            if len(out) >= self.max_chain:
-                raise ChainError(f"{model}: the chain v{start}→v{end} is longer than {self.max_chain} deltas; "
-                                 "start from a keyframe instead")
-            m = await self.catalog.manifest(model, v)
-            if m.kind != "delta":
-                raise ChainError(f"{model}: v{start} is not an ancestor of v{end} (v{v} is a keyframe); "
-                                 "start from that keyframe")
-            if m.parent < start:
-                raise ChainError(f"{model}: v{start} is not an ancestor of v{end} (v{v} follows v{m.parent})")
-            out.append(m)
-            v = m.parent
+        """The deltas leading from ``start`` to ``end``, oldest first; ChainError if there is no such chain.
+        Manifests are fetched a window at a time (deltasync.planner.walk_parents), not one per version."""
+        async def fetch(v: int) -> Manifest | None:
+            try:
+                return await self.catalog.manifest(model, v)
+            except NotFoundError:  # versions need not be consecutive: a window may ask for ones never made
+                return None
+
+        walk = await walk_parents(fetch, end, floor=start, limit=self.max_chain, stop_at_keyframe=True)
+        if walk.reason == "missing":
+            raise NotFoundError(f"{model}: v{walk.cursor} on the chain v{start}→v{end} is not on this server or its parents")
+        if walk.reason == "limit":
+            raise ChainError(f"{model}: the chain v{start}→v{end} is longer than {self.max_chain} deltas; "
+                             "start from a keyframe instead")
+        if walk.reason == "keyframe":
+            raise ChainError(f"{model}: v{start} is not an ancestor of v{end} (v{walk.chain[-1].version} is a keyframe); "
+                             "start from that keyframe")
+        if not walk.reaches_floor:
+            last = walk.chain[-1] if walk.chain else None
+            raise ChainError(f"{model}: v{start} is not an ancestor of v{end}"
+                             + (f" (v{last.version} follows v{last.parent})" if last is not None else ""))
+        out = list(walk.chain)
         out.reverse()
         for prev, m in zip(out, out[1:]):
             if m.state_fp_before != prev.state_fp:
