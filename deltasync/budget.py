@@ -263,6 +263,7 @@ class Budgeter:
     def __init__(self, policy: BudgetPolicy) -> None:
         self.policy = policy
         self._ledger: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._fraction = 0.0  # share of its residual the last binding version shipped (first guess)
 
     def reset(self) -> None:
         """A keyframe made the served view equal to the trainer's state: nothing is owed."""
@@ -295,17 +296,18 @@ class Budgeter:
         total = int(flat.dist.size)
         words = sum(math.prod(shape) * dtype_info(dt).words_per_element for dt, shape in diff.layout.values())
 
-        tries: dict[tuple[int, bool], tuple[int, Encoded, StateDiff, list[np.ndarray]]] = {}
+        tries: dict[tuple[int, bool, bool], tuple[int, Encoded, StateDiff, list[np.ndarray]]] = {}
 
-        def attempt(n: int, quantize: bool) -> tuple[int, Encoded, StateDiff, list[np.ndarray]]:
-            if (n, quantize) not in tries:
+        def attempt(n: int, quantize: bool, fingerprints: bool = False) -> tuple[int, Encoded, StateDiff, list[np.ndarray]]:
+            # candidates are sized without fingerprints (fixed-width hex: the size is the same)
+            if (n, quantize, fingerprints) not in tries:
                 sel = np.zeros(total, dtype=np.bool_)
                 sel[flat.order[:n]] = True
-                sent, served_new = self._sent_diff(diff, flat, sel, quantize=quantize)
+                sent, served_new = self._sent_diff(diff, flat, sel, quantize=quantize, fingerprints=fingerprints)
                 probe = {**base_meta, **_probe_meta(pol, words, 8 * diff.host_bytes + (1 << 20))}
                 enc = encode_diff(sent, model=model, version=version, parent=parent, options=options, meta=probe)
-                tries[n, quantize] = (wire_bytes(enc.manifest), enc, sent, served_new)
-            return tries[n, quantize]
+                tries[n, quantize, fingerprints] = (wire_bytes(enc.manifest), enc, sent, served_new)
+            return tries[n, quantize, fingerprints]
 
         budget = pol.bytes - META_RESERVE
         full = attempt(total, False)[0]  # the whole residual, exact: when it fits, this is the lossless delta
@@ -317,8 +319,10 @@ class Budgeter:
             n, over = 0, True
         else:
             quantize = pol.step_bits > 0
-            n = self._fit(total, budget, lambda k: attempt(k, quantize)[0])
-        _, enc, sent, served_new = attempt(n, quantize)
+            n = self._fit(total, budget, lambda k: attempt(k, quantize)[0], guess=int(total * self._fraction))
+        if 0 < n < total:
+            self._fraction = n / total
+        _, enc, sent, served_new = attempt(n, quantize, True)
         ledger, report = self._leftovers(diff, flat, served_new, sent, n, full, options)
         m = replace(enc.manifest, meta={**base_meta, **report.meta(pol.max_owed_steps)})
         enc = Encoded(manifest=m, blobs=enc.blobs, fps=dict(sent.fps_after))
@@ -326,12 +330,20 @@ class Budgeter:
         return BudgetPlan(encoded=enc, sent=sent, report=report, ledger=ledger)
 
     @staticmethod
-    def _fit(total: int, budget: int, size) -> int:
+    def _fit(total: int, budget: int, size, guess: int = 0) -> int:
         """Largest prefix length found whose delta fits ``budget``: interpolation between the best
         fitting and the smallest failing length, falling back to bisection when one side stalls
         (the cost of a prefix is concave: the first-ranked words are the most expensive)."""
         lo, hi = 0, total
         w_lo, w_hi = size(0), size(total)
+        if 0 < guess < total:  # last version's share of its residual: usually close
+            w = size(guess)
+            if w <= budget:
+                lo, w_lo = guess, w
+                if w >= budget * 0.98:
+                    return lo
+            else:
+                hi, w_hi = guess, w
         last = None
         for _ in range(MAX_FIT_ROUNDS):
             if hi - lo <= max(1, hi // 100):
@@ -374,12 +386,15 @@ class Budgeter:
         dist = np.concatenate(dists) if dists else np.empty(0, np.int64)
         age = np.concatenate(ages).astype(np.int64) if ages else np.empty(0, np.int64)
         due = age >= self.policy.max_owed_steps
-        key = (due.astype(np.int64) << 61) | (dist << 16) | np.minimum(age, _AGE_CAP)
+        # due words first, oldest first; then the rest by distance, oldest first among equals
+        capped_age = np.minimum(age, _AGE_CAP)
+        key = np.where(due, (1 << 61) | (capped_age << 45) | np.minimum(dist, (1 << 45) - 1),
+                       (dist << 16) | capped_age)
         order = np.argsort(-key, kind="stable")
         return _Flat(names=names, chunk_of=chunk_of, offsets=offsets, dist=dist, age=age, due=due, order=order)
 
-    def _sent_diff(self, diff: StateDiff, flat: _Flat, sel: np.ndarray, *,
-                   quantize: bool) -> tuple[StateDiff, list[np.ndarray]]:
+    def _sent_diff(self, diff: StateDiff, flat: _Flat, sel: np.ndarray, *, quantize: bool,
+                   fingerprints: bool) -> tuple[StateDiff, list[np.ndarray]]:
         """The selected words as a served→served' StateDiff (fingerprints of served'), and the
         served' word of every residual word (flat, as uint64) for the leftovers."""
         pol = self.policy
@@ -403,7 +418,8 @@ class Budgeter:
                 continue
             pos, old, new = c.positions[moved], c.old[moved], after[moved]
             chunks.setdefault(name, []).append(ChunkDiff(start=c.start, stop=c.stop, positions=pos, old=old, new=new))
-            fps_after[name] = update_fingerprint(fps_after[name], _chunk_fp_delta(pos, old, new, info.word_size))
+            if fingerprints:
+                fps_after[name] = update_fingerprint(fps_after[name], _chunk_fp_delta(pos, old, new, info.word_size))
         sent = StateDiff(layout=diff.layout, chunks=chunks, fps_before=dict(diff.fps_before), fps_after=fps_after)
         return sent, served_new
 

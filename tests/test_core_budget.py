@@ -18,7 +18,8 @@ from deltasync.codec import diff_states, encode_diff
 from deltasync.fingerprint import fingerprint_state
 from deltasync.testing.trace import ModelShape, RLTrace
 
-SHAPE = ModelShape(vocab=2048, hidden=64, layers=1, ffn=128)  # ~300k weights: blobs, not manifests, dominate
+LR = 1e-4
+SHAPE = ModelShape(vocab=1024, hidden=64, layers=1, ffn=128)  # ~170k weights: blobs, not manifests, dominate
 
 
 def _clone(state):
@@ -59,7 +60,7 @@ class Stream:
 
 
 def _lossless_bytes(trace_seed: int, steps: int) -> list[int]:
-    tr = RLTrace(SHAPE, lr=3e-4, seed=trace_seed)
+    tr = RLTrace(SHAPE, lr=LR, seed=trace_seed)
     prev = tr.state()
     out = []
     for v in range(steps):
@@ -71,7 +72,7 @@ def _lossless_bytes(trace_seed: int, steps: int) -> list[int]:
 
 
 def test_an_unbound_budget_ships_the_lossless_delta_byte_for_byte():
-    tr = RLTrace(SHAPE, lr=3e-4, seed=0)
+    tr = RLTrace(SHAPE, lr=LR, seed=0)
     a = tr.state()
     b = tr.step()
     diff = diff_states(a, b)
@@ -87,14 +88,14 @@ def test_an_unbound_budget_ships_the_lossless_delta_byte_for_byte():
     assert r.owed == 0 and r.owed_bytes == 0 and r.sent == diff.changed and r.late == 0
 
 
-@pytest.mark.parametrize("fraction, step_bits", [(0.5, 0), (0.25, 0), (0.1, 0), (0.25, 2)])
+@pytest.mark.parametrize("fraction, step_bits", [(0.5, 0), (0.1, 0), (0.25, 2)])
 def test_every_delta_fits_the_budget_and_subscribers_stay_on_the_served_view(fraction, step_bits):
-    sizes = _lossless_bytes(1, 6)
+    sizes = _lossless_bytes(1, 4)
     budget = int(fraction * sum(sizes) / len(sizes))
-    tr = RLTrace(SHAPE, lr=3e-4, seed=1)
+    tr = RLTrace(SHAPE, lr=LR, seed=1)
     s = Stream(tr.state(), BudgetPolicy(bytes=budget, max_owed_steps=4, step_bits=step_bits))
     reports = []
-    for _ in range(6):
+    for _ in range(4):
         trainer = tr.step()
         plan = s.publish(trainer)
         r = plan.report
@@ -113,16 +114,20 @@ def test_every_delta_fits_the_budget_and_subscribers_stay_on_the_served_view(fra
 
 
 def test_served_view_converges_bit_exactly_after_the_trainer_stops():
-    sizes = _lossless_bytes(2, 5)
-    budget = int(0.2 * sum(sizes) / len(sizes))
-    tr = RLTrace(SHAPE, lr=3e-4, seed=2)
+    sizes = _lossless_bytes(2, 3)
+    budget = int(0.25 * sum(sizes) / len(sizes))
+    tr = RLTrace(SHAPE, lr=LR, seed=2)
     pol = BudgetPolicy(bytes=budget, max_owed_steps=3, step_bits=2)
     s = Stream(tr.state(), pol)
-    for _ in range(5):
+    for _ in range(3):
         trainer = tr.step()
         last = s.publish(trainer).report
     assert not _same(s.served, trainer)
-    bound = pol.max_owed_steps + math.ceil(last.owed_bytes / budget) + 1
+    empty = _sizes(s.served, s.served)[0]
+    # each version ships >= budget - empty bytes of residual; a scattered part costs up to ~3x per
+    # word what the whole residual costs (positions), so this is the bound the docs state
+    bound = pol.max_owed_steps + 3 * math.ceil(last.owed_bytes / (budget - empty)) + 2
+    assert bound < 40
     for k in range(1, bound + 1):
         r = s.publish(trainer).report  # the trainer stopped: the same state again
         assert r.wire_bytes <= budget
@@ -141,25 +146,40 @@ def _sizes(served, trainer):
     return empty, full
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_no_word_stays_owed_longer_than_max_owed_steps(k):
-    sizes = _lossless_bytes(3, 8)
-    budget = int(0.5 * sum(sizes) / len(sizes))
-    tr = RLTrace(SHAPE, lr=3e-4, seed=3)
-    s = Stream(tr.state(), BudgetPolicy(bytes=budget, max_owed_steps=k))
+def test_no_word_stays_owed_longer_than_max_owed_steps():
+    """5000 one-ULP residuals always lose the ranking to a fresh set of 40-ULP moves that fills the
+    budget every step; the max-owed rule ships them at version k+1, and no word (small or big) is
+    ever owed more than k versions in a row."""
+    n, small_n, big_n, k = 100_000, 5000, 10_000, 3
+    g = torch.Generator().manual_seed(7)
+    base = (torch.rand(n, generator=g) + 1.0).to(torch.bfloat16)
+    perm = torch.randperm(n, generator=g)
+    small, pool = perm[:small_n], perm[small_n:]
+    trainer = base.clone()
+    tw = trainer.view(torch.int16)
+    tw[small] += 1  # owed from version 1 on
+
+    def big_set(v):
+        return pool[(v * big_n) % pool.numel():][:big_n]
+
+    probe = base.clone()
+    probe.view(torch.int16)[big_set(0)] += 40
+    empty, one_step = _sizes({"w": base}, {"w": probe})
+    s = Stream({"w": base}, BudgetPolicy(bytes=empty + int(1.05 * (one_step - empty)), max_owed_steps=k))
     due = 0
     for v in range(8):
-        trainer = tr.step()
-        r = s.publish(trainer).report
-        assert r.wire_bytes <= budget
-        assert r.late == 0 and r.max_age <= k, f"v{v + 1}: a word owed {r.max_age} versions in a row (max {k})"
-        # the ledger agrees with a direct comparison: every owed word is in it, with an age <= k
-        for name, t in trainer.items():
-            owed = torch.nonzero(t.view(-1).view(torch.int16) != s.served[name].view(-1).view(torch.int16)).squeeze(1)
-            pos, ages = s.budgeter.owed_ages(name)
-            assert np.array_equal(pos, owed.numpy()) and (ages <= k).all() and (ages >= 1).all()
+        tw[big_set(v)] += 40
+        r = s.publish({"w": trainer.clone()}).report
+        pos, ages = s.budgeter.owed_ages("w")
+        owed = torch.nonzero(s.served["w"].view(torch.int16) != tw).squeeze(1).numpy()
+        assert np.array_equal(pos, owed)  # the ledger is exactly the owed words
+        assert r.late == 0 and r.max_age <= k and (ages <= k).all(), f"v{v + 1}: owed {r.max_age} in a row (max {k})"
+        still = (s.served["w"].view(torch.int16)[small] != tw[small]).sum().item()
+        if v < k:
+            assert still > small_n // 2  # outranked: mostly still owed
         due += r.due
-    assert due > 0  # the rule did ship words that lost the ranking k times
+    assert due >= small_n // 2  # shipped by the rule, not by rank
+    assert (s.served["w"].view(torch.int16)[small] == tw[small]).all()
 
 
 def test_quantized_steps_land_between_served_and_trainer_and_the_rest_follows():
@@ -190,7 +210,7 @@ def test_quantized_steps_land_between_served_and_trainer_and_the_rest_follows():
 
 
 def test_a_budget_below_an_empty_delta_ships_the_empty_delta_and_says_so():
-    tr = RLTrace(SHAPE, lr=3e-4, seed=4)
+    tr = RLTrace(SHAPE, lr=LR, seed=4)
     s = Stream(tr.state(), BudgetPolicy(bytes=100))
     r = s.publish(tr.step()).report
     assert r.over_budget and r.sent == 0 and r.owed > 0 and r.wire_bytes > 100
