@@ -266,6 +266,20 @@ class Publisher:
         """The last version handed to publish() (committed or still in flight)."""
         return self._version
 
+    @property
+    def served(self) -> Mapping[str, torch.Tensor] | None:
+        """The state subscribers hold after the last version handed to ``publish`` (read only;
+        after ``flush``). Lossless: the last published state; budgeted: the served view."""
+        if self._ref is None:
+            return None
+        self._ref_free.wait(self.timeouts.request)
+        return self._ref.tensors
+
+    @property
+    def budgeter(self) -> Budgeter | None:
+        """The budgeted stream's owed ledger (None for a lossless stream)."""
+        return self._budgeter
+
     def publish(self, step: int, state, *, keyframe: bool = False, meta: Mapping[str, str] | None = None) -> PendingVersion:
         """Publish ``state`` (dict of tensors or nn.Module) as version ``step``; returns after the diff."""
         t0 = time.perf_counter()

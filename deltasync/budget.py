@@ -280,6 +280,14 @@ class Budgeter:
         """The plan's version was published: its leftovers are what is owed now."""
         self._ledger = plan.ledger
 
+    def ledger_state(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The owed ledger, to save beside a served view: tensor -> (positions, ages)."""
+        return dict(self._ledger)
+
+    def load_ledger(self, ledger: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Restore a ledger saved with :meth:`ledger_state` (for the same served view)."""
+        self._ledger = {n: (np.asarray(p, np.int64), np.asarray(a, np.int64)) for n, (p, a) in ledger.items()}
+
     def owed_ages(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(positions, ages) of the words ``name`` owes after the last committed version."""
         empty = (np.empty(0, np.int64), np.empty(0, np.int64))
