@@ -4,7 +4,9 @@ with a budget, unchanged subscribers that stay bit-exact to the served view."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from deltasync.client.sidecar import Sidecar
 from deltasync.client.subscriber import ThreadedSubscriber
 from deltasync.codec import diff_states, encode_diff
 from deltasync.manifest import parse_manifest
-from deltasync.statefile import write_state_file
+from deltasync.statefile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 
 KEY = bytes(range(32))
@@ -143,3 +145,85 @@ def test_sidecar_with_a_budget_publishes_a_trace_within_it_and_converges(cluster
         trainer, served_path = asyncio.run(main(sub))
     assert _same(target, trainer)
     assert served_path.exists() and served_path.with_name(served_path.name + ".owed").exists()
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys):
+    """The ``deltasync`` command in this process (what the subprocess tests of test_client_cli.py run)."""
+    from deltasync.cli.main import main
+
+    def run(*args: str) -> Ran:
+        capsys.readouterr()
+        try:
+            rc = main(list(args))
+        except SystemExit as e:
+            rc = e.code
+        out = capsys.readouterr()
+        return Ran(returncode=rc, stdout=out.out, stderr=out.err)
+    return run
+
+
+def test_publish_command_with_a_budget_keeps_the_served_view_in_its_state_dir(cluster, tmp_path, cli):
+    budget = _mean_lossless(14, 2) // 3
+    tr = RLTrace(SHAPE, lr=LR, seed=14)
+    states = [tr.state(), tr.step(), tr.step()]
+    pub = ["publish", "--origin", cluster.origin, "--model", "b4", "--token-file", str(cluster.token_file),
+           "--key-file", str(cluster.key_file), "--budget", str(budget), "--max-owed-steps", "4"]
+    r = cli(*pub[:-4], str(tmp_path / "missing.safetensors"), "--budget", "100")
+    assert r.returncode == 2 and "--state-dir" in r.stderr
+    for i, st in enumerate(states):
+        write_state_file(tmp_path / f"s{i}.safetensors", st)
+        r = cli(*pub, "--state-dir", str(tmp_path / "served"), str(tmp_path / f"s{i}.safetensors"))
+        assert r.returncode == 0, r.stderr
+        assert f"published b4 v{i}: {'keyframe' if i == 0 else 'delta'}" in r.stdout
+        if i:
+            assert f"budget {budget:,} bytes" in r.stdout and "still owed" in r.stdout, r.stdout
+    served = read_state_file(tmp_path / "served" / "served.safetensors")
+    assert not _same(served, states[-1])
+    out = tmp_path / "sub.safetensors"
+    r = cli("subscribe", "--from", cluster.url("relay"), "--model", "b4", "--key-file", str(cluster.key_file),
+             "--out", str(out), "--once", "--timeout", "60")
+    assert r.returncode == 0, r.stderr
+    assert _same(read_state_file(out), served)  # subscribers hold the served view kept in --state-dir
+    for v in (1, 2):
+        async def get():
+            async with HttpClient(cluster.origin) as h:
+                return parse_manifest(await h.get_manifest("b4", v), key=KEY)
+        m = asyncio.run(get())
+        assert wire_bytes(m) <= budget and residual_of(m)["max_owed_steps"] == 4
+    assert (tmp_path / "served" / "served.safetensors.owed").exists()
+
+
+def test_inspect_shows_the_budget_what_is_owed_and_the_residual(tmp_path, cli):
+    from deltasync.budget import BudgetPolicy, Budgeter
+    from deltasync.deltafile import write_delta_file
+    tr = RLTrace(SHAPE, lr=LR, seed=15)
+    a, b = tr.state(), tr.step()
+    diff = diff_states(a, b)
+    budget = wire_bytes(encode_diff(diff, model="m", version=1, parent=0).manifest) // 4
+    plan = Budgeter(BudgetPolicy(bytes=budget)).plan(diff, model="m", version=1, parent=0)
+    write_delta_file(tmp_path / "d.delta", plan.encoded.manifest, plan.encoded.blobs)
+    r = cli("inspect", str(tmp_path / "d.delta"))
+    assert r.returncode == 0, r.stderr
+    rep = plan.report
+    assert f"budget {budget:,} bytes/delta" in r.stdout
+    assert f"{rep.owed:,} words" in r.stdout and f"{rep.owed_bytes:,} bytes" in r.stdout
+    assert f"max {rep.max_ulps} ULPs" in r.stdout and "max age 1/8" in r.stdout
+    r = cli("inspect", "--json", str(tmp_path / "d.delta"))
+    info = json.loads(r.stdout)
+    assert info["budget"] == budget and info["residual"]["owed"] == rep.owed
+    write_delta_file(tmp_path / "l.delta", *_lossless(diff))
+    r = cli("inspect", str(tmp_path / "l.delta"))
+    assert r.returncode == 0 and "budget" not in r.stdout
+
+
+def _lossless(diff):
+    enc = encode_diff(diff, model="m", version=1, parent=0)
+    return enc.manifest, enc.blobs
