@@ -21,7 +21,8 @@ checkpoint is deleted once its successor is published (it is no longer a base).
 
 With ``budget`` (bytes per delta, or a :class:`deltasync.budget.BudgetPolicy`) the base is
 not the previous checkpoint but the *served view*, kept in memory and saved after each
-commit beside the state file (``.deltasync-served.safetensors``, with the owed ledger);
+commit beside the state file (``.deltasync-sidecar.served.safetensors`` by default, with
+the owed ledger in ``...safetensors.owed``);
 each checkpoint ships what of its residual fits the budget (docs/CLIENT.md, "Budgeted
 streams"). The residual drains as later checkpoints arrive (a trainer that stopped
 changing may keep writing the same weights). A failed upload, or a served view file that
@@ -103,7 +104,7 @@ class Sidecar:
         self.budgeter = Budgeter(self.budget) if self.budget is not None else None
         self.served: dict | None = None
         self.served_fps: dict[str, int] | None = None
-        self.served_path = self.state_path.with_name(".deltasync-served.safetensors")
+        self.served_path = self.state_path.with_suffix(".served.safetensors")  # one per state file
         self._pending = None  # (plan or None, keyframe state or None) of the version being uploaded
 
     # -- state file ----------------------------------------------------------------------------

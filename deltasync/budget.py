@@ -15,7 +15,7 @@ decides, with no I/O, which part of that residual the next delta carries:
    counted as if signed, plus blobs) fits ``BudgetPolicy.bytes``. The size is measured
    by encoding, not guessed: the first try is the whole residual (when it fits the
    delta is byte-for-byte the lossless one), then a few interpolation steps.
-3. **Quantize** (``step_bits=k``): a selected, not-due float step of ``d`` ULPs with
+3. **Quantize** (``step_bits=k``, only when the budget binds): a selected, not-due float step of ``d`` ULPs with
    the same sign on both sides is rounded toward zero to ``k`` significant bits (e.g.
    ``k=2``: 1, 2, 3, 4, 6, 8, 12, ...), which makes step tokens cheaper to code. The
    served word becomes ``old + q`` exactly, always between the old served value and
@@ -33,9 +33,17 @@ Guarantees (tested in tests/test_core_budget.py):
 - every delta's wire bytes are at most ``bytes`` (unless even a delta with no change
   does not fit: then that empty delta is sent and ``over_budget`` is reported);
 - no word stays owed more than ``max_owed_steps`` versions in a row while the due
-  words fit the budget (``late`` counts the due words a too-small budget left behind);
+  words fit the budget (``late`` counts the due words a too-small budget left behind;
+  they stay first in line);
 - once the trainer stops changing, the served view equals the trainer's state bit for
-  bit within ``max_owed_steps + ceil(residual bytes / budget) + 1`` versions.
+  bit: each version ships at least one owed word (at least ``bytes`` minus the manifest
+  of residual), in practice within ``max_owed_steps + 3 * owed_bytes / (bytes -
+  manifest) + 2`` versions (a scattered part of the residual costs up to ~3x per word
+  what the whole costs: positions).
+
+The fixed cost of a delta is its manifest (one record per tensor) and, per touched
+chunk, a blob-header record and a chunk reference (~200 bytes): a budget near that size
+ships few words ("within one blob's framing").
 
 A budgeted stream's manifests carry ``meta["deltasync.budget"]`` (the budget) and
 ``meta["deltasync.residual"]`` (a JSON summary, :class:`ResidualReport.meta`); the
