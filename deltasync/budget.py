@@ -404,7 +404,7 @@ class Budgeter:
         due = age >= self.policy.max_owed_steps
         # due words first, oldest first; then the rest by distance, oldest first among equals
         capped_age = np.minimum(age, _AGE_CAP)
-        key = np.where(due, (1 << 61) | (capped_age << 45) | np.minimum(dist, (1 << 45) - 1),
+        key = np.where(due, (1 << 61) | (np.minimum(age, (1 << 15) - 1) << 45) | np.minimum(dist, (1 << 45) - 1),
                        (dist << 16) | capped_age)
         order = np.argsort(-key, kind="stable")
         return _Flat(names=names, chunk_of=chunk_of, offsets=offsets, dist=dist, age=age, due=due, order=order)

@@ -227,3 +227,34 @@ def test_inspect_shows_the_budget_what_is_owed_and_the_residual(tmp_path, cli):
 def _lossless(diff):
     enc = encode_diff(diff, model="m", version=1, parent=0)
     return enc.manifest, enc.blobs
+
+
+def test_served_view_file_round_trips_with_its_ledger_and_refuses_another_head(tmp_path):
+    from deltasync.budget import BudgetPolicy, Budgeter
+    from deltasync.client.served import load_served, save_served
+    from deltasync.fingerprint import fingerprint_state, state_fingerprint_of
+    tr = RLTrace(SHAPE, lr=LR, seed=16)
+    a, b = tr.state(), tr.step()
+    bud = Budgeter(BudgetPolicy(bytes=_mean_lossless(16, 1) // 4))
+    plan = bud.plan(diff_states(a, b), model="m", version=1, parent=0)
+    bud.commit(plan)
+    served = _copy(a)
+    from deltasync.dtypes import word_view
+    for name, chunks in plan.sent.chunks.items():
+        for c in chunks:
+            word_view(served[name])[torch.from_numpy(c.positions)] = torch.from_numpy(c.new.view("i2"))
+    assert fingerprint_state(served) == plan.sent.fps_after
+    path = tmp_path / "served.safetensors"
+    save_served(path, served, "m", 1, bud)
+    sfp = state_fingerprint_of(served)
+    back = Budgeter(bud.policy)
+    got = load_served(path, "m", 1, sfp, back)
+    assert got is not None and _same(got[0], served) and got[1] == plan.sent.fps_after
+    for name in served:
+        p0, a0 = bud.owed_ages(name)
+        p1, a1 = back.owed_ages(name)
+        assert (p0 == p1).all() and (a0 == a1).all()
+    assert load_served(path, "m", 2, sfp, back) is None  # the origin moved on: not this view
+    assert load_served(path, "other", 1, sfp, back) is None
+    assert load_served(path, "m", 1, "0" * 16, back) is None
+    assert load_served(tmp_path / "missing.safetensors", "m", 1, sfp, back) is None
