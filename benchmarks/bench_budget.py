@@ -195,14 +195,15 @@ def run_stream(states, policy: BudgetPolicy, embed, trainer_emb, drain_cap: int)
         rows.append({"report": r, "plan_s": plan_s, "drift": drift(trainer_emb[step + 1], embed(served))})
     drain = 0
     last = rows[-1]["report"]
-    drain_age = 0
+    drain_age = drain_late = 0
     while last.owed and drain < drain_cap:  # the trainer stopped: the same state until nothing is owed
         last, _ = publish(states[-1])
         drain_age = max(drain_age, last.max_age)
+        drain_late += last.late
         drain += 1
     exact = all(torch.equal(served[n].view(-1).view(torch.uint8), states[-1][n].view(-1).view(torch.uint8))
                 for n in served)
-    return {"rows": rows, "drain": drain, "drain_age": drain_age, "converged": last.owed == 0 and exact,
+    return {"rows": rows, "drain": drain, "drain_age": drain_age, "drain_late": drain_late, "converged": last.owed == 0 and exact,
             "left": last}
 
 
@@ -232,7 +233,7 @@ def run(quick: bool = False) -> str:
              f"{100 * np.mean(changed) / words:.1f}% of bf16 words change per step; lossless deltas "
              f"{mean_lossless / 1e6:.2f} MB/step on average ({100 * mean_lossless / raw:.1f}% of the state).\n",
              "| stream | budget (bytes/step) | bytes/step mean / max | % of lossless | owed words | owed bytes | "
-             "max ULPs | max rel. | max age / late | drift mean / max (1−cos) | drain after stop |",
+             "max ULPs | max rel. | max age / late: training; drain | drift mean / max (1−cos) | drain after stop |",
              "|---|---|---|---|---|---|---|---|---|---|---|",
              f"| lossless | — | {mean_lossless:,.0f} / {max(sizes):,} | 100% | 0 | 0 | 0 | 0 | 0 / 0 | 0 / 0 | 0 |",
              f"| lossless, one step stale | — | — | — | — | — | — | — | — | {np.mean(stale):.2e} / {max(stale):.2e} | — |"]
@@ -250,14 +251,15 @@ def run(quick: bool = False) -> str:
         lines.append(
             f"| budget {int(frac * 100)}% | {budget:,} | {np.mean(wires):,.0f} / {max(wires):,} | "
             f"{100 * np.mean(wires) / mean_lossless:.1f}% | {100 * last.owed_fraction:.2f}% | {last.owed_bytes:,} | "
-            f"{last.max_ulps} | {last.max_rel:.3g} | {max([r.max_age for r in reps] + [res['drain_age']])} / "
-            f"{sum(r.late for r in reps):,} | "
+            f"{last.max_ulps} | {last.max_rel:.3g} | {max(r.max_age for r in reps)} / {sum(r.late for r in reps):,}; "
+            f"{res['drain_age']} / {res['drain_late']:,} | "
             f"{np.mean(dr):.2e} / {max(dr):.2e} | {drain} |")
     lines.append("")
     lines.append("Owed words and bytes, max ULPs and max relative error are those after the last training step "
                  "(all tensors; owed bytes: one delta shipping all of it); max age is the longest run of versions "
-                 "any word stayed owed, the drain included, late the due words a budget could not fit "
-                 "(max_owed_steps = 8). Every budgeted delta was applied by a subscriber "
+                 "any word stayed owed and late the due words a budget could not fit (summed over versions; "
+                 "max_owed_steps = 8), during training and during the drain: once what is owed exceeds about "
+                 "max_owed_steps budgets, the maximum cannot hold and the late words are shipped oldest first. Every budgeted delta was applied by a subscriber "
                  "with incremental fingerprint verification against its manifest; the served view and the "
                  "subscriber agreed at every version.")
     return "\n".join(lines) + "\n"
