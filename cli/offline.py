@@ -7,6 +7,7 @@ import math
 import time
 
 from deltasync.blob import BlobReader
+from deltasync.budget import budget_of, residual_of
 from deltasync.codec import EncodeOptions, encode_delta
 from deltasync.apply import apply_delta
 from deltasync.deltafile import MAGIC as DELTA_MAGIC, read_delta_file, write_delta_file
@@ -169,7 +170,8 @@ def inspect_delta(path: str) -> dict:
     return {"type": "delta-file", "model": m.model, "version": m.version, "parent": m.parent, "kind": m.kind,
             "signed": m.signature is not None, "state_fp_before": m.state_fp_before, "state_fp": m.state_fp,
             "blobs": len(m.blobs), "bytes": m.total_bytes, "raw_bytes": m.raw_bytes,
-            "changed_words": m.changed_words, "tensors": rows}
+            "changed_words": m.changed_words, "tensors": rows,
+            "budget": budget_of(m), "residual": residual_of(m)}
 
 
 def inspect_state(path: str) -> dict:
@@ -207,7 +209,24 @@ def cmd_inspect(args) -> int:
     print(f"total: {len(info['tensors'])} tensors, {info['changed_words']:,}/{words:,} words changed "
           f"({100 * info['changed_words'] / max(words, 1):.3f}%), {info['bytes']:,} bytes for {info['raw_bytes']:,} raw "
           f"({info['raw_bytes'] / max(info['bytes'], 1):.1f}x), state {info['state_fp']}")
+    if info["budget"] is not None:
+        print(_budget_line(info["budget"], info["residual"]))
     return 0
+
+
+def _budget_line(budget: int, r: dict | None) -> str:
+    """The budget and residual summary of a version of a budgeted stream (docs/FORMAT.md §9)."""
+    if not r:
+        return f"budgeted stream: budget {budget:,} bytes/delta (no residual summary)"
+    words = max(r.get("words", 0), 1)
+    owed_bytes = r.get("owed_bytes", -1)
+    return (f"budgeted stream: budget {budget:,} bytes/delta; owed after this version: {r.get('owed', 0):,} words "
+            f"({100 * r.get('owed', 0) / words:.3f}%), "
+            + (f"{owed_bytes:,} bytes" if owed_bytes >= 0 else "bytes not measured")
+            + f"; residual max {r.get('max_ulps', 0)} ULPs, max relative {r.get('max_rel', 0):.3g}, "
+              f"max age {r.get('max_age', 0)}/{r.get('max_owed_steps', '?')} versions, {r.get('late', 0)} late; "
+              f"sent {r.get('sent', 0):,} words ({r.get('quantized', 0):,} rounded), "
+              f"whole residual would have cost {r.get('full_bytes', 0):,} bytes")
 
 
 def cmd_verify(args) -> int:

@@ -32,6 +32,7 @@ from deltasync.tensorfile import MappedTensorFile, read_state_file, write_state_
 
 from .http import HttpClient, Timeouts
 from .publisher import Publisher
+from .served import load_served, save_served
 from .sidecar import Sidecar, SidecarEvent
 from .subscriber import Subscriber, SyncEvent
 
@@ -88,16 +89,50 @@ async def _head_state(url: str, model: str, verifier: Verifier | None, like: dic
     return v, (target, sub.fps)
 
 
+def _policy(args):
+    """The budget options of a command (None: a lossless stream)."""
+    if getattr(args, "budget", None) is None:
+        return None
+    from deltasync.budget import BudgetPolicy
+    try:
+        return BudgetPolicy(bytes=args.budget, max_owed_steps=args.max_owed_steps, step_bits=args.step_bits)
+    except ValueError as e:
+        raise DeltaSyncError(f"bad budget options: {e}") from None
+
+
+def _served_base(args, budgeter):
+    """The served view kept in --state-dir, if it is the origin's head: (version, tensors, fps)."""
+    if budgeter is None or not args.state_dir:
+        return None
+
+    async def head():
+        async with HttpClient([args.origin]) as h:
+            return await h.get_head(args.model)
+    from deltasync.manifest import parse_manifest
+    h = asyncio.run(head())
+    if h is None:
+        return None
+    got = load_served(Path(args.state_dir) / "served.safetensors", args.model, h.version,
+                      parse_manifest(h.body, verifier=verifier_from_file(args.key_file)).state_fp, budgeter)
+    return None if got is None else (h.version, got[0], got[1])
+
+
 def cmd_publish(args) -> int:
     _setup_logging(args)
     token = _read_token(args.token_file)
     signer = signer_from_file(args.key_file)
     verifier = verifier_from_file(args.key_file)
+    policy = _policy(args)
+    if policy is not None and not args.state_dir:
+        print("deltasync publish: error: --budget needs --state-dir (where the served view is kept)", file=sys.stderr)
+        return 2
     state = read_state_file(args.state)
-    base = None
-    head_v = None
+    from deltasync.budget import Budgeter
+    budgeter = Budgeter(policy) if policy is not None else None
+    base = _served_base(args, budgeter)
+    head_v = base[0] if base is not None else None
     try:
-        got = asyncio.run(_head_state(args.origin, args.model, verifier, state, args.timeout))
+        got = None if base is not None else asyncio.run(_head_state(args.origin, args.model, verifier, state, args.timeout))
     except DeltaSyncError as e:
         raise DeltaSyncError(f"cannot read {args.model}'s head from {args.origin}: {e}") from e
     if got is not None:
@@ -110,17 +145,27 @@ def cmd_publish(args) -> int:
         return 1
     if base is None and head_v is not None:
         _say(args, f"origin has v{head_v} but its state could not be rebuilt here; publishing a keyframe")
-    pub = Publisher(args.origin, args.model, token, signer, keyframe_every=0, base=base, check_origin=False)
+    pub = Publisher(args.origin, args.model, token, signer, keyframe_every=0, base=base, check_origin=False,
+                    budget=policy)
+    if budgeter is not None and pub.budgeter is not None:
+        pub.budgeter.load_ledger(budgeter.ledger_state())  # what the served view in --state-dir still owes
     try:
         pending = pub.publish(step, state, keyframe=args.keyframe and base is not None)
         res = pending.result(args.timeout)
         pub.flush(args.timeout)
+        if policy is not None:
+            Path(args.state_dir).mkdir(parents=True, exist_ok=True)
+            save_served(Path(args.state_dir) / "served.safetensors", pub.served, args.model, res.version, pub.budgeter)
     finally:
         pub.close()
     pct = 100.0 * res.blob_bytes / max(res.raw_bytes, 1)
     side = f" + side keyframe {_mb(res.side_bytes)}" if res.side_keyframe else ""
     _say(args, f"published {args.model} v{res.version}: {res.kind}, {_mb(res.blob_bytes)} ({pct:.2f}% of "
                f"{_mb(res.raw_bytes)}){side}, {res.changed:,} words changed")
+    r = res.residual
+    if r is not None:
+        _say(args, f"budget {r.budget:,} bytes: sent {r.wire_bytes:,}; still owed {r.owed:,} words "
+                   f"({100 * r.owed_fraction:.2f}%, {r.owed_bytes:,} bytes), max {r.max_ulps} ULPs, max age {r.max_age}")
     return 0
 
 
@@ -236,7 +281,7 @@ def cmd_sidecar(args) -> int:
 
     car = Sidecar(args.watch, args.origin, args.model, token, signer, keyframe_every=args.keyframe_every,
                   delete_published=args.delete_published, marker=args.marker, poll=args.poll,
-                  state_file=args.state_file, on_event=on_event)
+                  state_file=args.state_file, on_event=on_event, budget=_policy(args))
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -257,6 +302,16 @@ def _sources(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="print nothing but errors")
 
 
+def _budget_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", type=int, metavar="BYTES",
+                   help="cap each delta at BYTES on the wire (manifest + blobs); what does not fit is owed and sent "
+                        "first later (default: lossless)")
+    p.add_argument("--max-owed-steps", type=int, default=8, metavar="K",
+                   help="with --budget: a word owed K versions in a row is sent next, ahead of any rank (default 8)")
+    p.add_argument("--step-bits", type=int, default=0, metavar="B",
+                   help="with --budget: round steps that do not fit to B significant bits (default 0: exact)")
+
+
 def register(subparsers) -> None:
     """Add ``publish``, ``subscribe`` and ``sidecar`` to an argparse subparsers object."""
     p = subparsers.add_parser("publish", help="publish one state file to the origin (a delta when it can)",
@@ -269,6 +324,8 @@ def register(subparsers) -> None:
     p.add_argument("--step", type=int, metavar="N", help="version number (default: the origin's head + 1, or 0)")
     p.add_argument("--keyframe", action="store_true", help="also publish a keyframe of this state (side stream)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after S seconds (default 600)")
+    _budget_options(p)
+    p.add_argument("--state-dir", metavar="DIR", help="with --budget: where the served view and what it owes are kept")
     p.set_defaults(func=cmd_publish)
 
     s = subparsers.add_parser("subscribe", help="keep a safetensors file in sync with a model stream",
@@ -304,6 +361,7 @@ def register(subparsers) -> None:
     c.add_argument("--poll", type=float, default=1.0, metavar="S", help="scan the folder every S seconds")
     c.add_argument("--state-file", metavar="F", help="where to keep resume state (default DIR/.deltasync-sidecar.json)")
     c.add_argument("--once", action="store_true", help="publish what is there now, then exit")
+    _budget_options(c)
     c.set_defaults(func=cmd_sidecar)
 
 

@@ -44,6 +44,17 @@ across ranks) and the same ``keyframe_every``; one rank commits::
 the next step) to keep the upload off the training loop's critical path. Ranks must
 agree on on-demand keyframes (pass the same ``keyframe=`` on every rank).
 
+Budgeted streams
+----------------
+``Publisher(..., budget=BYTES)`` (or a :class:`deltasync.budget.BudgetPolicy`) caps each
+delta's wire bytes. The reference copy is then the *served view* (what subscribers hold):
+``publish`` diffs the trainer's state against it without patching it, and an encode
+worker asks :class:`deltasync.budget.Budgeter` what part of that residual fits the
+budget, patches that part into the served view and encodes it; the rest is owed and
+ranked first next step (docs/CLIENT.md, "Budgeted streams"). The next ``publish``
+waits until the served view is patched. ``PublishResult.residual`` reports what each
+version still owes. Keyframes ship the trainer's state whole and clear what is owed.
+
 Thread-safety: one thread calls ``publish``/``flush``/``close``.
 """
 
@@ -61,6 +72,7 @@ from dataclasses import dataclass
 import torch
 
 from deltasync.apply import live_tensors
+from deltasync.budget import Budgeter, BudgetPolicy, ResidualReport
 from deltasync.codec import EncodeOptions, Encoded
 from deltasync.errors import ChainError, DeltaSyncError
 from deltasync.fingerprint import state_fingerprint
@@ -94,6 +106,7 @@ class PublishResult:
     committed_at: float | None  # time.time() at commit (None in part mode)
     manifest: Manifest  # as committed (signed), or this rank's part
     side_manifest: Manifest | None = None  # the side keyframe's manifest, if any
+    residual: ResidualReport | None = None  # budgeted deltas: what this version sent and still owes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,6 +202,7 @@ class _Job:
     blocking_s: float
     raw_bytes: int
     meta: dict[str, str]
+    budgeted: bool = False  # a budgeted delta: the worker plans it and patches the served view
 
 
 class Publisher:
@@ -200,14 +214,16 @@ class Publisher:
     ``commit=False``: part mode for sharded trainers (see the module docstring).
     ``base``: ``(version, tensors, fps)`` of the state the origin's head holds, to
     continue a stream with a delta instead of starting with a keyframe (the tensors are
-    adopted as the reference, not copied).
+    adopted as the reference, not copied). ``budget``: bytes per delta (or a
+    :class:`~deltasync.budget.BudgetPolicy`); None is the lossless stream.
     """
 
     def __init__(self, origin_url: str, model: str, token: str | None, key: bytes | None = None, *,
                  keyframe_every: int = 20, options: EncodeOptions | None = None, workers: int = 2,
                  upload_concurrency: int = 4, max_pending: int = 4, timeouts: Timeouts | None = None,
                  commit: bool = True, check_origin: bool = True, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 base: tuple[int, Mapping[str, torch.Tensor], Mapping[str, int] | None] | None = None) -> None:
+                 base: tuple[int, Mapping[str, torch.Tensor], Mapping[str, int] | None] | None = None,
+                 budget: int | BudgetPolicy | None = None) -> None:
         if keyframe_every < 0:
             raise ValueError("keyframe_every must be >= 0")
         self.model = model
@@ -219,6 +235,8 @@ class Publisher:
         self.committer = commit
         self.shard_bytes = shard_bytes
         self.timeouts = timeouts or Timeouts()
+        self.budget = BudgetPolicy(bytes=budget) if isinstance(budget, int) else budget
+        self._budgeter = Budgeter(self.budget) if self.budget is not None else None
         self._io = LoopThread("deltasync-publisher-io")
         self._client = HttpClient([origin_url], token=token, timeouts=self.timeouts)
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltasync-encode")
@@ -247,6 +265,20 @@ class Publisher:
     def version(self) -> int | None:
         """The last version handed to publish() (committed or still in flight)."""
         return self._version
+
+    @property
+    def served(self) -> Mapping[str, torch.Tensor] | None:
+        """The state subscribers hold after the last version handed to ``publish`` (read only;
+        after ``flush``). Lossless: the last published state; budgeted: the served view."""
+        if self._ref is None:
+            return None
+        self._ref_free.wait(self.timeouts.request)
+        return self._ref.tensors
+
+    @property
+    def budgeter(self) -> Budgeter | None:
+        """The budgeted stream's owed ledger (None for a lossless stream)."""
+        return self._budgeter
 
     def publish(self, step: int, state, *, keyframe: bool = False, meta: Mapping[str, str] | None = None) -> PendingVersion:
         """Publish ``state`` (dict of tensors or nn.Module) as version ``step``; returns after the diff."""
@@ -277,9 +309,18 @@ class Publisher:
                 else:
                     self._ref.reset(tensors)
                 kind, side, diff, parent = "keyframe", False, None, None
+                if self._budgeter is not None:
+                    self._budgeter.reset()
+                    words = sum(t.numel() for t in tensors.values())
+                    meta = {**(meta or {}), **self._budgeter.keyframe_meta(words)}
+            elif self._budgeter is not None:
+                diff = self._ref.diff(tensors, chunk_words=self.options.chunk_words)
+                kind, parent = "delta", self._version
+                self._ref_free.clear()  # the worker patches what it ships into the served view
             else:
                 diff = self._ref.diff_and_update(tensors, chunk_words=self.options.chunk_words)
                 kind, parent = "delta", self._version
+            if kind == "delta":
                 side = keyframe or (self.keyframe_every > 0 and (
                     self._last_keyframe is None or step - self._last_keyframe >= self.keyframe_every))
             if kind == "keyframe" or side:
@@ -287,8 +328,10 @@ class Publisher:
                 self._last_keyframe = step
             self._version = step
             blocking = time.perf_counter() - t0
+            budgeted = kind == "delta" and self._budgeter is not None
             job = _Job(version=step, parent=parent, kind=kind, side=side, diff=diff, fps=dict(self._ref.fps),
-                       generation=generation, blocking_s=blocking, raw_bytes=raw_bytes, meta=dict(meta or {}))
+                       generation=generation, blocking_s=blocking, raw_bytes=raw_bytes, meta=dict(meta or {}),
+                       budgeted=budgeted)
             fut = self._io.submit(self._process(job, self._prev))
         except BaseException:
             self._slots.release()
@@ -387,13 +430,24 @@ class Publisher:
                              "(or use another model name)")
         self._origin_checked = True
 
-    def _encode(self, job: _Job) -> tuple[Encoded, Encoded | None, float]:
+    def _encode(self, job: _Job) -> tuple[Encoded, Encoded | None, float, ResidualReport | None]:
         t0 = time.perf_counter()
+        report = None
         try:
             ref = self._ref
             assert ref is not None
             side = None
-            if job.kind == "keyframe":
+            if job.budgeted:
+                assert self._budgeter is not None and job.diff is not None and job.parent is not None
+                plan = self._budgeter.plan(job.diff, model=self.model, version=job.version, parent=job.parent,
+                                           options=self.options, meta=job.meta)
+                ref.patch(plan.sent)  # the served view moves by exactly what the delta ships
+                self._budgeter.commit(plan)
+                main, report = plan.encoded, plan.report
+                if job.side:  # a keyframe of the served view, not of the trainer's state
+                    side = encode_keyframe(ref.tensors, model=self.side_model, version=job.version, fps=ref.fps,
+                                           shard_bytes=self.shard_bytes, meta=job.meta)
+            elif job.kind == "keyframe":
                 main = encode_keyframe(ref.tensors, model=self.model, version=job.version, fps=job.fps,
                                        shard_bytes=self.shard_bytes, meta=job.meta)
             else:
@@ -404,14 +458,14 @@ class Publisher:
                 main = encode_diff(job.diff, model=self.model, version=job.version, parent=job.parent,
                                    options=self.options, meta=job.meta)
         finally:
-            if job.kind == "keyframe" or job.side:
+            if job.kind == "keyframe" or job.side or job.budgeted:
                 self._ref_free.set()
-        return main, side, time.perf_counter() - t0
+        return main, side, time.perf_counter() - t0, report
 
     async def _process(self, job: _Job, prev: concurrent.futures.Future | None) -> PublishResult:
         try:
             loop = asyncio.get_running_loop()
-            main, side, encode_s = await loop.run_in_executor(self._pool, self._encode, job)
+            main, side, encode_s, report = await loop.run_in_executor(self._pool, self._encode, job)
             # a delta needs its parent committed; a keyframe starts a new chain and only keeps the order
             if job.kind == "delta" and prev is not None and prev.done() and prev.exception() is not None:
                 raise _Dropped(f"{self.model} v{job.version} dropped: the version before it failed")
@@ -438,7 +492,7 @@ class Publisher:
                 blob_bytes=main.manifest.total_bytes, side_bytes=side.manifest.total_bytes if side else 0,
                 raw_bytes=job.raw_bytes, changed=main.manifest.changed_words, blocking_s=job.blocking_s,
                 encode_s=encode_s, upload_s=time.perf_counter() - t0, committed_at=committed_at, manifest=manifest,
-                side_manifest=side.manifest if side else None)
+                side_manifest=side.manifest if side else None, residual=report)
             self.results.append(res)
             del self.results[:-1000]
             return res

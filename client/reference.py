@@ -12,15 +12,21 @@ for the encoding, so the publisher splits it with the core's two halves:
    and patched.
 2. ``deltasync.codec.encode_diff`` (any thread, later): the host-side ``StateDiff`` to
    the same manifest and blobs ``encode_delta`` would have produced, byte for byte.
+
+A budgeted stream (:mod:`deltasync.budget`) keeps the *served view* here instead of the
+last trainer state: :meth:`Reference.diff` takes the whole residual without touching the
+reference, and :meth:`Reference.patch` writes only the part a delta shipped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from deltasync.codec import StateDiff, diff_states, encode_diff, state_layout
+from deltasync.dtypes import word_view
 from deltasync.fingerprint import tensor_fingerprint
 
 __all__ = ["Reference", "StateDiff", "encode_diff", "state_layout"]
@@ -70,3 +76,21 @@ class Reference:
         diff = diff_states(self.tensors, state, base_fps=self.fps, chunk_words=chunk_words, update_old=True)
         self.fps = dict(diff.fps_after)
         return diff
+
+    def diff(self, state: Mapping[str, torch.Tensor], *, chunk_words: int) -> StateDiff:
+        """Diff ``state`` against the reference and leave the reference as it is (budgeted streams)."""
+        if not self.same_layout(state):
+            raise ValueError("layout changed; reset() the reference and publish a keyframe")
+        return diff_states(self.tensors, state, base_fps=self.fps, chunk_words=chunk_words, update_old=False)
+
+    def patch(self, sent: StateDiff) -> None:
+        """Write the new words of ``sent`` (a diff taken from this reference) into it, on its device;
+        its fingerprints become ``sent.fps_after``."""
+        with torch.no_grad():
+            for name, chunks in sent.chunks.items():
+                words = word_view(self.tensors[name])
+                for c in chunks:
+                    pos = torch.from_numpy(c.positions).to(words.device)
+                    new = np.ascontiguousarray(c.new).view(np.dtype(f"i{c.new.dtype.itemsize}"))
+                    words.index_copy_(0, pos, torch.from_numpy(new).to(words.device))
+        self.fps = dict(sent.fps_after)

@@ -18,6 +18,15 @@ recognised by its state fingerprint and not sent again.
 A checkpoint that is truncated or unreadable is reported and skipped (never
 published), and not retried unless the file changes. With ``delete_published`` a
 checkpoint is deleted once its successor is published (it is no longer a base).
+
+With ``budget`` (bytes per delta, or a :class:`deltasync.budget.BudgetPolicy`) the base is
+not the previous checkpoint but the *served view*, kept in memory and saved after each
+commit beside the state file (``.deltasync-sidecar.served.safetensors`` by default, with
+the owed ledger in ``...safetensors.owed``);
+each checkpoint ships what of its residual fits the budget (docs/CLIENT.md, "Budgeted
+streams"). The residual drains as later checkpoints arrive (a trainer that stopped
+changing may keep writing the same weights). A failed upload, or a served view file that
+does not match the origin's head on restart, makes the next checkpoint a keyframe.
 """
 
 from __future__ import annotations
@@ -30,8 +39,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from deltasync.codec import EncodeOptions, encode_delta
+import torch
+
 from deltasync.atomic import write_atomic
+from deltasync.budget import Budgeter, BudgetPlan, BudgetPolicy
+from deltasync.codec import EncodeOptions, diff_states, encode_delta
 from deltasync.errors import ChainError, DeltaSyncError, NotFoundError
 from deltasync.fingerprint import fingerprint_state, fp_hex
 from deltasync.keyframe import encode_keyframe
@@ -39,6 +51,7 @@ from deltasync.manifest import parse_manifest
 from deltasync.signing import Signer, as_signer
 
 from .checkpoints import Checkpoint, CheckpointError, MappedCheckpoint, find_checkpoints
+from .served import load_served, save_served
 from .http import HttpClient, Timeouts
 from .streams import keyframe_stream
 from .upload import upload_version
@@ -67,7 +80,8 @@ class Sidecar:
                  signer: Signer | bytes | None = None, *,
                  keyframe_every: int = 20, delete_published: bool = False, marker: str | None = None,
                  poll: float = 1.0, state_file: str | os.PathLike | None = None,
-                 on_event: Callable[[SidecarEvent], None] | None = None) -> None:
+                 on_event: Callable[[SidecarEvent], None] | None = None,
+                 budget: int | BudgetPolicy | None = None) -> None:
         self.dir = Path(watch_dir)
         self.model = model
         self.side_model = keyframe_stream(model)
@@ -87,6 +101,13 @@ class Sidecar:
         self.base_fps: dict[str, int] | None = None
         self.skipped: dict[str, tuple[int, int]] = {}
         self._resumed = False
+        # budgeted streams: the served view (what subscribers hold) and its owed ledger
+        self.budget = BudgetPolicy(bytes=budget) if isinstance(budget, int) else budget
+        self.budgeter = Budgeter(self.budget) if self.budget is not None else None
+        self.served: dict | None = None
+        self.served_fps: dict[str, int] | None = None
+        self.served_path = self.state_path.with_suffix(".served.safetensors")  # one per state file
+        self._pending = None  # (plan or None, keyframe state or None) of the version being uploaded
 
     # -- state file ----------------------------------------------------------------------------
     def _save_state(self) -> None:
@@ -117,6 +138,11 @@ class Sidecar:
         self._resumed = True
         head = await self.client.get_head(self.model)
         head_v = head.version if head is not None else None
+        if self.budgeter is not None and head is not None:
+            got = await asyncio.to_thread(load_served, self.served_path, self.model, head.version,
+                                          parse_manifest(head.body).state_fp, self.budgeter)
+            if got is not None:
+                self.served, self.served_fps = got
         obj = self._load_state()
         if obj is None:
             self.version = head_v
@@ -208,8 +234,16 @@ class Sidecar:
     def _encode(self, ck: Checkpoint, new: MappedCheckpoint, old: MappedCheckpoint | None):
         # runs in a worker thread: the encoding reads every page of both files
         main = side = None
+        plan = None
         try:
-            if old is not None:
+            if self.budgeter is not None:
+                if self.served is not None and self.version is not None:
+                    diff = diff_states(self.served, new.tensors, base_fps=self.served_fps,
+                                       chunk_words=self.options.chunk_words)
+                    plan = self.budgeter.plan(diff, model=self.model, version=ck.step, parent=self.version,
+                                              options=self.options, meta={"source": ck.path.name})
+                    main = plan.encoded
+            elif old is not None:
                 main = encode_delta(old.tensors, new.tensors, model=self.model, version=ck.step, parent=self.version,
                                     base_fps=self.base_fps, options=self.options, meta={"source": ck.path.name})
         except ChainError as e:
@@ -219,9 +253,14 @@ class Sidecar:
             raise CheckpointError(f"{ck.path}: unreadable while diffing ({type(e).__name__}: {e})") from None
         try:
             if main is None:
-                main = encode_keyframe(new.tensors, model=self.model, version=ck.step, meta={"source": ck.path.name})
+                meta = {"source": ck.path.name}
+                if self.budgeter is not None:
+                    meta.update(self.budgeter.keyframe_meta(sum(t.numel() for t in new.tensors.values())))
+                main = encode_keyframe(new.tensors, model=self.model, version=ck.step, meta=meta)
             elif self.keyframe_every and (self.last_keyframe is None or ck.step - self.last_keyframe >= self.keyframe_every):
-                side = encode_keyframe(new.tensors, model=self.side_model, version=ck.step, fps=main.fps,
+                # a budgeted stream's side keyframe is of the served view after this delta
+                state = self._served_after(plan) if plan is not None else new.tensors
+                side = encode_keyframe(state, model=self.side_model, version=ck.step, fps=main.fps,
                                        meta={"source": ck.path.name})
         except (OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{ck.path}: unreadable ({type(e).__name__}: {e})") from None
@@ -233,9 +272,37 @@ class Sidecar:
             raise CheckpointError(f"{ck.path}: removed while it was being published") from None
         if (st.st_size, st.st_mtime_ns) != ck.stamp:
             raise CheckpointError(f"{ck.path}: changed while it was being published")
+        if self.budgeter is not None:
+            self._pending = (plan, None if plan is not None else {n: t.clone() for n, t in new.tensors.items()})
         return main, side, fps
 
+    def _served_after(self, plan: BudgetPlan) -> dict:
+        """The served view after ``plan`` (a copy: the live one moves only once the version is committed)."""
+        out = {n: t.clone() for n, t in self.served.items()}
+        _patch(out, plan)
+        return out
+
+    def _commit_served(self, fps: dict[str, int]) -> None:
+        plan, keyframe_state = self._pending
+        self._pending = None
+        if plan is None:
+            self.served = keyframe_state
+            self.budgeter.reset()
+        else:
+            _patch(self.served, plan)
+            self.budgeter.commit(plan)
+        self.served_fps = dict(fps)
+        save_served(self.served_path, self.served, self.model, self.version, self.budgeter)
+
     async def _upload(self, ck: Checkpoint, main, side, fps: dict[str, int]) -> SidecarEvent:
+        try:
+            return await self._upload_version(ck, main, side, fps)
+        except BaseException:
+            if self.budgeter is not None:  # the served view is unknown now: start over with a keyframe
+                self.served = self.served_fps = self._pending = None
+            raise
+
+    async def _upload_version(self, ck: Checkpoint, main, side, fps: dict[str, int]) -> SidecarEvent:
         existing = None
         try:
             existing = parse_manifest(await self.client.get_manifest(self.model, ck.step))
@@ -255,6 +322,8 @@ class Sidecar:
         self.version = ck.step
         self.base = ck
         self.base_fps = dict(fps)
+        if self.budgeter is not None:
+            await asyncio.to_thread(self._commit_served, fps)
         self._save_state()
         raw = main.manifest.raw_bytes
         detail = f"{main.manifest.kind} v{ck.step}, {main.manifest.total_bytes} bytes ({raw} raw)" + (
@@ -288,4 +357,13 @@ class Sidecar:
                     return
         finally:
             await self.client.close()
+
+
+def _patch(state: dict, plan: BudgetPlan) -> None:
+    """Write the words a budgeted delta ships into a served view (host tensors)."""
+    from deltasync.dtypes import word_view
+    for name, chunks in plan.sent.chunks.items():
+        words = word_view(state[name])
+        for c in chunks:
+            words[torch.from_numpy(c.positions)] = torch.from_numpy(c.new.view(f"i{c.new.dtype.itemsize}"))
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
 
 from deltasync.errors import DeltaSyncError, NotFoundError, UpstreamError
 from deltasync.manifest import MODEL_RE, Manifest, parse_manifest
