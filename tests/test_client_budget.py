@@ -32,7 +32,7 @@ def cluster(tmp_path_factory):
     c = LocalCluster(tmp_path_factory.mktemp("budget"), key=KEY)
     try:
         c.start_origin()
-        c.start_relay("relay", [c.origin])
+        c.start_tree({"relay": ["origin"]})
         yield c
     finally:
         c.close()
