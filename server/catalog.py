@@ -12,12 +12,12 @@ import asyncio
 from deltasync.errors import NotFoundError
 from deltasync.manifest import Manifest, parse_manifest
 
-from .store import DiskStore
+from .blobstore import BlobStore
 from .upstream import Upstream
 
 
 class Catalog:
-    def __init__(self, *, store: DiskStore, upstream: Upstream | None) -> None:
+    def __init__(self, *, store: BlobStore, upstream: Upstream | None) -> None:
         self.store = store
         self.upstream = upstream
         self._pending: dict[tuple[str, int], asyncio.Future[None]] = {}
@@ -25,7 +25,7 @@ class Catalog:
     async def manifest_bytes(self, model: str, version: int) -> bytes:
         if self.store.info(model, version) is None:
             await self._pull(model, version)
-        return self.store.read_manifest(model, version)
+        return await self.store.get_manifest(model, version)
 
     async def manifest(self, model: str, version: int) -> Manifest:
         return parse_manifest(await self.manifest_bytes(model, version))

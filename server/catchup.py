@@ -23,13 +23,13 @@ from .catalog import Catalog
 from .errors import UnavailableError
 from .fetcher import BlobFetcher
 from .metrics import Metrics
-from .store import DiskStore
+from .blobstore import BlobStore
 
 log = logging.getLogger("deltasync.server.catchup")
 
 
 class CatchupBuilder:
-    def __init__(self, *, store: DiskStore, catalog: Catalog, fetcher: BlobFetcher | None, metrics: Metrics,
+    def __init__(self, *, store: BlobStore, catalog: Catalog, fetcher: BlobFetcher | None, metrics: Metrics,
                  key: bytes | None, max_chain: int, fetch_timeout: float) -> None:
         self.store = store
         self.catalog = catalog
@@ -45,7 +45,7 @@ class CatchupBuilder:
         """The manifest (JSON bytes) of one delta taking ``model`` from ``start`` to ``end``."""
         if start >= end:
             raise FormatError(f"from={start} must be older than to={end}")
-        cached = self.store.read_squash(model, start, end)
+        cached = await self.store.get_squash(model, start, end)
         if cached is not None and all(self.store.has_blob(b.id) for b in parse_manifest(cached).blobs):
             self.metrics.inc("squash_hits")
             return cached
@@ -88,6 +88,15 @@ class CatchupBuilder:
                 raise BaseMismatchError(f"{model}: v{m.version} does not start from the state of v{prev.version}")
         return out
 
+    def _blob_reader(self):
+        """A blocking ``read_blob(id)`` for the worker thread that asks the store on this loop, one blob
+        at a time (the store's calls are coroutines: it may be remote)."""
+        loop = asyncio.get_running_loop()
+
+        def read_blob(blob_id: str) -> bytes:
+            return asyncio.run_coroutine_threadsafe(self.store.get_blob(blob_id), loop).result(self.fetch_timeout)
+        return read_blob
+
     async def _build(self, model: str, start: int, end: int) -> bytes:
         chain = await self.chain(model, start, end)
         if len(chain) == 1:
@@ -106,7 +115,7 @@ class CatchupBuilder:
                     await self.fetcher.ensure(bid, timeout=self.fetch_timeout)
             async with self._cpu:
                 t0 = time.monotonic()
-                encoded = await asyncio.to_thread(squash_chain, chain, self.store.read_blob)
+                encoded = await asyncio.to_thread(squash_chain, chain, self._blob_reader())
                 took = time.monotonic() - t0
         finally:
             self.store.unlease(ids)

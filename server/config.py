@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROLES = ("origin", "relay")
+STORES = ("disk", "memory")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -27,7 +28,7 @@ class ServerConfig:
     role: str  # "origin" | "relay"
     host: str
     port: int
-    store_dir: Path
+    store_dir: Path | None  # the disk store's directory (unused by the memory store)
     token: str | None = None  # origin: bearer token for writes
     key: bytes | None = None  # HMAC key: when set, manifests must verify
     parents: tuple[str, ...] = ()  # relay: base URLs, most preferred first
@@ -38,6 +39,7 @@ class ServerConfig:
     max_squash_chain: int = 1024  # longest chain a squashed catch-up delta may cover
     sse_queue: int = 1024  # events buffered per SSE client before it is dropped as too slow
     fsync: bool = True
+    store_kind: str = "disk"  # "disk" | "memory" (tests: nothing survives a restart)
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
@@ -47,6 +49,10 @@ class ServerConfig:
             raise ValueError("an origin needs a bearer token for writes (--token-file)")
         if self.role == "relay" and not self.parents:
             raise ValueError("a relay needs at least one --parent URL")
+        if self.store_kind not in STORES:
+            raise ValueError(f"store_kind must be one of {STORES}, found {self.store_kind!r}")
+        if self.store_kind == "disk" and self.store_dir is None:
+            raise ValueError("the disk store needs a directory (--store)")
         if self.retention < 1:
             raise ValueError("retention must be at least 1 version")
 

@@ -1,9 +1,9 @@
 """A blob on its way in from a parent, served to any number of readers while it arrives.
 
 One ``InflightBlob`` per missing blob (coalescing): the fetch task appends to a
-temp file (``PartialBlob``) and calls ``progress()``; every reader sends from that
-file with ``os.sendfile`` at its own offset, as far as the bytes have arrived, and
-then waits for more. Memory per reader is constant (no bytes pass through Python);
+growing blob (``GrowingBlob``) and calls ``progress()``; every reader sends from it
+at its own offset (``os.sendfile`` from the temp file on the disk store), as far as
+the bytes have arrived, and then waits for more. Memory per reader is constant (no bytes pass through Python);
 a slow reader only falls behind in the file, it never slows the fetch or the
 other readers.
 
@@ -23,10 +23,10 @@ from aiohttp import web
 
 from deltasync.errors import DeltaSyncError
 
+from .blobstore import GrowingBlob
 from .compat import timeout as timeout_after
 from .errors import UpstreamError, UpstreamTimeout
-from .sendfile import send_file_range
-from .store import PartialBlob
+from .sendfile import send_blob_range
 
 
 class BlobResetError(UpstreamError):
@@ -36,7 +36,7 @@ class BlobResetError(UpstreamError):
 class InflightBlob:
     def __init__(self, blob_id: str) -> None:
         self.id = blob_id
-        self.part: PartialBlob | None = None  # the fetch opens it (off the event loop) before any byte
+        self.part: GrowingBlob | None = None  # the fetch opens it (off the event loop) before any byte
         self.size: int | None = None  # known once a parent answered
         self.verified = False  # every byte is in and hashed to the id
         self.error: DeltaSyncError | None = None  # the fetch gave up
@@ -127,7 +127,7 @@ class InflightBlob:
             avail = min(self.servable_to, end)
             if avail > pos:
                 n = avail - pos
-                await send_file_range(request, resp, self.part.fd, pos, n, timeout=write_timeout)
+                await send_blob_range(request, resp, self.part, pos, n, timeout=write_timeout)
                 pos += n
                 on_sent(n)
                 continue

@@ -20,13 +20,14 @@ from deltasync.manifest import Manifest, parse_manifest
 from .errors import MissingBlobsError, TooLargeError
 from .events import EventHub
 from .metrics import Metrics
-from .store import DiskStore, VersionInfo
+from .blobstore import BlobStore
+from .versions import VersionInfo
 
 log = logging.getLogger("deltasync.server.intake")
 
 
 class Intake:
-    def __init__(self, *, store: DiskStore, hub: EventHub, metrics: Metrics, key: bytes | None,
+    def __init__(self, *, store: BlobStore, hub: EventHub, metrics: Metrics, key: bytes | None,
                  max_blob_size: int) -> None:
         self.store = store
         self.hub = hub
@@ -83,7 +84,7 @@ class Intake:
         async with lock:
             existing = self.store.info(model, version)
             if existing is not None:
-                if self.store.read_manifest(model, version) == m.to_json():
+                if await self.store.get_manifest(model, version) == m.to_json():
                     return existing, False
                 raise ChainError(f"{model} v{version} is already committed with different content; "
                                  "publish a new version instead")

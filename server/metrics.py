@@ -1,14 +1,22 @@
-"""Server counters and gauges, rendered in the Prometheus text format (version 0.0.4).
+"""Server counters and gauges, exposed through ``prometheus_client`` (text format 0.0.4).
 
-One ``Metrics`` object per server, held in the app (no global registry). Counters
-only go up; gauges are set or computed when scraped. Every series is named
-``deltasync_*`` and documented in docs/PROTOCOL.md ("Metrics").
+One ``Metrics`` object per server, with its own ``CollectorRegistry`` (never the
+process-wide default one: two servers in one process do not share a counter).
+Counters only go up; gauges are computed when scraped. Both reach the registry
+through one collector that yields ``CounterMetricFamily``/``GaugeMetricFamily`` at
+scrape time, so ``inc`` on the hot path is a dict update and no ``*_created``
+series appear. Every series is named ``deltasync_*`` and documented in
+docs/PROTOCOL.md ("Metrics").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 _COUNTERS: dict[str, str] = {
     "bytes_in": "Blob bytes received (uploads and upstream fetches).",
@@ -49,6 +57,8 @@ class Metrics:
         self.role = role
         self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._gauges: list[Gauge] = []
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
 
     def inc(self, name: str, n: int = 1) -> None:
         self._counts[name] += n
@@ -60,18 +70,39 @@ class Metrics:
         self._gauges.append(Gauge(name=name, help=help, read=read))
 
     def render(self) -> str:
-        lines: list[str] = []
+        return generate_latest(self.registry).decode()
+
+    def families(self) -> Iterator[Metric]:
         for name, help_text in _COUNTERS.items():
-            full = f"deltasync_{name}_total"
-            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} counter", f"{full} {self._counts[name]}"]
-        lines += ["# HELP deltasync_info Server role.", "# TYPE deltasync_info gauge",
-                  f'deltasync_info{{role="{self.role}"}} 1']
+            yield CounterMetricFamily(f"deltasync_{name}", help_text, value=self._counts[name])
+        info = GaugeMetricFamily("deltasync_info", "Server role.", labels=["role"])
+        info.add_metric([self.role], 1)
+        yield info
         for g in self._gauges:
-            full = f"deltasync_{g.name}"
-            lines += [f"# HELP {full} {g.help}", f"# TYPE {full} gauge"]
-            for labels, value in g.read():
-                lines.append(f"{full}{_labels(labels)} {_num(value)}")
-        return "\n".join(lines) + "\n"
+            samples = g.read()
+            names = sorted({k for labels, _ in samples for k in labels})
+            fam = GaugeMetricFamily(f"deltasync_{g.name}", g.help, labels=names)
+            for labels, value in samples:
+                fam.add_metric([labels.get(k, "") for k in names], value)
+            yield fam
+
+
+class _Collector:
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return self._metrics.families()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Read Prometheus text back into ``{"name{labels}": value}`` (labels sorted, values escaped as
+    in the text format; for tests and benchmarks)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name + _labels(sample.labels)] = sample.value
+    return out
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -83,18 +114,3 @@ def _labels(labels: dict[str, str]) -> str:
 
 def _escape(v: str) -> str:
     return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else repr(float(v))
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Read Prometheus text back into ``{"name{labels}": value}`` (for tests and benchmarks)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        out[name] = float(value)
-    return out

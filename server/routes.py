@@ -11,7 +11,6 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 import re
 from collections.abc import AsyncIterator
 
@@ -36,7 +35,7 @@ from .errors import (
 from .events import INLINE_MANIFEST_MAX, event_payload, format_event
 from .inflight import InflightBlob
 from .ranges import etag_matches, if_range_allows, parse_range
-from .sendfile import send_file_range
+from .sendfile import send_blob_range
 from .services import Services
 
 log = logging.getLogger("deltasync.server.routes")
@@ -186,26 +185,22 @@ async def get_blob(request: web.Request) -> web.StreamResponse:
     if etag_matches(request.headers.get("If-None-Match"), etag):
         return web.Response(status=304, headers={"ETag": etag, "Cache-Control": IMMUTABLE})
     store = svc.store
-    size = store.blob_size(blob_id)
-    fd = None
-    if size is not None and store.needs_verify(blob_id) and not await store.verify_cached(blob_id):
-        svc.metrics.inc("corrupt_dropped")
-        size = None  # dropped: a relay refetches it below; an origin has lost it
-    if size is not None:
-        try:
-            fd = os.open(store.blob_path(blob_id), os.O_RDONLY)
-        except FileNotFoundError:  # evicted a moment ago
-            size = None
-    if fd is not None:
+    reader = None
+    if store.has_blob(blob_id):
+        if store.needs_verify(blob_id) and not await store.verify_cached(blob_id):
+            svc.metrics.inc("corrupt_dropped")  # dropped: a relay refetches it below; an origin has lost it
+        else:
+            reader = await store.open_blob(blob_id)  # None: evicted a moment ago
+    if reader is not None:
         svc.metrics.inc("cache_hits")
-        store.touch(blob_id)
         try:
             async def body(resp: web.StreamResponse, start: int, end: int) -> None:
-                sent = await send_file_range(request, resp, fd, start, end - start, timeout=svc.config.timeouts.write)
+                sent = await send_blob_range(request, resp, reader, start, end - start,
+                                             timeout=svc.config.timeouts.write)
                 svc.metrics.inc("bytes_out", sent)
-            return await _send_blob(request, svc, blob_id, size, body, cache="hit")
+            return await _send_blob(request, svc, blob_id, reader.size, body, cache="hit")
         finally:
-            os.close(fd)
+            reader.close()
     if svc.fetcher is None:
         raise NotFoundError(f"blob {blob_id} is not on this origin")
     svc.metrics.inc("cache_misses")
@@ -356,7 +351,8 @@ async def get_head(request: web.Request) -> web.Response:
     if head is None:
         raise NotFoundError(f"model {model!r} has no versions here")
     info = svc.store.info(model, head)
-    return _manifest_response(svc.store.read_manifest(model, head), version=head, etag=info.etag, cache="no-cache")
+    return _manifest_response(await svc.store.get_manifest(model, head), version=head, etag=info.etag,
+                              cache="no-cache")
 
 
 async def put_version(request: web.Request) -> web.Response:
@@ -440,10 +436,10 @@ async def _stream_events(request: web.Request, model: str | None, after: int | N
                 continue
             if model is not None and after is not None:
                 for info in idx.after(after, limit=REPLAY_LIMIT):
-                    out.append(format_event("version", _payload(svc, info), id=str(info.version)))
+                    out.append(format_event("version", await _payload(svc, info), id=str(info.version)))
             else:
                 info = idx.infos[idx.head]
-                out.append(format_event("head", _payload(svc, info), id=str(info.version) if model else None))
+                out.append(format_event("head", await _payload(svc, info), id=str(info.version) if model else None))
             sent[name] = idx.head
         await _write(resp, b"".join(out), t.write)
         while True:
@@ -469,9 +465,9 @@ async def _stream_events(request: web.Request, model: str | None, after: int | N
     return resp
 
 
-def _payload(svc: Services, info) -> bytes:
+async def _payload(svc: Services, info) -> bytes:
     small = info.manifest_size <= INLINE_MANIFEST_MAX
-    return event_payload(info, svc.store.read_manifest(info.model, info.version) if small else None)
+    return event_payload(info, await svc.store.get_manifest(info.model, info.version) if small else None)
 
 
 async def _write(resp: web.StreamResponse, data: bytes, timeout: float) -> None:

@@ -9,6 +9,10 @@ keeps the socket alive even if the transport closes it meanwhile, so a descripto
 number can never be reused under us. TLS transports (and anything without a plain
 socket) take the copying fallback.
 
+``send_blob_range`` is what routes call with any ``BlobReader`` (blobstore.py): a
+``FileBacked`` one goes out with ``os.sendfile`` from its descriptor, any other
+(the memory store, a remote store) is streamed with ``read`` in 1 MiB pieces.
+
 The caller must have sent the headers (``await resp.prepare(request)``) and must not
 write anything else to the response while a range is being sent.
 """
@@ -21,6 +25,7 @@ import time
 
 from aiohttp import web
 
+from .blobstore import BlobReader
 from .compat import timeout as timeout_after
 
 FALLBACK_CHUNK = 1 << 20
@@ -28,6 +33,22 @@ FALLBACK_CHUNK = 1 << 20
 
 class SlowClientError(ConnectionError):
     """The peer accepted no bytes for the whole write timeout."""
+
+
+async def send_blob_range(request: web.BaseRequest, resp: web.StreamResponse, reader: BlobReader, offset: int,
+                          count: int, *, timeout: float) -> int:
+    """Send ``count`` bytes of ``reader`` from ``offset``; returns the bytes sent (always ``count``) or raises."""
+    fileno = getattr(reader, "fileno", None)  # the FileBacked capability (getattr: this runs per piece)
+    if fileno is not None:
+        return await send_file_range(request, resp, fileno(), offset, count, timeout=timeout)
+    sent = 0
+    while sent < count:
+        chunk = await reader.read(offset + sent, min(FALLBACK_CHUNK, count - sent))
+        if not chunk:
+            raise EOFError(f"blob ended at {offset + sent}, {count - sent} bytes short")
+        await _write(resp, chunk, timeout)
+        sent += len(chunk)
+    return sent
 
 
 async def send_file_range(request: web.BaseRequest, resp: web.StreamResponse, fd: int, offset: int, count: int,
@@ -96,10 +117,14 @@ async def _copy_range(resp: web.StreamResponse, fd: int, offset: int, count: int
         chunk = os.pread(fd, min(FALLBACK_CHUNK, count - sent), offset + sent)
         if not chunk:
             raise EOFError(f"file ended at {offset + sent}, {count - sent} bytes short")
-        try:
-            async with timeout_after(timeout):
-                await resp.write(chunk)
-        except asyncio.TimeoutError:
-            raise SlowClientError(f"client accepted no bytes for {timeout:.0f} s") from None
+        await _write(resp, chunk, timeout)
         sent += len(chunk)
     return sent
+
+
+async def _write(resp: web.StreamResponse, chunk: bytes, timeout: float) -> None:
+    try:
+        async with timeout_after(timeout):
+            await resp.write(chunk)
+    except asyncio.TimeoutError:
+        raise SlowClientError(f"client accepted no bytes for {timeout:.0f} s") from None

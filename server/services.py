@@ -14,7 +14,8 @@ from .fetcher import BlobFetcher
 from .intake import Intake
 from .metrics import Metrics
 from .prefetch import Prefetcher
-from .store import DiskStore
+from .blobstore import BlobStore
+from .store import DiskStore, MemoryStore
 from .upstream import Upstream
 
 log = logging.getLogger("deltasync.server")
@@ -32,7 +33,7 @@ class StreamCounter:
 class Services:
     config: ServerConfig
     metrics: Metrics
-    store: DiskStore
+    store: BlobStore
     hub: EventHub
     catalog: Catalog
     catchup: CatchupBuilder
@@ -45,10 +46,8 @@ class Services:
 
 async def open_services(config: ServerConfig) -> Services:
     metrics = Metrics(role=config.role)
-    store = DiskStore(config.store_dir, budget=config.cache_size, retention=config.retention, fsync=config.fsync,
-                      durable_manifests=config.is_origin,
-                      on_evict=lambda n, b: (metrics.inc("evictions", n), metrics.inc("evicted_bytes", b)))
-    await asyncio.to_thread(store.open, trust_head=config.is_origin)
+    store = _open_store(config, metrics)
+    await store.load(trust_head=config.is_origin)
     hub = EventHub(queue_size=config.sse_queue)
     streams = StreamCounter()
     t = config.timeouts
@@ -72,6 +71,17 @@ async def open_services(config: ServerConfig) -> Services:
     if prefetcher is not None:
         prefetcher.start()
     return svc
+
+
+def _open_store(config: ServerConfig, metrics: Metrics) -> BlobStore:
+    def on_evict(n: int, nbytes: int) -> None:
+        metrics.inc("evictions", n)
+        metrics.inc("evicted_bytes", nbytes)
+
+    if config.store_kind == "memory":
+        return MemoryStore(budget=config.cache_size, retention=config.retention, on_evict=on_evict)
+    return DiskStore(config.store_dir, budget=config.cache_size, retention=config.retention, fsync=config.fsync,
+                     durable_manifests=config.is_origin, on_evict=on_evict)
 
 
 async def close_services(svc: Services) -> None:
