@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 from deltasync.blob import BLOB_ID_RE, check_blob_id
 from deltasync.errors import FormatError
@@ -109,3 +110,51 @@ def merge_heads(current: dict[str, HeadEntry], model: str, entry: HeadEntry) -> 
     if have is not None and have.version >= entry.version:
         return None
     return {**current, model: entry}
+
+
+# -- where a bucket store is --------------------------------------------------------------------
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,62}$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BucketLocation:
+    """Where a deltasync bucket store lives: ``s3://BUCKET/PREFIX`` (plus an endpoint) or a plain
+    HTTPS base URL (``bucket+https://host/prefix``: read-only, anonymous GETs)."""
+
+    bucket: str | None  # None for a plain-URL bucket
+    prefix: str  # no leading or trailing slash; "" for the bucket's root
+    endpoint: str | None = None  # S3 API endpoint; None: AWS itself (region from the environment)
+    url: str | None = None  # plain base URL (read-only)
+
+    @property
+    def display(self) -> str:
+        if self.url is not None:
+            return f"bucket+{self.url}"
+        where = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        return f"{where} at {self.endpoint}" if self.endpoint else where
+
+
+def is_bucket_url(text: str) -> bool:
+    return text.startswith("s3://") or text.startswith("bucket+http://") or text.startswith("bucket+https://")
+
+
+def parse_bucket_url(text: str, *, endpoint: str | None = None) -> BucketLocation:
+    """``s3://BUCKET[/PREFIX]`` or ``bucket+https://HOST[/PREFIX]``; ValueError says what is wrong."""
+    if text.startswith("bucket+"):
+        url = text[len("bucket+"):].rstrip("/")
+        u = urlparse(url)
+        if u.scheme not in ("http", "https") or not u.netloc:
+            raise ValueError(f"a plain bucket URL looks like bucket+https://host/prefix, found {text!r}")
+        return BucketLocation(bucket=None, prefix="", url=url)
+    if not text.startswith("s3://"):
+        raise ValueError(f"a bucket store is named s3://BUCKET/PREFIX, found {text!r}")
+    bucket, _, prefix = text[len("s3://"):].partition("/")
+    if not _BUCKET_RE.match(bucket):
+        raise ValueError(f"{bucket!r} is not a valid bucket name (3-63 lowercase letters, digits, '.', '-')")
+    prefix = prefix.strip("/")
+    if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
+        raise ValueError(f"prefix {prefix!r} has an empty, '.' or '..' segment")
+    if endpoint is not None and not re.match(r"^https?://[^/\s]+/?$", endpoint):
+        raise ValueError(f"--s3-endpoint takes a URL like https://host:port, found {endpoint!r}")
+    return BucketLocation(bucket=bucket, prefix=prefix, endpoint=endpoint.rstrip("/") if endpoint else None)

@@ -46,7 +46,8 @@ from .bucketwatch import HeadsWatcher
 from .compat import timeout as timeout_after
 from .errors import UnavailableError
 from .events import format_event
-from .s3objects import Bucket, BucketLocation
+from .bucketlayout import BucketLocation
+from .s3objects import Bucket
 
 log = logging.getLogger("deltasync.server.bucketparent")
 
@@ -269,7 +270,7 @@ async def bucket_parents(parents: tuple[str, ...], *, endpoint: str | None, poll
                          ) -> AsyncIterator[tuple[str, ...]]:
     """Start a gateway for every bucket among ``parents``; yields the parent list with each bucket
     replaced by its gateway's URL (other parents unchanged, order kept)."""
-    from .s3objects import is_bucket_url, parse_bucket_url
+    from .bucketlayout import is_bucket_url, parse_bucket_url
 
     gateways: list[BucketGateway] = []
     out: list[str] = []

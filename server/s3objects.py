@@ -45,57 +45,14 @@ from obstore import exceptions as oe
 
 from deltasync.errors import NotFoundError, StorageError
 
+from .bucketlayout import BucketLocation, is_bucket_url, parse_bucket_url  # noqa: F401  (re-exported)
 from .errors import UnavailableError
 
 log = logging.getLogger("deltasync.server.s3")
 
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,62}$")
 STREAM_CHUNK = 1 << 20
 PART_SIZE = 8 << 20  # multipart part size (S3's minimum is 5 MiB)
 UPLOAD_CONCURRENCY = 8
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BucketLocation:
-    """Where a deltasync bucket store lives: ``s3://BUCKET/PREFIX`` (plus an endpoint) or a plain
-    HTTPS base URL (``bucket+https://host/prefix``: read-only, anonymous GETs)."""
-
-    bucket: str | None  # None for a plain-URL bucket
-    prefix: str  # no leading or trailing slash; "" for the bucket's root
-    endpoint: str | None = None  # S3 API endpoint; None: AWS itself (region from the environment)
-    url: str | None = None  # plain base URL (read-only)
-
-    @property
-    def display(self) -> str:
-        if self.url is not None:
-            return f"bucket+{self.url}"
-        where = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
-        return f"{where} at {self.endpoint}" if self.endpoint else where
-
-
-def is_bucket_url(text: str) -> bool:
-    return text.startswith("s3://") or text.startswith("bucket+http://") or text.startswith("bucket+https://")
-
-
-def parse_bucket_url(text: str, *, endpoint: str | None = None) -> BucketLocation:
-    """``s3://BUCKET[/PREFIX]`` or ``bucket+https://HOST[/PREFIX]``; ValueError says what is wrong."""
-    if text.startswith("bucket+"):
-        url = text[len("bucket+"):].rstrip("/")
-        u = urlparse(url)
-        if u.scheme not in ("http", "https") or not u.netloc:
-            raise ValueError(f"a plain bucket URL looks like bucket+https://host/prefix, found {text!r}")
-        return BucketLocation(bucket=None, prefix="", url=url)
-    if not text.startswith("s3://"):
-        raise ValueError(f"a bucket store is named s3://BUCKET/PREFIX, found {text!r}")
-    bucket, _, prefix = text[len("s3://"):].partition("/")
-    if not _BUCKET_RE.match(bucket):
-        raise ValueError(f"{bucket!r} is not a valid bucket name (3-63 lowercase letters, digits, '.', '-')")
-    prefix = prefix.strip("/")
-    if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
-        raise ValueError(f"prefix {prefix!r} has an empty, '.' or '..' segment")
-    if endpoint is not None and not re.match(r"^https?://[^/\s]+/?$", endpoint):
-        raise ValueError(f"--s3-endpoint takes a URL like https://host:port, found {endpoint!r}")
-    return BucketLocation(bucket=bucket, prefix=prefix, endpoint=endpoint.rstrip("/") if endpoint else None)
 
 
 def aws_settings(environ: dict[str, str] | None = None, home: Path | None = None) -> dict[str, str]:

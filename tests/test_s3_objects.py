@@ -19,7 +19,8 @@ from deltasync.server.bucketlayout import (
     parse_manifest_key,
 )
 from deltasync.server.errors import UnavailableError
-from deltasync.server.s3objects import Bucket, aws_settings, parse_bucket_url
+from deltasync.server.bucketlayout import parse_bucket_url
+from deltasync.server.s3objects import Bucket, aws_settings
 
 from s3_fixtures import moto_s3, rclone_s3, bucket_env  # noqa: F401  (fixtures)
 
