@@ -49,7 +49,9 @@ from pathlib import Path
 
 import xxhash
 
-from deltasync.errors import ChainError, DeltaSyncError, IntegrityError, NotFoundError, UnsupportedError
+from deltasync.errors import (
+    ChainError, DeltaSyncError, IntegrityError, NotFoundError, StorageError, UnsupportedError,
+)
 from deltasync.manifest import Manifest, parse_manifest
 
 from .blobstore import Inventory, StoredManifest
@@ -72,6 +74,7 @@ from .bucketlayout import (
 from .bucketlease import WriterLease
 from .bucketwatch import HeadsWatcher
 from .diskfiles import DiskFiles, DiskPartial, DiskReader
+from .errors import UnavailableError
 from .s3objects import Bucket, ObjectInfo
 from .store import IndexedStore
 from .versions import ModelIndex, VersionInfo, version_info
@@ -567,19 +570,23 @@ class S3Store(IndexedStore):
 
     async def refresh_for_commit(self, m: Manifest) -> None:
         """Before committing ``m``: load newer versions from the bucket, and find its blobs that
-        another origin received."""
-        await self.catch_up(m.model)
-        unknown = [b for b in m.blobs if not self.has_blob(b.id)]
-        if not unknown:
-            return
-        sem = asyncio.Semaphore(SCAN_CONCURRENCY)
+        another origin received. A bucket that cannot be read fails the commit like a failed write
+        (StorageError, 507): nothing was committed."""
+        try:
+            await self.catch_up(m.model)
+            unknown = [b for b in m.blobs if not self.has_blob(b.id)]
+            if not unknown:
+                return
+            sem = asyncio.Semaphore(SCAN_CONCURRENCY)
 
-        async def look(bid: str) -> tuple[str, int | None]:
-            async with sem:
-                return bid, await self.files.blob_size(bid)
-        for bid, size in await asyncio.gather(*(look(b.id) for b in unknown)):
-            if size is not None and not self.has_blob(bid):
-                self._ledger.add(bid, size)
+            async def look(bid: str) -> tuple[str, int | None]:
+                async with sem:
+                    return bid, await self.files.blob_size(bid)
+            for bid, size in await asyncio.gather(*(look(b.id) for b in unknown)):
+                if size is not None and not self.has_blob(bid):
+                    self._ledger.add(bid, size)
+        except UnavailableError as e:
+            raise StorageError(f"cannot commit {m.model} v{m.version}: {e}; nothing was committed") from e
 
     # -- garbage collection --------------------------------------------------------------------
     async def _sweep_forever(self) -> None:
