@@ -104,6 +104,21 @@ class S3Server:
             self.create_bucket(BUCKET)
         return self
 
+    def anonymous_view(self) -> S3Server:
+        """A second rclone over the same folder that needs no credentials: the bucket as a plain
+        HTTP(S) URL would be read (``bucket+http://127.0.0.1:PORT/BUCKET/PREFIX``)."""
+        if self.kind != "rclone":
+            raise ValueError("anonymous views are rclone only")
+        view = S3Server("rclone", self.workdir)
+        view.data, view.log = self.data, self.workdir / "rclone-anon.log"
+        log = open(view.log, "ab")
+        view.proc = subprocess.Popen([RCLONE, "serve", "s3", str(self.data), "--addr", f"127.0.0.1:{view.port}",
+                                      "--config", "/dev/null"], stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        log.close()
+        _wait_port(view.port, view.proc, view.log, 20.0)
+        return view
+
     def create_bucket(self, name: str) -> None:
         if self.kind == "rclone":
             (self.data / name).mkdir(exist_ok=True)
