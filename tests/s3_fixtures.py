@@ -112,8 +112,9 @@ class S3Server:
         view = S3Server("rclone", self.workdir)
         view.data, view.log = self.data, self.workdir / "rclone-anon.log"
         log = open(view.log, "ab")
+        # --dir-cache-time 0: another process writes the folder; a cached directory would hide new files
         view.proc = subprocess.Popen([RCLONE, "serve", "s3", str(self.data), "--addr", f"127.0.0.1:{view.port}",
-                                      "--config", "/dev/null"], stdout=log, stderr=subprocess.STDOUT,
+                                      "--config", "/dev/null", "--dir-cache-time", "0s"], stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         log.close()
         _wait_port(view.port, view.proc, view.log, 20.0)
