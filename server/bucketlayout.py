@@ -1,4 +1,4 @@
-"""The bucket layout (docs/FORMAT.md "Bucket layout"): object names and the heads object, no I/O.
+"""The bucket layout (docs/FORMAT.md §9): object names, the heads object and bucket URLs, no I/O.
 
 Under the store's prefix::
 

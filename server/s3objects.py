@@ -14,7 +14,7 @@ errors into deltasync's tree:
   False; ``probe_conditional_create`` says whether the server honours it at all
   (``rclone serve s3`` does not: it overwrites).
 
-Why obstore (measured, docs/DEPLOY.md "Buckets"): against ``rclone serve s3`` on this
+Why obstore (measured; deploy/README.md "Buckets", benchmarks/bench_s3.py): against ``rclone serve s3`` on this
 machine it put a 64 MiB object 2x faster than aiobotocore and put/got 16 KiB
 objects 6-13x faster (Rust client, no per-request Python signing); it streams uploads
 from an async iterator as a multipart upload, and an exception raised by that
@@ -32,20 +32,18 @@ import asyncio
 import configparser
 import logging
 import os
-import re
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from urllib.parse import urlparse
 
 import obstore
 from obstore import exceptions as oe
 
-from deltasync.errors import NotFoundError, StorageError
+from deltasync.errors import StorageError
 
-from .bucketlayout import BucketLocation, is_bucket_url, parse_bucket_url  # noqa: F401  (re-exported)
+from .bucketlayout import BucketLocation
 from .errors import UnavailableError
 
 log = logging.getLogger("deltasync.server.s3")
@@ -80,7 +78,7 @@ def aws_settings(environ: dict[str, str] | None = None, home: Path | None = None
         out["access_key_id"] = section["aws_access_key_id"]
         out["secret_access_key"] = section.get("aws_secret_access_key", "")
         if "aws_session_token" in section:
-            out["token"] = section["aws_session_token"]
+            out["session_token"] = section["aws_session_token"]
     if not (env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")):
         region = section.get("region") or csection.get("region")
         out["region"] = region or "us-east-1"
@@ -324,7 +322,3 @@ def _short(e: BaseException) -> str:
     if len(text) > 300:
         text = text[:300] + "..."
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def missing(key: str, where: str) -> NotFoundError:
-    return NotFoundError(f"{key} is not in the bucket {where}")

@@ -15,7 +15,6 @@ import signal
 import time
 
 import aiohttp
-import torch
 
 from deltasync.client.publisher import Publisher
 from deltasync.client.subscriber import ThreadedSubscriber
