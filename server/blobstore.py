@@ -32,7 +32,7 @@ while it grows (cut-through). ``commit`` checks the hash and makes it a stored b
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -105,6 +105,9 @@ class Inventory:
     manifests: tuple[StoredManifest, ...] = ()
 
 
+OnCommit = Callable[[GrowingBlob], Awaitable[None]]  # what a growing blob awaits once it verified
+
+
 class BlobFiles(Protocol):
     """The byte layer of a store: content-addressed blobs, manifests per model, squashed deltas.
 
@@ -115,7 +118,7 @@ class BlobFiles(Protocol):
     async def scan(self) -> Inventory:
         """Drop partial writes and list what is stored (once, at start)."""
 
-    async def open_partial(self, blob_id: str, *, on_commit) -> GrowingBlob:
+    async def open_partial(self, blob_id: str, *, on_commit: OnCommit) -> GrowingBlob:
         """A new growing blob; its ``commit`` verifies and then awaits ``on_commit(part)``."""
 
     async def adopt(self, part: GrowingBlob) -> None:
