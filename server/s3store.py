@@ -521,7 +521,8 @@ class S3Store(IndexedStore):
             try:
                 moved = await self.watcher.poll()
                 for model, version in moved.items():
-                    if (self.head(model) or -1) < version:
+                    head = self.head(model)
+                    if head is None or head < version:
                         await self.catch_up(model)
             except DeltaSyncError as e:
                 log.warning("polling %s failed: %s", self.files.bucket.where, e)
