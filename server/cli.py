@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import re
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from aiohttp import web
@@ -24,7 +26,8 @@ from deltasync.cli.run import run_command
 from deltasync.manifest import load_key
 
 from .app import build_app
-from .config import ServerConfig, Timeouts
+from .config import BucketSettings, ServerConfig, Timeouts
+from .bucketlayout import is_bucket_url, parse_bucket_url
 
 log = logging.getLogger("deltasync.server")
 
@@ -49,9 +52,42 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 def parse_parent(text: str) -> str:
+    if text.startswith(("s3://", "bucket+")):
+        try:
+            parse_bucket_url(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text.rstrip("/")
     if not re.match(r"^https?://[^/\s]+(/\S*)?$", text):
-        raise argparse.ArgumentTypeError(f"--parent takes a URL like http://host:port, found {text!r}")
+        raise argparse.ArgumentTypeError(f"--parent takes a URL like http://host:port (or a bucket, "
+                                         f"s3://BUCKET/PREFIX or bucket+https://host/prefix), found {text!r}")
     return text.rstrip("/")
+
+
+def parse_store(text: str) -> Path | str:
+    """A directory, or a bucket ``s3://BUCKET/PREFIX`` (kept as text)."""
+    if text.startswith("s3://"):
+        try:
+            parse_bucket_url(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text.rstrip("/")
+    return Path(text)
+
+
+def parse_endpoint(text: str) -> str:
+    if not re.match(r"^https?://[^/\s]+/?$", text):
+        raise argparse.ArgumentTypeError(f"--s3-endpoint takes a URL like https://host:port, found {text!r}")
+    return text.rstrip("/")
+
+
+def _bucket_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--s3-endpoint", type=parse_endpoint, default=None, metavar="URL",
+                   help="S3 API endpoint of s3:// buckets (MinIO, R2, GCS interop...); default AWS S3. Credentials "
+                        "and region come from the AWS_* variables and ~/.aws files")
+    p.add_argument("--bucket-poll", type=float, default=None, metavar="S",
+                   help="seconds between polls of a bucket's heads.json (relay: bucket parents, default 1; "
+                        "origin: versions other origins committed, default 2)")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -75,7 +111,24 @@ def register(subparsers) -> None:
     o = subparsers.add_parser("origin", help="run the origin: takes the publisher's writes, stores them durably",
                               description="Run the origin server (root of the relay tree).")
     _common(o)
-    o.add_argument("--store", required=True, type=Path, metavar="DIR", help="store directory")
+    o.add_argument("--store", required=True, type=parse_store, metavar="DIR|s3://BUCKET/PREFIX",
+                   help="store directory, or a bucket (versions live there; origins are then stateless)")
+    _bucket_options(o)
+    o.add_argument("--s3-scratch", type=Path, default=None, metavar="DIR",
+                   help="bucket store: local directory for uploads in flight and the read cache (default: a "
+                        "fresh temporary directory; emptied at start)")
+    o.add_argument("--s3-cache-size", type=parse_size, default=1 << 30, metavar="BYTES",
+                   help="bucket store: local read cache budget (default 1G)")
+    o.add_argument("--s3-conditional", choices=["auto", "yes", "no"], default="auto",
+                   help="bucket store: does the server honour If-None-Match on PUT? auto probes at start; without "
+                        "it only one origin may write (writer lease)")
+    o.add_argument("--s3-lease-ttl", type=float, default=30.0, metavar="S",
+                   help="bucket store without conditional writes: writer lease lifetime (a dead origin is replaced "
+                        "after at most this long)")
+    o.add_argument("--gc-interval", type=float, default=600.0, metavar="S",
+                   help="bucket store: seconds between sweeps of orphaned blobs (0: never)")
+    o.add_argument("--gc-grace", type=float, default=3600.0, metavar="S",
+                   help="bucket store: blobs no manifest names are deleted once older than this")
     o.add_argument("--token-file", required=True, type=Path, metavar="F", help="file holding the bearer token")
     o.add_argument("--max-blob-size", type=parse_size, default=4 << 30, metavar="BYTES",
                    help="largest blob upload accepted (default 4G)")
@@ -87,6 +140,7 @@ def register(subparsers) -> None:
     r.add_argument("--parent", required=True, action="append", type=parse_parent, metavar="URL",
                    help="parent base URL; repeat for fallbacks, most preferred first")
     r.add_argument("--cache", required=True, type=Path, metavar="DIR", help="cache directory")
+    _bucket_options(r)
     r.add_argument("--cache-size", type=parse_size, default=None, metavar="BYTES",
                    help="blob cache budget (K/M/G/T suffixes); default unbounded")
     r.set_defaults(func=run_relay)
@@ -106,9 +160,18 @@ def run_origin(args) -> int:
         token = args.token_file.read_text().strip()
         if not token:
             raise DeltaSyncError(f"token file {args.token_file} is empty")
-        config = ServerConfig(role="origin", host=args.listen[0], port=args.listen[1], store_dir=args.store,
+        store_dir, bucket = args.store, None
+        if isinstance(args.store, str):  # a bucket
+            bucket = BucketSettings(url=args.store, cache_size=args.s3_cache_size,
+                                    conditional={"auto": None, "yes": True, "no": False}[args.s3_conditional],
+                                    lease_ttl=args.s3_lease_ttl,
+                                    poll=2.0 if args.bucket_poll is None else args.bucket_poll,
+                                    gc_interval=args.gc_interval, gc_grace=args.gc_grace)
+            store_dir = args.s3_scratch or Path(tempfile.mkdtemp(prefix="deltasync-scratch-"))
+        config = ServerConfig(role="origin", host=args.listen[0], port=args.listen[1], store_dir=store_dir,
                               token=token, key=_key(args), retention=args.retention,
-                              max_blob_size=args.max_blob_size, fsync=not args.no_fsync, timeouts=_timeouts(args))
+                              max_blob_size=args.max_blob_size, fsync=not args.no_fsync, timeouts=_timeouts(args),
+                              store_kind="s3" if bucket else "disk", bucket=bucket, s3_endpoint=args.s3_endpoint)
     except (OSError, ValueError, DeltaSyncError) as e:
         print(f"deltasync origin: {e}", file=sys.stderr)
         return 2
@@ -119,7 +182,9 @@ def run_relay(args) -> int:
     try:
         config = ServerConfig(role="relay", host=args.listen[0], port=args.listen[1], store_dir=args.cache,
                               parents=tuple(args.parent), cache_size=args.cache_size, key=_key(args),
-                              retention=args.retention, fsync=not args.no_fsync, timeouts=_timeouts(args))
+                              retention=args.retention, fsync=not args.no_fsync, timeouts=_timeouts(args),
+                              s3_endpoint=args.s3_endpoint,
+                              bucket_poll=1.0 if args.bucket_poll is None else args.bucket_poll)
     except (OSError, ValueError, DeltaSyncError) as e:
         print(f"deltasync relay: {e}", file=sys.stderr)
         return 2
@@ -164,6 +229,17 @@ def serve(config: ServerConfig, *, log_level: str = "INFO") -> int:
 
 
 async def _serve(config: ServerConfig) -> int:
+    if any(is_bucket_url(p) for p in config.parents):
+        from .bucketparent import bucket_parents  # obstore is loaded only by servers that use a bucket
+
+        t = config.timeouts
+        async with bucket_parents(config.parents, endpoint=config.s3_endpoint, poll_interval=config.bucket_poll,
+                                  heartbeat=t.heartbeat, read_timeout=t.read, write_timeout=t.write) as parents:
+            return await _serve_app(dataclasses.replace(config, parents=parents), shown_parents=config.parents)
+    return await _serve_app(config, shown_parents=config.parents)
+
+
+async def _serve_app(config: ServerConfig, *, shown_parents: tuple[str, ...]) -> int:
     app = build_app(config)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=config.timeouts.shutdown,
                            lingering_time=1.0)
@@ -181,8 +257,9 @@ async def _serve(config: ServerConfig) -> int:
         return 1
     host, port = runner.addresses[0][:2]
     shown = f"[{host}]" if ":" in host else host
-    extra = f", parents {', '.join(config.parents)}" if config.parents else ""
-    log.info("%s listening on http://%s:%d (store %s%s)", config.role, shown, port, config.store_dir, extra)
+    extra = f", parents {', '.join(shown_parents)}" if shown_parents else ""
+    store = config.bucket.url if config.bucket is not None else config.store_dir
+    log.info("%s listening on http://%s:%d (store %s%s)", config.role, shown, port, store, extra)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROLES = ("origin", "relay")
-STORES = ("disk", "memory")
+STORES = ("disk", "memory", "s3")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -21,6 +21,19 @@ class Timeouts:
     heartbeat: float = 10.0  # SSE comment sent this often so followers can tell a live parent from a dead one
     parent_cooldown: float = 5.0  # a parent that failed is skipped this long while others are tried
     shutdown: float = 5.0  # requests still running this long after SIGTERM are cut
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BucketSettings:
+    """An origin's bucket store (server/s3store.py); ``store_dir`` is then its local scratch directory."""
+
+    url: str  # s3://BUCKET/PREFIX
+    cache_size: int = 1 << 30  # local read cache of blobs, bytes
+    conditional: bool | None = None  # does the server honour If-None-Match? None: probe at start
+    lease_ttl: float = 30.0  # writer lease, where there are no conditional writes
+    poll: float = 2.0  # seconds between polls for versions other origins committed
+    gc_interval: float = 600.0  # seconds between orphan sweeps (0: never)
+    gc_grace: float = 3600.0  # an unreferenced blob younger than this is kept (a publish in flight)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,7 +52,10 @@ class ServerConfig:
     max_squash_chain: int = 1024  # longest chain a squashed catch-up delta may cover
     sse_queue: int = 1024  # events buffered per SSE client before it is dropped as too slow
     fsync: bool = True
-    store_kind: str = "disk"  # "disk" | "memory" (tests: nothing survives a restart)
+    store_kind: str = "disk"  # "disk" | "memory" (tests: nothing survives a restart) | "s3"
+    bucket: BucketSettings | None = None  # the s3 store's bucket (origin), see BucketSettings
+    bucket_poll: float = 1.0  # relay: seconds between polls of a bucket parent's heads.json
+    s3_endpoint: str | None = None  # S3 API endpoint of s3:// stores and parents (None: AWS)
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
@@ -51,6 +67,8 @@ class ServerConfig:
             raise ValueError("a relay needs at least one --parent URL")
         if self.store_kind not in STORES:
             raise ValueError(f"store_kind must be one of {STORES}, found {self.store_kind!r}")
+        if self.store_kind == "s3" and (self.bucket is None or self.store_dir is None):
+            raise ValueError("the s3 store needs a bucket (--store s3://BUCKET/PREFIX) and a scratch directory")
         if self.store_kind == "disk" and self.store_dir is None:
             raise ValueError("the disk store needs a directory (--store)")
         if self.retention < 1:

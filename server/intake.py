@@ -89,6 +89,9 @@ class Intake:
             raise FormatError(f"manifest is for {m.model} v{m.version} but was sent to {model} v{version}")
         lock = self._locks.setdefault(model, asyncio.Lock())
         async with lock:
+            refresh = getattr(self.store, "refresh_for_commit", None)  # a store shared with other origins
+            if refresh is not None:
+                await refresh(m)
             existing = self.store.info(model, version)
             if existing is not None:
                 if await self.store.get_manifest(model, version) == m.to_json():

@@ -48,6 +48,8 @@ async def open_services(config: ServerConfig) -> Services:
     store = _open_store(config, metrics)
     await store.load(trust_head=config.is_origin)
     hub = EventHub(queue_size=config.sse_queue)
+    if hasattr(store, "follow"):  # a store shared with other origins: their commits become our events
+        store.follow(hub.publish)
     streams = StreamCounter()
     t = config.timeouts
     upstream = fetcher = prefetcher = intake = None
@@ -77,6 +79,9 @@ def _open_store(config: ServerConfig, metrics: Metrics) -> BlobStore:
         metrics.inc("evictions", n)
         metrics.inc("evicted_bytes", nbytes)
 
+    if config.store_kind == "s3":
+        from .s3store import open_s3_store  # obstore is loaded only by servers that use a bucket
+        return open_s3_store(config, on_evict)
     if config.store_kind == "memory":
         return MemoryStore(budget=config.cache_size, retention=config.retention, on_evict=on_evict)
     return DiskStore(config.store_dir, budget=config.cache_size, retention=config.retention, fsync=config.fsync,
@@ -91,6 +96,8 @@ async def close_services(svc: Services) -> None:
         await svc.fetcher.close()
     if svc.upstream is not None:
         await svc.upstream.close()
+    if hasattr(svc.store, "close"):
+        await svc.store.close()
 
 
 def _register_gauges(svc: Services) -> None:
