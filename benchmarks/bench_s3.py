@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from deltasync.client.cluster import start_server
+from deltasync.cli.cluster import start_server
 from deltasync.client.publisher import Publisher
 from deltasync.testing.trace import RLTrace, lr_for_unchanged, shape_for_params
 
