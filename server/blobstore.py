@@ -34,8 +34,9 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+from deltasync.errors import IntegrityError
 from deltasync.manifest import BlobRef, Manifest
 
 from .versions import ModelIndex, VersionInfo
@@ -59,6 +60,21 @@ class FileBacked(Protocol):
 
     def fileno(self) -> int:
         """A descriptor readable with ``os.sendfile``/``os.pread`` at explicit offsets."""
+
+
+class HashedBlob:
+    """The hash check every growing blob shares: feed ``_hasher`` as bytes arrive, then ``verify``."""
+
+    id: str
+    _hasher: Any
+
+    def digest(self) -> str:
+        return self._hasher.hexdigest()
+
+    def verify(self) -> None:
+        found = self.digest()
+        if found != self.id:
+            raise IntegrityError(f"blob bytes hash to {found}, expected {self.id}; the blob was discarded")
 
 
 class GrowingBlob(Protocol):

@@ -31,11 +31,11 @@ from pathlib import Path
 import xxhash
 
 from deltasync.blob import BLOB_ID_RE
-from deltasync.deltafile import fsync_dir, write_atomic
-from deltasync.errors import IntegrityError, NotFoundError
+from deltasync.atomic import fsync_dir, write_atomic
+from deltasync.errors import NotFoundError
 from deltasync.manifest import MODEL_RE
 
-from .blobstore import Inventory, StoredManifest
+from .blobstore import HashedBlob, Inventory, StoredManifest
 
 log = logging.getLogger("deltasync.server.store")
 
@@ -59,7 +59,7 @@ class DiskReader:
             self._fd = -1
 
 
-class DiskPartial:
+class DiskPartial(HashedBlob):
     """A blob being written to a temp file, hashed as it grows.
 
     Readers may ``os.sendfile`` from ``fileno()`` at explicit offsets while it grows (the
@@ -94,14 +94,6 @@ class DiskPartial:
         os.lseek(self.fd, 0, os.SEEK_SET)
         self._hasher.reset()
         self.written = 0
-
-    def digest(self) -> str:
-        return self._hasher.hexdigest()
-
-    def verify(self) -> None:
-        found = self.digest()
-        if found != self.id:
-            raise IntegrityError(f"blob bytes hash to {found}, expected {self.id}; the blob was discarded")
 
     async def read(self, offset: int, n: int) -> bytes:
         return os.pread(self.fd, min(n, max(0, self.written - offset)), offset)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import xxhash
 
-from deltasync.errors import IntegrityError, NotFoundError
+from deltasync.errors import NotFoundError
 
-from .blobstore import Inventory
+from .blobstore import HashedBlob, Inventory
 
 
 class MemoryReader:
@@ -27,7 +27,7 @@ class MemoryReader:
         pass
 
 
-class MemoryPartial:
+class MemoryPartial(HashedBlob):
     """A blob being written into a ``bytearray``, hashed as it grows."""
 
     def __init__(self, blob_id: str, on_commit) -> None:
@@ -48,14 +48,6 @@ class MemoryPartial:
     def reset(self) -> None:
         self.buf = bytearray()
         self._hasher.reset()
-
-    def digest(self) -> str:
-        return self._hasher.hexdigest()
-
-    def verify(self) -> None:
-        found = self.digest()
-        if found != self.id:
-            raise IntegrityError(f"blob bytes hash to {found}, expected {self.id}; the blob was discarded")
 
     async def read(self, offset: int, n: int) -> bytes:
         return bytes(self.buf[offset:offset + n])
