@@ -43,7 +43,7 @@ $(VLLM_STAMP): pyproject.toml
 
 # The real-engine tests only (tests marked `engine`); vLLM's own start is ~17 s, one LLM per TP size.
 test-engines: $(VLLM_STAMP)
-	OMP_NUM_THREADS=1 $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -m engine tests/test_vllm_engine.py
+	OMP_NUM_THREADS=1 $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -m engine tests/test_vllm_engine.py tests/test_hf_transformers.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
