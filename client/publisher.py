@@ -79,7 +79,7 @@ from deltasync.fingerprint import state_fingerprint
 from deltasync.keyframe import DEFAULT_SHARD_BYTES, encode_keyframe
 from deltasync.manifest import BlobRef, Manifest, parse_manifest
 
-from .errors import PublishError
+from deltasync.errors import PublishError
 from .http import HttpClient, Timeouts
 from .loop import LoopThread
 from .reference import Reference, StateDiff, encode_diff

@@ -59,7 +59,7 @@ from deltasync.errors import NotFoundError
 
 from .appliers import as_applier
 from .driver import SyncDriver
-from .errors import SyncTimeout
+from deltasync.errors import UpstreamTimeout as SyncTimeout
 from .http import HttpClient, Timeouts
 from .livestate import LiveState, Told
 from .loop import LoopThread

@@ -500,7 +500,7 @@ class DeltaSyncWorkerExtension:
 
     def deltasync_wait(self, version, timeout=60.0) -> int:
         """Apply until ``version`` (or newer) is live on every rank; raises SyncTimeout after ``timeout`` s."""
-        from .errors import SyncTimeout
+        from deltasync.errors import UpstreamTimeout as SyncTimeout
 
         sync = self._deltasync_require()
         version, timeout = int(version), float(timeout)

@@ -44,7 +44,7 @@ from deltasync.manifest import MAX_VERSION, MODEL_RE
 from .bucketlayout import blob_key, manifest_key
 from .bucketwatch import HeadsWatcher
 from .compat import timeout as timeout_after
-from .errors import UnavailableError
+from deltasync.errors import UnavailableError
 from .events import format_event
 from .bucketlayout import BucketLocation
 from .s3objects import Bucket

@@ -18,17 +18,20 @@ import aiohttp
 from aiohttp import web
 
 from deltasync.blob import check_blob_id
-from deltasync.errors import DeltaSyncError, FormatError, NotFoundError, to_wire
-from deltasync.manifest import MAX_VERSION, MODEL_RE
-
-from .compat import timeout as timeout_after
-from .errors import (
+from deltasync.errors import (
+    AuthError,
+    DeltaSyncError,
+    FormatError,
+    NotFoundError,
     ReadOnlyError,
     RequestTimeoutError,
     TooLargeError,
-    UnauthorizedError,
     UnavailableError,
+    to_wire,
 )
+from deltasync.manifest import MAX_VERSION, MODEL_RE
+
+from .compat import timeout as timeout_after
 from .events import INLINE_MANIFEST_MAX, event_payload, format_event
 from .inflight import InflightBlob
 from .ranges import etag_matches, if_range_allows, parse_range
@@ -131,9 +134,9 @@ def _check_token(svc: Services, request: web.Request) -> None:
     scheme, _, token = auth.partition(" ")
     expected = svc.config.token or ""
     if scheme.lower() != "bearer" or not token:
-        raise UnauthorizedError("writes need 'Authorization: Bearer <token>'")
+        raise AuthError("writes need 'Authorization: Bearer <token>'")
     if not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise UnauthorizedError("the bearer token is not valid for this origin")
+        raise AuthError("the bearer token is not valid for this origin")
 
 
 def _manifest_response(data: bytes, *, version: int, etag: str, cache: str) -> web.Response:

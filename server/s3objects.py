@@ -44,7 +44,7 @@ from obstore import exceptions as oe
 from deltasync.errors import StorageError
 
 from .bucketlayout import BucketLocation
-from .errors import UnavailableError
+from deltasync.errors import UnavailableError
 
 log = logging.getLogger("deltasync.server.s3")
 

@@ -74,7 +74,7 @@ from .bucketlayout import (
 from .bucketlease import WriterLease
 from .bucketwatch import HeadsWatcher
 from .diskfiles import DiskFiles, DiskPartial, DiskReader
-from .errors import UnavailableError
+from deltasync.errors import UnavailableError
 from .s3objects import Bucket, ObjectInfo
 from .store import IndexedStore
 from .versions import ModelIndex, VersionInfo, version_info
