@@ -66,7 +66,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,12 +74,11 @@ import torch
 from deltasync.apply import live_tensors
 from deltasync.budget import Budgeter, BudgetPolicy, ResidualReport
 from deltasync.codec import EncodeOptions, Encoded
-from deltasync.errors import ChainError, DeltaSyncError
+from deltasync.errors import ChainError, DeltaSyncError, PublishError
 from deltasync.fingerprint import state_fingerprint
 from deltasync.keyframe import DEFAULT_SHARD_BYTES, encode_keyframe
 from deltasync.manifest import BlobRef, Manifest, parse_manifest
 
-from deltasync.errors import PublishError
 from .http import HttpClient, Timeouts
 from .loop import LoopThread
 from .reference import Reference, StateDiff, encode_diff
@@ -432,31 +431,11 @@ class Publisher:
 
     def _encode(self, job: _Job) -> tuple[Encoded, Encoded | None, float, ResidualReport | None]:
         t0 = time.perf_counter()
-        report = None
         try:
-            ref = self._ref
-            assert ref is not None
-            side = None
-            if job.budgeted:
-                assert self._budgeter is not None and job.diff is not None and job.parent is not None
-                plan = self._budgeter.plan(job.diff, model=self.model, version=job.version, parent=job.parent,
-                                           options=self.options, meta=job.meta)
-                ref.patch(plan.sent)  # the served view moves by exactly what the delta ships
-                self._budgeter.commit(plan)
-                main, report = plan.encoded, plan.report
-                if job.side:  # a keyframe of the served view, not of the trainer's state
-                    side = encode_keyframe(ref.tensors, model=self.side_model, version=job.version, fps=ref.fps,
-                                           shard_bytes=self.shard_bytes, meta=job.meta)
-            elif job.kind == "keyframe":
-                main = encode_keyframe(ref.tensors, model=self.model, version=job.version, fps=job.fps,
-                                       shard_bytes=self.shard_bytes, meta=job.meta)
-            else:
-                if job.side:
-                    side = encode_keyframe(ref.tensors, model=self.side_model, version=job.version, fps=job.fps,
-                                           shard_bytes=self.shard_bytes, meta=job.meta)
-                    self._ref_free.set()
-                main = encode_diff(job.diff, model=self.model, version=job.version, parent=job.parent,
-                                   options=self.options, meta=job.meta)
+            assert self._ref is not None
+            main, side, report = encode_job(job, self._ref, self._budgeter, model=self.model, side_model=self.side_model,
+                                            options=self.options, shard_bytes=self.shard_bytes,
+                                            on_side_done=self._ref_free.set)
         finally:
             if job.kind == "keyframe" or job.side or job.budgeted:
                 self._ref_free.set()
@@ -500,3 +479,34 @@ class Publisher:
             raise
         except BaseException as e:
             raise self._record_error(job, e) from None
+
+
+def encode_job(job: _Job, ref: Reference, budgeter: Budgeter | None, *, model: str, side_model: str,
+               options: EncodeOptions, shard_bytes: int,
+               on_side_done: Callable[[], None]) -> tuple[Encoded, Encoded | None, ResidualReport | None]:
+    """Encode one queued version from the reference (on an encode worker): a keyframe, a delta, or — on a
+    budgeted stream — the part of the residual the budget ships (the reference, the served view, moves by
+    exactly that). ``on_side_done`` is called once a side keyframe no longer needs the reference."""
+    report = None
+    side = None
+    if job.budgeted:
+        assert budgeter is not None and job.diff is not None and job.parent is not None
+        plan = budgeter.plan(job.diff, model=model, version=job.version, parent=job.parent, options=options,
+                             meta=job.meta)
+        ref.patch(plan.sent)  # the served view moves by exactly what the delta ships
+        budgeter.commit(plan)
+        main, report = plan.encoded, plan.report
+        if job.side:  # a keyframe of the served view, not of the trainer's state
+            side = encode_keyframe(ref.tensors, model=side_model, version=job.version, fps=ref.fps,
+                                   shard_bytes=shard_bytes, meta=job.meta)
+    elif job.kind == "keyframe":
+        main = encode_keyframe(ref.tensors, model=model, version=job.version, fps=job.fps,
+                               shard_bytes=shard_bytes, meta=job.meta)
+    else:
+        if job.side:
+            side = encode_keyframe(ref.tensors, model=side_model, version=job.version, fps=job.fps,
+                                   shard_bytes=shard_bytes, meta=job.meta)
+            on_side_done()
+        main = encode_diff(job.diff, model=model, version=job.version, parent=job.parent, options=options,
+                           meta=job.meta)
+    return main, side, report
