@@ -193,7 +193,9 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
             _say(args, f"{out}: unreadable ({e}); resyncing from a keyframe")
             target = None
     if target is None:
-        client = HttpClient(args.sources, timeouts=timeouts)
+        # a head that does not parse or verify is that source's fault: the next --from is tried
+        client = HttpClient(args.sources, timeouts=timeouts,
+                            check_manifest=lambda body: parse_manifest(body, verifier=verifier))
         try:
             deadline = time.monotonic() + args.timeout
             head = await client.get_head(args.model)

@@ -6,6 +6,13 @@ results back as events. It never touches the live tensors and never takes the en
 lock: a prepared step goes into the :class:`~deltasync.client.ready.ReadyQueue`; apply
 results come back through :meth:`SyncDriver.post` (thread-safe).
 
+Every head and manifest body is parsed and verified inside the client's failover
+loop (``HttpClient.get_head(parse=)``, ``fetch_manifest``): a source serving a body
+that is not JSON, does not parse or has a bad signature is that source's fault, and
+the next source is tried. The driver also sets the client's ``check_manifest`` (when
+unset) so other head reads through the same client (``Subscriber.head_version``,
+``subscribe --once``) fail over the same way.
+
 One blocking action runs at a time, as a task; when the machine supersedes it (an apply
 failed, say), the task is cancelled and its result, if any, ignored by ticket.
 """
@@ -45,6 +52,8 @@ class SyncDriver:
         self.notify = notify  # tells on_event (refetch, resync, error); runs on the loop thread, no lock held
         self.download_concurrency = max(1, download_concurrency)
         self.squash_timeout = squash_timeout
+        if client.check_manifest is None:  # every head/manifest read through this client verifies
+            client.check_manifest = self._check_body
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deltasync-decode")
         self.loop: asyncio.AbstractEventLoop | None = None
         self.changed: asyncio.Event | None = None  # set on every delivery and apply result
@@ -141,6 +150,9 @@ class SyncDriver:
         raise TypeError(f"the driver cannot do {a!r}")
 
     # -- actions -----------------------------------------------------------------------------------------------
+    def _check_body(self, body: bytes) -> Manifest:
+        return parse_manifest(body, key=self.key)
+
     def parse(self, body: bytes, stream: str, version: int) -> Manifest:
         m = parse_manifest(body, key=self.key)
         if m.model != stream or m.version != version:
@@ -149,21 +161,27 @@ class SyncDriver:
 
     async def _head(self, a: sm.PollHead) -> sm.HeadSeen:
         t = self.client.timeouts
+        def parse(body: bytes, version: int) -> Manifest:
+            return self.parse(body, a.stream, version)
+
         if a.after is None:
-            head = await self.client.get_head(a.stream)
+            head = await self.client.get_head(a.stream, parse=parse)
         else:
             try:
-                head = await asyncio.wait_for(self.client.get_head(a.stream, after=a.after), t.poll + t.read + t.connect)
+                head = await asyncio.wait_for(self.client.get_head(a.stream, after=a.after, parse=parse),
+                                              t.poll + t.read + t.connect)
             except asyncio.TimeoutError:  # nothing newer within the long-poll: ask again
                 return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=a.after)
         if head is None:
             return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=None)
-        m = self.parse(head.body, a.stream, head.version) if head.body is not None else None
+        m = None
+        if head.body is not None:  # verified in the failover loop; parse again only if that was skipped
+            m = head.checked if isinstance(head.checked, Manifest) else self.parse(head.body, a.stream, head.version)
         return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=head.version, manifest=m)
 
     async def _manifest_or_none(self, stream: str, version: int) -> Manifest | None:
         try:
-            return self.parse(await self.client.get_manifest(stream, version), stream, version)
+            return await self.client.fetch_manifest(stream, version, lambda body: self.parse(body, stream, version))
         except NotFoundError:
             return None
 

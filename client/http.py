@@ -9,6 +9,11 @@ a cool-down (``Timeouts.cooldown``, doubling with each failure in a row, up to a
 minute) and the next URL is tried; a cooling URL is still tried, last, rather than
 giving up, and a URL that answers well is healthy again at once. A blob body cut
 off mid-transfer is resumed with ``Range`` from the same URL before moving on.
+A head or manifest body is checked inside the same loop: one that is not JSON, does
+not parse (FormatError) or does not verify (SignatureError, or a manifest for
+another model/version) is that URL's fault like a bad blob, and the next URL is
+tried. The check is the ``parse`` a caller passes, else ``check_manifest`` (the
+subscriber's driver sets it to parse-and-verify with its key).
 Writes (``put_*``) go to the first URL only, with the bearer token, and are retried
 a few times on transport errors and 5xx (blob and manifest PUTs are idempotent).
 Both loops are the core's (``deltasync.retry``); a server's error answer becomes the
@@ -27,7 +32,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 from urllib.parse import quote
 
@@ -37,6 +42,7 @@ from deltasync.blob import blob_id, check_blob_id
 from deltasync.errors import (
     AuthError,
     DeltaSyncError,
+    FormatError,
     IntegrityError,
     NotFoundError,
     UpstreamError,
@@ -65,6 +71,15 @@ def is_outage(e: BaseException) -> bool:
     return isinstance(e, DeltaSyncError) and (e.http_status >= 500 or isinstance(e, AuthError))
 
 
+def is_bad_body(e: BaseException) -> bool:
+    """A body a source sent that failed our own parse or verification (not a server's error answer)."""
+    return isinstance(e, (FormatError, IntegrityError)) and e.status is None
+
+
+def _outage_or_bad_body(e: BaseException) -> bool:
+    return is_outage(e) or is_bad_body(e)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Timeouts:
     """Every wait the client makes, in seconds; none is unbounded."""
@@ -88,6 +103,8 @@ class HeadInfo:
     bytes: int | None = None
     body: bytes | None = None
     url: str = ""
+    #: what the read's parse/check returned for ``body`` (the driver: the verified Manifest), else None
+    checked: object = None
 
     @staticmethod
     def from_body(body: bytes, *, model: str, url: str = "") -> HeadInfo:
@@ -119,7 +136,7 @@ class HttpClient:
     """Async HTTP client for one or more deltasync servers (origin or relays), most preferred first."""
 
     def __init__(self, urls: str | Sequence[str], *, token: str | None = None, timeouts: Timeouts | None = None,
-                 write_retries: int = 3) -> None:
+                 write_retries: int = 3, check_manifest: Callable[[bytes], object] | None = None) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("at least one server URL is needed")
@@ -127,6 +144,9 @@ class HttpClient:
         self.token = token
         self.timeouts = timeouts or Timeouts()
         self.write_retries = write_retries
+        #: run on every head/manifest body before it is accepted from a source (raise FormatError or
+        #: IntegrityError/SignatureError to reject it: that source is failed over); None: JSON check only
+        self.check_manifest = check_manifest
         self._session: aiohttp.ClientSession | None = None
         self.failover = Failover(self.urls, backoff=Backoff(base=self.timeouts.cooldown,
                                                             cap=max(MAX_COOLDOWN, self.timeouts.cooldown)))
@@ -168,36 +188,49 @@ class HttpClient:
         if cooldown is not None:
             log.warning("%s: %s; trying the next server for %.0fs", url, describe(e), cooldown)
 
-    async def _each_url(self, attempt: Callable[[str], Awaitable[T]], *, what: str) -> T:
-        """``attempt(url)`` on each URL in failover order until one delivers; that URL is ``last_url``."""
+    async def _each_url(self, attempt: Callable[[str], Awaitable[T]], *, what: str, checked: bool = False) -> T:
+        """``attempt(url)`` on each URL in failover order until one delivers; that URL is ``last_url``.
+        ``checked``: a body failing our parse/verification (``is_bad_body``) also fails that URL over;
+        when it was the last source's failure, that error itself is raised."""
         async def tracked(url: str) -> T:
             result = await attempt(url)
             self.last_url = url
             return result
 
+        if checked:
+            return await first_source(self.failover, tracked, what=what, outage=_outage_or_bad_body,
+                                      on_failure=self._failed, keep=(FormatError, IntegrityError))
         return await first_source(self.failover, tracked, what=what, outage=is_outage, on_failure=self._failed)
 
-    async def _read(self, path: str, *, timeout: aiohttp.ClientTimeout | None = None) -> tuple[bytes, str, int, dict]:
-        """GET ``path`` from the first URL that answers 200 (or 204/304); returns (body, url, status, headers)."""
-        async def attempt(url: str) -> tuple[bytes, str, int, dict]:
+    async def _read(self, path: str, *, timeout: aiohttp.ClientTimeout | None = None,
+                    check: Callable[[bytes], object] | None = None) -> tuple[bytes, str, int, dict, object]:
+        """GET ``path`` from the first URL that answers 200 (or 204/304) and whose 200 body passes ``check``;
+        returns (body, url, status, headers, what check returned)."""
+        async def attempt(url: str) -> tuple[bytes, str, int, dict, object]:
             self._requests += 1
             # (aiohttp reads timeout=None as "no timeout at all": pass it only when set)
             async with self._sess().get(url + path, **({} if timeout is None else {"timeout": timeout})) as r:
                 if r.status == 200:
                     body = await r.read()
                     self._bytes_in += len(body)
-                    return body, url, 200, dict(r.headers)
-                if r.status in (204, 304):
-                    return b"", url, r.status, dict(r.headers)
-                raise from_wire(r.status, (await r.read())[:500], r.headers, where=url + path)
+                    headers = dict(r.headers)
+                elif r.status in (204, 304):
+                    return b"", url, r.status, dict(r.headers), None
+                else:
+                    raise from_wire(r.status, (await r.read())[:500], r.headers, where=url + path)
+            return body, url, 200, headers, (check(body) if check is not None else None)
 
-        return await self._each_url(attempt, what=f"GET {path}")
+        return await self._each_url(attempt, what=f"GET {path}", checked=check is not None)
 
     # -- reads ---------------------------------------------------------------------------
-    async def get_head(self, model: str, *, after: int | None = None, wait: float | None = None) -> HeadInfo | None:
+    async def get_head(self, model: str, *, after: int | None = None, wait: float | None = None,
+                       parse: Callable[[bytes, int], object] | None = None) -> HeadInfo | None:
         """The newest version, or None when the model has none yet. With ``after``/``wait``, the server
         holds the request until a version newer than ``after`` commits or ``wait`` seconds pass (then the
-        current head, possibly still ``after``, is returned)."""
+        current head, possibly still ``after``, is returned).
+
+        A body that is not a head answer, or that ``parse(body, version)`` (default: ``check_manifest``)
+        rejects, fails that URL over; what ``parse`` returned is the answer's ``checked``."""
         path = f"/v1/models/{quote(model)}/head"
         timeout = None
         if after is not None:
@@ -206,8 +239,14 @@ class HttpClient:
             t = self.timeouts
             timeout = aiohttp.ClientTimeout(total=wait + t.read + t.connect, connect=t.connect,
                                             sock_connect=t.connect, sock_read=wait + t.read)
+        def check(body: bytes) -> object:
+            info = HeadInfo.from_body(body, model=model)
+            if parse is not None:
+                return parse(body, info.version)
+            return self.check_manifest(body) if self.check_manifest is not None else None
+
         try:
-            body, url, status, headers = await self._read(path, timeout=timeout)
+            body, url, status, headers, checked = await self._read(path, timeout=timeout, check=check)
         except NotFoundError:
             return None
         if status != 200:  # long-poll ran out: nothing newer than ``after``
@@ -215,12 +254,19 @@ class HttpClient:
             if shown is None or not shown.isdigit():
                 return None
             return HeadInfo(model=model, version=int(shown), url=url)
-        return HeadInfo.from_body(body, model=model, url=url)
+        return replace(HeadInfo.from_body(body, model=model, url=url), checked=checked)
 
     async def get_manifest(self, model: str, version: int) -> bytes:
-        """A version's manifest JSON (parse and verify it with deltasync.manifest.parse_manifest)."""
-        body, _, _, _ = await self._read(f"/v1/models/{quote(model)}/versions/{version}")
+        """A version's manifest JSON (parse and verify it with deltasync.manifest.parse_manifest); a body
+        ``check_manifest`` rejects fails that URL over."""
+        body, _, _, _, _ = await self._read(f"/v1/models/{quote(model)}/versions/{version}", check=self.check_manifest)
         return body
+
+    async def fetch_manifest(self, model: str, version: int, parse: Callable[[bytes], T]) -> T:
+        """``parse(body)`` of a version's manifest from the first URL whose body it accepts: a body it
+        rejects (FormatError, IntegrityError, SignatureError) is that URL's fault and the next is asked."""
+        _, _, _, _, out = await self._read(f"/v1/models/{quote(model)}/versions/{version}", check=parse)
+        return out  # type: ignore[return-value]
 
     async def get_squashed(self, model: str, start: int, end: int, *, timeout: float | None = None) -> bytes:
         """The server's squashed catch-up delta ``start → end``: a manifest whose blobs are fetched as usual.
@@ -229,7 +275,7 @@ class HttpClient:
         ct = None
         if timeout is not None:
             ct = aiohttp.ClientTimeout(total=timeout, connect=t.connect, sock_connect=t.connect, sock_read=timeout)
-        body, _, _, _ = await self._read(f"/v1/models/{quote(model)}/delta?from={start}&to={end}", timeout=ct)
+        body, _, _, _, _ = await self._read(f"/v1/models/{quote(model)}/delta?from={start}&to={end}", timeout=ct)
         return body
 
     async def get_blob(self, bid: str, size: int | None = None) -> bytes:

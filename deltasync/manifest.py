@@ -32,6 +32,29 @@ _SIG_RE = re.compile(r"^[a-z0-9-]{1,32}:[0-9a-f]{16,256}$")
 MAX_VERSION = (1 << 63) - 1
 MAX_MANIFEST_BYTES = 256 << 20
 
+# Sane limits (docs/FORMAT.md §5.1 "Limits"): checked by parse_manifest before anything allocates or loops,
+# so a manifest that is signed but crafted (or corrupt) cannot make a reader allocate terabytes or spin.
+#: elements of one tensor (16 Gi: a 256k × 64k embedding)
+MAX_TENSOR_ELEMENTS = 1 << 34
+#: elements of the whole state (1 Ti: a trillion-parameter model)
+MAX_STATE_ELEMENTS = 1 << 40
+#: bytes of the whole state (dtype element size × elements, summed over tensors: 4 TiB)
+MAX_STATE_BYTES = 1 << 42
+#: one dimension of a shape
+MAX_DIM = 1 << 34
+#: dimensions of a shape
+MAX_DIMS = 16
+#: tensors in a manifest
+MAX_TENSORS = 1 << 20
+#: blobs in a manifest
+MAX_BLOBS = 1 << 20
+#: bytes of one blob, and of all blobs of a manifest together
+MAX_BLOB_BYTES = 1 << 40
+MAX_TOTAL_BLOB_BYTES = 1 << 43
+#: chunk references of one manifest (all tensors together), and a delta chunk's index within its blob
+MAX_CHUNKS = 1 << 24
+MAX_CHUNK_INDEX = (1 << 32) - 1
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkRef:
@@ -172,14 +195,15 @@ def parse_manifest(data: bytes | str | dict, *, verifier: Verifier | bytes | Non
             raise FormatError(f"manifest of {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
         try:
             obj = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise FormatError(f"manifest is not valid JSON: {e}") from None
+        except (UnicodeDecodeError, RecursionError, ValueError) as e:
+            # ValueError besides JSONDecodeError: Python's int-from-str digit limit (a 5000-digit number)
+            raise FormatError(f"manifest is not valid JSON: {str(e)[:200]}") from None
     try:
         m = _from_obj(obj)
     except DeltaSyncError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise FormatError(f"manifest is malformed: {type(e).__name__}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
+        raise FormatError(f"manifest is malformed: {type(e).__name__}: {str(e)[:200]}") from None
     if verifier is not None:
         m.verify_signature(verifier)
     return m
@@ -191,7 +215,11 @@ def _expect(cond: bool, what: str) -> None:
 
 
 def _int(x: Any, what: str, lo: int = 0, hi: int = MAX_VERSION) -> int:
-    _expect(isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi, f"{what} must be an integer in [{lo}, {hi}], found {x!r}")
+    if not (isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi):
+        # never repr a huge int: str() of one past 4300 digits raises ValueError
+        shown = (f"an integer of about {x.bit_length()} bits" if isinstance(x, int) and x.bit_length() > 64
+                 else repr(x)[:80])
+        raise FormatError(f"manifest: {what} must be an integer in [{lo}, {hi}], found {shown}")
     return x
 
 
@@ -235,17 +263,23 @@ def _from_obj(obj: Any) -> Manifest:
 
     blobs_obj = obj["blobs"]
     _expect(isinstance(blobs_obj, list), "blobs must be a list")
+    _expect(len(blobs_obj) <= MAX_BLOBS, f"a manifest lists at most {MAX_BLOBS} blobs, found {len(blobs_obj)}")
     blobs = []
     for b in blobs_obj:
         _expect(isinstance(b, dict) and set(b) == {"id", "size"}, "each blob is {id, size}")
-        blobs.append(BlobRef(id=check_blob_id(b["id"]), size=_int(b["size"], "blob size", hi=1 << 48)))
+        blobs.append(BlobRef(id=check_blob_id(b["id"]), size=_int(b["size"], "blob size", hi=MAX_BLOB_BYTES)))
     ids = {b.id for b in blobs}
     _expect(len(ids) == len(blobs), "blob ids must be unique")
+    total_blob = sum(b.size for b in blobs)
+    _expect(total_blob <= MAX_TOTAL_BLOB_BYTES,
+            f"blobs total {total_blob} bytes, over the {MAX_TOTAL_BLOB_BYTES}-byte limit")
 
     tensors_obj = obj["tensors"]
     _expect(isinstance(tensors_obj, list), "tensors must be a list")
+    _expect(len(tensors_obj) <= MAX_TENSORS, f"a manifest lists at most {MAX_TENSORS} tensors, found {len(tensors_obj)}")
     tensors = []
     names: set[str] = set()
+    state_elements = state_bytes = n_chunks = 0
     for t in tensors_obj:
         _expect(isinstance(t, dict) and set(t) == {"name", "dtype", "shape", "fp_before", "fp_after", "changed", "chunks"},
                 "each tensor is {name, dtype, shape, fp_before, fp_after, changed, chunks}")
@@ -255,18 +289,29 @@ def _from_obj(obj: Any) -> Manifest:
         names.add(name)
         info = dtype_info(t["dtype"]) if isinstance(t["dtype"], str) else _expect(False, "dtype must be a string")
         shape = t["shape"]
-        _expect(isinstance(shape, list) and len(shape) <= 16, f"{name}: shape must be a list of at most 16 dims")
-        shape_t = tuple(_int(s, f"{name}: dimension", hi=1 << 48) for s in shape)
+        _expect(isinstance(shape, list) and len(shape) <= MAX_DIMS, f"{name}: shape must be a list of at most {MAX_DIMS} dims")
+        shape_t = tuple(_int(s, f"{name}: dimension", hi=MAX_DIM) for s in shape)
+        elements = _numel(shape_t)
+        _expect(elements <= MAX_TENSOR_ELEMENTS,
+                f"{name}: shape {list(shape_t)} has {elements} elements, over the {MAX_TENSOR_ELEMENTS}-element limit per tensor")
+        state_elements += elements
+        state_bytes += elements * info.element_size
+        _expect(state_elements <= MAX_STATE_ELEMENTS,
+                f"the tensors total over {MAX_STATE_ELEMENTS} elements (the limit per state), at {name!r}")
+        _expect(state_bytes <= MAX_STATE_BYTES,
+                f"the tensors total over {MAX_STATE_BYTES} bytes (the limit per state), at {name!r}")
         words = word_count(shape_t, info)
         changed = _int(t["changed"], f"{name}: changed", hi=words)
         chunks = []
         _expect(isinstance(t["chunks"], list), f"{name}: chunks must be a list")
+        n_chunks += len(t["chunks"])
+        _expect(n_chunks <= MAX_CHUNKS, f"a manifest holds at most {MAX_CHUNKS} chunk references, at {name!r}")
         for c in t["chunks"]:
             _expect(isinstance(c, dict) and "blob" in c, f"{name}: each chunk names its blob")
             _expect(c["blob"] in ids, f"{name}: chunk refers to blob {c['blob']!r} not in the blob list")
             if kind == "delta":
                 _expect(set(c) == {"blob", "index"}, f"{name}: a delta chunk is {{blob, index}}")
-                chunks.append(ChunkRef(blob=c["blob"], index=_int(c["index"], f"{name}: chunk index", hi=1 << 32)))
+                chunks.append(ChunkRef(blob=c["blob"], index=_int(c["index"], f"{name}: chunk index", hi=MAX_CHUNK_INDEX)))
             else:
                 _expect(set(c) == {"blob", "key"} and isinstance(c["key"], str), f"{name}: a keyframe chunk is {{blob, key}}")
                 chunks.append(ChunkRef(blob=c["blob"], key=c["key"]))

@@ -5,19 +5,60 @@ Changes compose position by position (:mod:`deltasync.values`): two steps add
 word moves that word, and a raw word replaces whatever came before. The result
 applied to v equals applying the chain in order, bit for bit; its fingerprints
 are the chain's first ``fp_before`` and last ``fp_after``.
+
+Work is bounded (:class:`SquashBudget`): the words read from the chain's blobs, the changed
+words held, the output bytes and the wall time each have a cap, checked between steps; going
+over raises :class:`~deltasync.errors.TooLargeError` (413) saying which cap and what to do. A
+chain whose blobs name tensors, dtypes or word ranges its manifests do not list is a
+:class:`~deltasync.errors.IntegrityError` (422). The packing walks only the chunks that hold
+changes, so a (crafted) huge shape with few changes costs nothing.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from .codec import ChunkPacker, EncodeOptions, Encoded, chunk_ranges, decode_blob
+from .codec import ChunkPacker, EncodeOptions, Encoded, decode_blob
 from .dtypes import dtype_info, numpy_word_dtype
-from .errors import ChainError
+from .errors import ChainError, IntegrityError, TooLargeError
 from .manifest import BlobRef, Manifest, TensorRecord
 from .values import Changes
+
+#: default caps of one squash (docs/FORMAT.md §5.1 "Limits")
+MAX_SQUASH_CHAIN_BYTES = 16 << 30  # blob bytes read from the chain
+MAX_SQUASH_WORDS = 1 << 31  # changed words decoded from the chain, and held after composing
+MAX_SQUASH_OUTPUT_BYTES = 16 << 30  # bytes of the squashed blobs
+MAX_SQUASH_SECONDS = 120.0  # wall time of one build
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SquashBudget:
+    """The most work one squash may do; each cap going over raises TooLargeError."""
+
+    chain_bytes: int = MAX_SQUASH_CHAIN_BYTES
+    words: int = MAX_SQUASH_WORDS
+    output_bytes: int = MAX_SQUASH_OUTPUT_BYTES
+    seconds: float = MAX_SQUASH_SECONDS
+
+
+class _Meter:
+    def __init__(self, budget: SquashBudget, what: str) -> None:
+        self.budget = budget
+        self.what = what
+        self.deadline = time.monotonic() + budget.seconds
+
+    def over(self, cap: str, found: int | float, limit: int | float) -> TooLargeError:
+        return TooLargeError(f"squash {self.what}: {cap} {found} is over the limit of {limit}; "
+                             "fetch the chain version by version (or from a keyframe) instead")
+
+    def tick(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise self.over("time (s)", round(time.monotonic() - self.deadline + self.budget.seconds, 2),
+                            self.budget.seconds)
 
 
 def compose_changes(first: Changes, second: Changes) -> Changes:
@@ -57,18 +98,39 @@ def check_chain(manifests: Sequence[Manifest]) -> None:
             raise ChainError(f"chain breaks: v{b.version}'s base state is not v{a.version}'s result")
 
 
-def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes], *, options: EncodeOptions | None = None) -> Encoded:
-    """One delta from ``manifests[0].parent`` to ``manifests[-1].version``; unsigned."""
+def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes], *, options: EncodeOptions | None = None,
+                 budget: SquashBudget | None = None) -> Encoded:
+    """One delta from ``manifests[0].parent`` to ``manifests[-1].version``; unsigned.
+    TooLargeError past any cap of ``budget``; IntegrityError if a blob disagrees with its manifest."""
     check_chain(manifests)
     options = options or EncodeOptions()
+    budget = budget or SquashBudget()
     first, last = manifests[0], manifests[-1]
+    meter = _Meter(budget, f"{first.model} v{first.parent}→v{last.version}")
+    chain_bytes = sum(m.total_bytes for m in manifests)
+    if chain_bytes > budget.chain_bytes:
+        raise meter.over("chain bytes", chain_bytes, budget.chain_bytes)
+    words_read = 0
     per_tensor: dict[str, Changes] = {}
     for m in manifests:
+        layout = {t.name: t for t in m.tensors}
         for ref in m.blobs:
-            for patch in decode_blob(get_blob(ref.id)):
+            meter.tick()
+            data = get_blob(ref.id)
+            if len(data) != ref.size:
+                raise IntegrityError(f"v{m.version}: blob {ref.id} is {len(data)} bytes, its manifest says {ref.size}")
+            for patch in decode_blob(data):
+                rec = layout.get(patch.tensor)
+                if rec is None or rec.dtype != patch.dtype or patch.stop > rec.words:
+                    raise IntegrityError(f"v{m.version}: blob {ref.id} patches {patch.tensor!r}[{patch.start}:{patch.stop}] "
+                                         f"({patch.dtype}), which v{m.version}'s manifest does not list")
+                words_read += patch.count
+                if words_read > budget.words:
+                    raise meter.over("changed words read", words_read, budget.words)
                 prev = per_tensor.get(patch.tensor)
                 ch = patch.as_changes()
                 per_tensor[patch.tensor] = ch if prev is None else compose_changes(prev, ch)
+                meter.tick()
     # decode_blob yields a blob's chunks in order, and a version's blobs are in tensor order,
     # so composing blob by blob applies each version's chunks once and versions in sequence.
     packer = ChunkPacker(options)
@@ -78,16 +140,29 @@ def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes]
         info = dtype_info(rec.dtype)
         ch = per_tensor.get(rec.name)
         count = 0
+        if ch is not None and len(ch) and int(ch.positions[-1]) >= rec.words:
+            raise IntegrityError(f"{rec.name}: the chain changes word {int(ch.positions[-1])}, past the {rec.words} words "
+                                 f"v{last.version}'s manifest gives it")
         if ch is not None and len(ch):
-            for s, e in chunk_ranges(rec.words, options.chunk_words):
+            cw = options.chunk_words
+            # only the chunks holding changes: never a loop over every chunk of a (possibly huge) shape
+            for k in np.unique(ch.positions // cw).tolist():
+                meter.tick()
+                s, e = k * cw, min((k + 1) * cw, rec.words)
                 lo, hi = np.searchsorted(ch.positions, [s, e])
                 if hi > lo:
                     part = Changes(positions=ch.positions[lo:hi], raw=ch.raw[lo:hi],
                                    values=ch.values[lo:hi].astype(numpy_word_dtype(info.word_size), copy=False))
                     packer.add(rec.name, info, s, e, part)
                     count += int(hi - lo)
+                    out = sum(len(b) for b in packer.blobs.values())
+                    if out > budget.output_bytes:
+                        raise meter.over("output bytes", out, budget.output_bytes)
         tensors.append((rec0, rec, count))
     packer.close_blob()
+    out = sum(len(b) for b in packer.blobs.values())
+    if out > budget.output_bytes:
+        raise meter.over("output bytes", out, budget.output_bytes)
     records = tuple(
         TensorRecord(name=r.name, dtype=r.dtype, shape=r.shape, fp_before=r0.fp_before, fp_after=r.fp_after,
                      changed=count, chunks=tuple(packer.refs.get(r.name, ())))

@@ -4,7 +4,10 @@ The chain is found by walking parent links back from B to A (manifests pulled
 through from parents on a relay), every blob of it is made complete on disk
 (fetched on a relay) and leased so eviction cannot take it mid-build, and
 ``deltasync.squash.squash_chain`` runs in a worker thread (one build at a time;
-concurrent requests for the same A→B share one build). The resulting blobs go
+concurrent requests for the same A→B share one build), bounded by a
+:class:`~deltasync.squash.SquashBudget` (words, bytes, seconds): a chain over it is a
+413 and a chain whose blobs disagree with their manifests a 422, answered at once, so one
+crafted chain cannot hold the build slot (or shutdown) forever. The resulting blobs go
 into the blob store like any other and the manifest is cached under squash/.
 The server signs the squashed manifest only if it holds the key; a relay without
 the key serves it unsigned (see docs/PROTOCOL.md).
@@ -30,7 +33,7 @@ log = logging.getLogger("deltasync.server.catchup")
 
 class CatchupBuilder:
     def __init__(self, *, store: BlobStore, catalog: Catalog, fetcher: BlobFetcher | None, metrics: Metrics,
-                 key: bytes | None, max_chain: int, fetch_timeout: float) -> None:
+                 key: bytes | None, max_chain: int, fetch_timeout: float, budget=None) -> None:
         self.store = store
         self.catalog = catalog
         self.fetcher = fetcher
@@ -38,6 +41,7 @@ class CatchupBuilder:
         self.key = key
         self.max_chain = max_chain
         self.fetch_timeout = fetch_timeout
+        self.budget = budget  # a deltasync.squash.SquashBudget; None: its defaults
         self._builds: dict[tuple[str, int, int], asyncio.Future[bytes]] = {}
         self._cpu = asyncio.Semaphore(1)
 
@@ -46,7 +50,11 @@ class CatchupBuilder:
         if start >= end:
             raise FormatError(f"from={start} must be older than to={end}")
         cached = await self.store.get_squash(model, start, end)
-        if cached is not None and all(self.store.has_blob(b.id) for b in parse_manifest(cached).blobs):
+        try:
+            cached_m = parse_manifest(cached) if cached is not None else None
+        except FormatError:  # a cached squash that no longer parses: build it again
+            cached_m = None
+        if cached_m is not None and all(self.store.has_blob(b.id) for b in cached_m.blobs):
             self.metrics.inc("squash_hits")
             return cached
         key = (model, start, end)
@@ -109,7 +117,7 @@ class CatchupBuilder:
         if len(chain) == 1:
             return await self.catalog.manifest_bytes(model, end)
         try:
-            from deltasync.squash import squash_chain
+            from deltasync.squash import SquashBudget, squash_chain
         except ImportError:
             raise UnavailableError("this build has no deltasync.squash; fetch the chain instead") from None
         ids = sorted({b.id for m in chain for b in m.blobs})
@@ -122,7 +130,8 @@ class CatchupBuilder:
                     await self.fetcher.ensure(bid, timeout=self.fetch_timeout)
             async with self._cpu:
                 t0 = time.monotonic()
-                encoded = await asyncio.to_thread(squash_chain, chain, self._blob_reader())
+                encoded = await asyncio.to_thread(squash_chain, chain, self._blob_reader(),
+                                                  budget=self.budget or SquashBudget())
                 took = time.monotonic() - t0
         finally:
             self.store.unlease(ids)
