@@ -53,18 +53,21 @@ class ServerProcess:
             self.proc.wait(10)
 
 
-def start_server(role: str, name: str, root: Path, args: Sequence[str], *, timeout: float = 30.0) -> ServerProcess:
-    """Start ``deltasync.server.cli ROLE ARGS`` and wait for its listening line."""
-    return _wait_listening(*_spawn(role, name, root, args), timeout=timeout)
+def start_server(role: str, name: str, root: Path, args: Sequence[str], *, timeout: float = 30.0,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """Start ``deltasync.server.cli ROLE ARGS`` (``env``: extra environment, e.g. S3 credentials) and wait for
+    its listening line."""
+    return _wait_listening(*_spawn(role, name, root, args, env=env), timeout=timeout)
 
 
-def _spawn(role: str, name: str, root: Path, args: Sequence[str]):
+def _spawn(role: str, name: str, root: Path, args: Sequence[str], *, env: dict[str, str] | None = None):
     root.mkdir(parents=True, exist_ok=True)
     log_path = root / f"{name}.log"
     argv = [sys.executable, "-m", "deltasync.server.cli", role, *args]
     logf = open(log_path, "wb")
     try:
-        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})})
     finally:
         logf.close()
     return role, name, root, proc, log_path
