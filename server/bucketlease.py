@@ -44,10 +44,9 @@ from .s3objects import Bucket
 log = logging.getLogger("deltasync.server.bucketlease")
 
 
-class LeaseHeldError(DeltaSyncError):
-    """Another live origin holds the writer lease of a bucket without conditional writes."""
-
-    http_status = 409
+class LeaseHeldError(ChainError):
+    """Another live origin holds the writer lease of a bucket without conditional writes (409 ``chain`` on
+    the wire, like a lost commit race, so a publisher gets the same conflict error either way)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
