@@ -175,7 +175,8 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_temp_files(out)  # a killed earlier run's; only one subscriber writes a file
-    timeouts = Timeouts(poll=args.poll)
+    timeouts = Timeouts(poll=args.poll, connect=args.connect_timeout, ttfb=args.ttfb_timeout, read=args.read_timeout,
+                        hedge_after=args.hedge_after or None)
     version = None
     target: dict[str, torch.Tensor] | None = None
     if out.exists():
@@ -343,6 +344,15 @@ def register(subparsers) -> None:
     s.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="with --once/--until: exit 1 if not there after S seconds (default 300)")
     s.add_argument("--poll", type=float, default=20.0, metavar="S", help="long-poll duration (default 20)")
+    s.add_argument("--connect-timeout", type=float, default=5.0, metavar="S", help="TCP connect limit (default 5)")
+    s.add_argument("--ttfb-timeout", type=float, default=10.0, metavar="S",
+                   help="a source that sends no status line for S seconds is failed over (default 10; long-polls "
+                        "get --poll plus this)")
+    s.add_argument("--read-timeout", type=float, default=30.0, metavar="S",
+                   help="silence on a connection that has answered before it counts as dead (default 30)")
+    s.add_argument("--hedge-after", type=float, default=2.0, metavar="S",
+                   help="a read with no answer after S seconds also asks the next --from in parallel (default 2; "
+                        "0: never)")
     s.add_argument("--scrub-every", type=int, default=0, metavar="N",
                    help="re-fingerprint every tensor every N applies (default: never; incremental checks always run)")
     s.set_defaults(func=cmd_subscribe)

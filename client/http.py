@@ -19,11 +19,21 @@ a few times on transport errors and 5xx (blob and manifest PUTs are idempotent).
 Both loops are the core's (``deltasync.retry``); a server's error answer becomes the
 class of the one error tree it names (``deltasync.errors.from_wire``).
 
-Every wait is bounded: ``Timeouts.connect`` for TCP connect, ``Timeouts.read`` for
-silence on a connection, ``Timeouts.request`` for a whole request; a long-poll asks
-the server for at most ``Timeouts.poll`` seconds and waits that plus ``read``.
+Every wait is bounded: ``Timeouts.connect`` for TCP connect, ``Timeouts.ttfb`` for the
+status line of a request (a source that accepts TCP and never answers costs that
+long, not ``read``), ``Timeouts.read`` for silence on a connection once it answered,
+``Timeouts.request`` for a whole request; a long-poll asks the server for at most
+``Timeouts.poll`` seconds and waits that plus ``ttfb`` for its answer.
 
-Not thread-safe: use one client per event loop.
+Reads are hedged (``Timeouts.hedge_after``): when a URL has not begun to answer within
+that many seconds, the next URL is asked in parallel and the first to deliver wins
+(long-polls and squash builds, which are slow by design, are not hedged; they ask
+first the URLs that have not failed since they last answered well). The
+failover policy, with its cool-downs, is shared by every client of the process
+that lists the same URLs (``shared_failover``): a URL that stalled one request is
+skipped by the others too, and its cool-down grows with each failure in a row.
+
+Not thread-safe: use one client per event loop (the shared policy is thread-safe).
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -46,10 +58,11 @@ from deltasync.errors import (
     IntegrityError,
     NotFoundError,
     UpstreamError,
+    UpstreamTimeout,
     from_wire,
 )
 from deltasync.failover import Backoff, Failover
-from deltasync.retry import RESUME_NOW, RETRY_BACKOFF, describe, first_source, retry
+from deltasync.retry import RESUME_NOW, RETRY_BACKOFF, answering, describe, first_source, retry
 
 log = logging.getLogger("deltasync.client.http")
 T = TypeVar("T")
@@ -89,6 +102,36 @@ class Timeouts:
     request: float = 300.0  # one whole request, body included
     poll: float = 20.0  # long-poll duration asked of the server (?wait=)
     cooldown: float = 5.0  # a URL that failed is skipped this long (doubling per failure in a row, up to a minute)
+    ttfb: float = 10.0  # a request's status line (time to first byte); a long-poll gets poll + this
+    hedge_after: float | None = 2.0  # a read with no answer yet after this long also asks the next URL (None: never)
+
+    def __post_init__(self) -> None:
+        for name in ("connect", "read", "request", "poll", "cooldown", "ttfb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Timeouts.{name} must be a positive number of seconds, found {getattr(self, name)!r}")
+        if self.hedge_after is not None and not self.hedge_after > 0:
+            raise ValueError(f"Timeouts.hedge_after must be positive seconds or None, found {self.hedge_after!r}")
+
+
+_SHARED: OrderedDict[tuple, Failover] = OrderedDict()
+_SHARED_LOCK = threading.Lock()
+_SHARED_MAX = 256
+
+
+def shared_failover(urls: Sequence[str], *, cooldown: float) -> Failover:
+    """The process's one failover policy for this list of URLs (and cool-down base): every client made
+    for them shares its health and cool-downs. The newest 256 lists are kept."""
+    key = (tuple(urls), cooldown)
+    with _SHARED_LOCK:
+        policy = _SHARED.get(key)
+        if policy is None:
+            policy = _SHARED[key] = Failover(list(urls), backoff=Backoff(base=cooldown,
+                                                                         cap=max(MAX_COOLDOWN, cooldown)))
+            while len(_SHARED) > _SHARED_MAX:
+                _SHARED.popitem(last=False)
+        else:
+            _SHARED.move_to_end(key)
+        return policy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,7 +179,8 @@ class HttpClient:
     """Async HTTP client for one or more deltasync servers (origin or relays), most preferred first."""
 
     def __init__(self, urls: str | Sequence[str], *, token: str | None = None, timeouts: Timeouts | None = None,
-                 write_retries: int = 3, check_manifest: Callable[[bytes], object] | None = None) -> None:
+                 write_retries: int = 3, check_manifest: Callable[[bytes], object] | None = None,
+                 failover: Failover | None = None) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("at least one server URL is needed")
@@ -148,8 +192,10 @@ class HttpClient:
         #: IntegrityError/SignatureError to reject it: that source is failed over); None: JSON check only
         self.check_manifest = check_manifest
         self._session: aiohttp.ClientSession | None = None
-        self.failover = Failover(self.urls, backoff=Backoff(base=self.timeouts.cooldown,
-                                                            cap=max(MAX_COOLDOWN, self.timeouts.cooldown)))
+        #: the process's shared policy for these URLs unless one is given (its sources must be ``urls``)
+        self.failover = failover or shared_failover(self.urls, cooldown=self.timeouts.cooldown)
+        if self.failover.sources != tuple(self.urls):
+            raise ValueError(f"the failover policy's sources {list(self.failover.sources)} are not the URLs {self.urls}")
         self._bytes_in = self._bytes_out = self._requests = self._failovers = self._corrupt = self._resumes = 0
         self.last_url: str | None = None  # the URL that answered the last read
 
@@ -188,28 +234,47 @@ class HttpClient:
         if cooldown is not None:
             log.warning("%s: %s; trying the next server for %.0fs", url, describe(e), cooldown)
 
-    async def _each_url(self, attempt: Callable[[str], Awaitable[T]], *, what: str, checked: bool = False) -> T:
+    async def _open(self, method: str, url: str, *, ttfb: float | None = None, **kw) -> aiohttp.ClientResponse:
+        """Send a request and wait at most ``ttfb`` (default ``Timeouts.ttfb``) for its status line;
+        tells a hedged loop the URL answered. Use the response as ``async with``."""
+        ttfb = self.timeouts.ttfb if ttfb is None else ttfb
+        self._requests += 1
+        try:
+            async with asyncio.timeout(ttfb):
+                r = await self._sess().request(method, url, **kw)
+        except TimeoutError:
+            raise UpstreamTimeout(f"{method} {url}: no answer within {ttfb:g} s (time-to-first-byte limit)") from None
+        answering()
+        return r
+
+    async def _each_url(self, attempt: Callable[[str], Awaitable[T]], *, what: str, checked: bool = False,
+                        hedge: bool = True) -> T:
         """``attempt(url)`` on each URL in failover order until one delivers; that URL is ``last_url``.
         ``checked``: a body failing our parse/verification (``is_bad_body``) also fails that URL over;
-        when it was the last source's failure, that error itself is raised."""
+        when it was the last source's failure, that error itself is raised. ``hedge``: ask the next URL
+        in parallel when one is slow to answer (``Timeouts.hedge_after``)."""
         async def tracked(url: str) -> T:
             result = await attempt(url)
             self.last_url = url
             return result
 
+        hedge_after = self.timeouts.hedge_after if hedge and len(self.urls) > 1 else None
         if checked:
             return await first_source(self.failover, tracked, what=what, outage=_outage_or_bad_body,
-                                      on_failure=self._failed, keep=(FormatError, IntegrityError))
-        return await first_source(self.failover, tracked, what=what, outage=is_outage, on_failure=self._failed)
+                                      on_failure=self._failed, keep=(FormatError, IntegrityError),
+                                      hedge_after=hedge_after, proven_first=not hedge)
+        return await first_source(self.failover, tracked, what=what, outage=is_outage, on_failure=self._failed,
+                                  hedge_after=hedge_after, proven_first=not hedge)
 
-    async def _read(self, path: str, *, timeout: aiohttp.ClientTimeout | None = None,
+    async def _read(self, path: str, *, timeout: aiohttp.ClientTimeout | None = None, ttfb: float | None = None,
                     check: Callable[[bytes], object] | None = None) -> tuple[bytes, str, int, dict, object]:
         """GET ``path`` from the first URL that answers 200 (or 204/304) and whose 200 body passes ``check``;
-        returns (body, url, status, headers, what check returned)."""
+        returns (body, url, status, headers, what check returned). A ``ttfb`` of its own (a long-poll, a
+        squash build) also means the read is not hedged."""
         async def attempt(url: str) -> tuple[bytes, str, int, dict, object]:
-            self._requests += 1
             # (aiohttp reads timeout=None as "no timeout at all": pass it only when set)
-            async with self._sess().get(url + path, **({} if timeout is None else {"timeout": timeout})) as r:
+            r = await self._open("GET", url + path, ttfb=ttfb, **({} if timeout is None else {"timeout": timeout}))
+            async with r:
                 if r.status == 200:
                     body = await r.read()
                     self._bytes_in += len(body)
@@ -220,7 +285,7 @@ class HttpClient:
                     raise from_wire(r.status, (await r.read())[:500], r.headers, where=url + path)
             return body, url, 200, headers, (check(body) if check is not None else None)
 
-        return await self._each_url(attempt, what=f"GET {path}", checked=check is not None)
+        return await self._each_url(attempt, what=f"GET {path}", checked=check is not None, hedge=ttfb is None)
 
     # -- reads ---------------------------------------------------------------------------
     async def get_head(self, model: str, *, after: int | None = None, wait: float | None = None,
@@ -232,11 +297,12 @@ class HttpClient:
         A body that is not a head answer, or that ``parse(body, version)`` (default: ``check_manifest``)
         rejects, fails that URL over; what ``parse`` returned is the answer's ``checked``."""
         path = f"/v1/models/{quote(model)}/head"
-        timeout = None
+        timeout = ttfb = None
         if after is not None:
             wait = self.timeouts.poll if wait is None else wait
             path += f"?after={after}&wait={wait:g}"
             t = self.timeouts
+            ttfb = wait + t.ttfb
             timeout = aiohttp.ClientTimeout(total=wait + t.read + t.connect, connect=t.connect,
                                             sock_connect=t.connect, sock_read=wait + t.read)
         def check(body: bytes) -> object:
@@ -246,7 +312,7 @@ class HttpClient:
             return self.check_manifest(body) if self.check_manifest is not None else None
 
         try:
-            body, url, status, headers, checked = await self._read(path, timeout=timeout, check=check)
+            body, url, status, headers, checked = await self._read(path, timeout=timeout, ttfb=ttfb, check=check)
         except NotFoundError:
             return None
         if status != 200:  # long-poll ran out: nothing newer than ``after``
@@ -275,7 +341,8 @@ class HttpClient:
         ct = None
         if timeout is not None:
             ct = aiohttp.ClientTimeout(total=timeout, connect=t.connect, sock_connect=t.connect, sock_read=timeout)
-        body, _, _, _, _ = await self._read(f"/v1/models/{quote(model)}/delta?from={start}&to={end}", timeout=ct)
+        body, _, _, _, _ = await self._read(f"/v1/models/{quote(model)}/delta?from={start}&to={end}", timeout=ct,
+                                            ttfb=timeout)
         return body
 
     async def get_blob(self, bid: str, size: int | None = None) -> bytes:
@@ -289,8 +356,7 @@ class HttpClient:
 
         async def transfer() -> None:
             headers = {"Range": f"bytes={len(buf)}-"} if buf else {}
-            self._requests += 1
-            async with self._sess().get(full, headers=headers) as r:
+            async with await self._open("GET", full, headers=headers) as r:
                 if r.status not in (200, 206):
                     raise from_wire(r.status, (await r.read())[:300], r.headers, where=full)
                 if buf and r.status == 200:

@@ -12,11 +12,15 @@ sources in preference order, then the cooling ones soonest-back first: a cooling
 source is still tried, last, rather than giving up. ``succeeded`` makes a source
 healthy again at once, so a preferred source is back in front as soon as it answers.
 
-Not thread-safe: one policy per event loop.
+Thread-safe (a lock guards each call, nothing waits under it): one policy is meant to be
+shared by every request of a process that talks to the same sources, so a source that
+stalled one request is skipped by all of them while it cools down (the client's
+``shared_failover``), even across the event loops of several subscribers.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,6 +66,7 @@ class Failover:
         self._failures: dict[str, int] = {}
         self._until: dict[str, float] = {}
         self._why: dict[str, str] = {}
+        self._lock = threading.Lock()
 
     def _check(self, source: str) -> None:
         if source not in self.sources:
@@ -70,15 +75,23 @@ class Failover:
     def cooling(self, source: str, now: float) -> bool:
         return self._until.get(source, 0.0) > now
 
-    def order(self, now: float, *, rotate: int = 0) -> list[str]:
+    def order(self, now: float, *, rotate: int = 0, proven_first: bool = False) -> list[str]:
         """Sources to try, in order: healthy ones by preference, then cooling ones, soonest back first.
 
         ``rotate`` starts the healthy list further down (to avoid, say, a source whose bytes just
-        failed their hash check)."""
+        failed their hash check). ``proven_first`` puts healthy sources that have not failed since
+        their last success ahead of those whose cool-down ended but have not answered well since
+        (for requests that are slow by design, such as long-polls, where a stall costs the most)."""
+        with self._lock:
+            return self._order(now, rotate, proven_first)
+
+    def _order(self, now: float, rotate: int, proven_first: bool) -> list[str]:
         healthy = [s for s in self.sources if not self.cooling(s, now)]
         if healthy and rotate:
             k = rotate % len(healthy)
             healthy = healthy[k:] + healthy[:k]
+        if proven_first:
+            healthy.sort(key=lambda s: self._failures.get(s, 0) > 0)  # stable: preference kept within each
         cooling = sorted((s for s in self.sources if self.cooling(s, now)), key=lambda s: self._until[s])
         return healthy + cooling
 
@@ -86,26 +99,32 @@ class Failover:
         """Record a failure. Returns the cool-down it started, or None when the source was already
         cooling down (the failure is then not counted again)."""
         self._check(source)
-        if self.cooling(source, now):
-            return None
-        n = self._failures[source] = self._failures.get(source, 0) + 1
-        delay = self.backoff.delay(n)
-        self._until[source] = now + delay
-        self._why[source] = why
-        return delay
+        with self._lock:
+            if self.cooling(source, now):
+                return None
+            n = self._failures[source] = self._failures.get(source, 0) + 1
+            delay = self.backoff.delay(n)
+            self._until[source] = now + delay
+            self._why[source] = why
+            return delay
 
     def succeeded(self, source: str) -> bool:
         """Record a success; the source is healthy again. Returns whether it had been failing."""
         self._check(source)
-        self._until.pop(source, None)
-        self._why.pop(source, None)
-        return self._failures.pop(source, None) is not None
+        with self._lock:
+            self._until.pop(source, None)
+            self._why.pop(source, None)
+            return self._failures.pop(source, None) is not None
 
     def failures(self, source: str) -> int:
         return self._failures.get(source, 0)
 
     def health(self, now: float) -> list[SourceHealth]:
         """Every source's state, in preference order."""
+        with self._lock:
+            return self._health(now)
+
+    def _health(self, now: float) -> list[SourceHealth]:
         return [SourceHealth(source=s, failures=self._failures.get(s, 0),
                              cooling_until=self._until[s] if self.cooling(s, now) else 0.0, why=self._why.get(s, ""))
                 for s in self.sources]

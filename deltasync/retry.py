@@ -7,6 +7,13 @@
   caller says is worth retrying: the client's writes, Range resumes of a cut
   blob, a relay's refetch of a blob and its prefetch rounds.
 
+With ``hedge_after``, :func:`first_source` is *hedged*: when the source it asked has not
+begun to answer within that many seconds (the attempt calls :func:`answering` once
+it has a status line), the next source is asked in parallel; the first to deliver
+wins, the others are cancelled, and a source that had not begun to answer by then is
+marked failed like one that timed out (so every request of the process skips it
+while it cools down).
+
 Both take the caller's coroutine function; neither knows HTTP. Which errors are an
 outage (try the next source / try again) and which are an answer (raise at once) is
 the caller's ``outage`` predicate. ``asyncio.sleep`` is the only wait here.
@@ -15,6 +22,7 @@ the caller's ``outage`` predicate. ``asyncio.sleep`` is the only wait here.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -28,6 +36,23 @@ T = TypeVar("T")
 RETRY_BACKOFF = Backoff(base=0.2, cap=2.0)
 #: Resuming a cut transfer: at once, the bytes already in hand are kept.
 RESUME_NOW = Backoff(base=0.0, cap=0.0)
+
+
+#: set by a hedged :func:`first_source` in each attempt's task: the attempt's "I have begun to answer"
+_ANSWERING: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar("deltasync_answering", default=None)
+
+
+def answering() -> None:
+    """Tell a hedged :func:`first_source` that the current attempt's source has begun to answer
+    (a status line arrived): no further source is started in parallel on its account. A no-op
+    outside a hedged attempt."""
+    ev = _ANSWERING.get()
+    if ev is not None:
+        ev.set()
+
+
+class SlowerThanHedge(UpstreamTimeout):
+    """A source that had not begun to answer when another source, asked after it, delivered."""
 
 
 def describe(e: BaseException | None) -> str:
@@ -48,11 +73,13 @@ async def first_source(policy: Failover, attempt: Callable[[str], Awaitable[T]],
                        outage: Callable[[BaseException], bool],
                        on_failure: Callable[[str, BaseException, float | None], None] | None = None,
                        keep: tuple[type[DeltaSyncError], ...] = (), rotate: int = 0,
-                       clock: Callable[[], float] = time.monotonic) -> T:
+                       clock: Callable[[], float] = time.monotonic, hedge_after: float | None = None,
+                       proven_first: bool = False) -> T:
     """``await attempt(source)`` for each source in ``policy.order(clock())`` until one returns.
 
     * A result: the source is marked healthy and the result returned.
-    * ``NotFoundError``: the next source is asked (one behind its parent may not have it yet).
+    * ``NotFoundError``: the next source is asked (one behind its parent may not have it yet),
+      unless it is cooling down (failing: it would most likely cost a timeout to learn the same).
     * An error ``outage(e)`` accepts: the source is marked failed (``on_failure(source, e,
       cooldown)`` is told), the next one is asked.
     * Anything else (an answer such as a 4xx, a cancellation) propagates at once.
@@ -61,10 +88,18 @@ async def first_source(policy: Failover, attempt: Callable[[str], Awaitable[T]],
     bytes that failed a check (the rest were down); else the last error if it is one of
     ``keep``; else ``UpstreamTimeout`` if every failure was a timeout; else ``UpstreamError``
     naming each source's failure.
+
+    ``hedge_after`` (seconds): hedged, see the module docstring. ``proven_first``: see
+    ``Failover.order``.
     """
     failures: list[tuple[str, BaseException]] = []
     not_found: list[NotFoundError] = []
-    for source in policy.order(clock(), rotate=rotate):
+    if hedge_after is not None:
+        return await _hedged(policy, attempt, what=what, outage=outage, on_failure=on_failure, keep=keep,
+                             rotate=rotate, clock=clock, hedge_after=hedge_after)
+    for source in policy.order(clock(), rotate=rotate, proven_first=proven_first):
+        if not_found and policy.cooling(source, clock()):
+            break  # a source answered "not found": one that is failing is not worth a wait for the same
         try:
             result = await attempt(source)
         except NotFoundError as e:
@@ -80,6 +115,12 @@ async def first_source(policy: Failover, attempt: Callable[[str], Awaitable[T]],
             continue
         policy.succeeded(source)
         return result
+    _give_up(what, failures, not_found, keep)
+
+
+def _give_up(what: str, failures: list[tuple[str, BaseException]], not_found: list[NotFoundError],
+             keep: tuple[type[DeltaSyncError], ...]):
+    """The error of a loop in which no source delivered (see ``first_source``)."""
     if not_found and not any(isinstance(e, IntegrityError) for _, e in failures):
         raise NotFoundError(f"{what}: not found on the sources that answered: "
                             + "; ".join(str(e) for e in not_found)) from not_found[-1]
@@ -90,6 +131,73 @@ async def first_source(policy: Failover, attempt: Callable[[str], Awaitable[T]],
     if failures and all(_timed_out(e) for _, e in failures):
         raise UpstreamTimeout(f"{what}: every source timed out: {listed}") from last
     raise UpstreamError(f"{what}: every source failed: {listed or 'no source answered'}") from last
+
+
+async def _hedged(policy: Failover, attempt: Callable[[str], Awaitable[T]], *, what: str,
+                  outage: Callable[[BaseException], bool],
+                  on_failure: Callable[[str, BaseException, float | None], None] | None,
+                  keep: tuple[type[DeltaSyncError], ...], rotate: int, clock: Callable[[], float],
+                  hedge_after: float) -> T:
+    """``first_source`` with a parallel attempt on the next source whenever none of those running has
+    begun to answer within ``hedge_after`` seconds (or the last one started failed)."""
+    queue = list(policy.order(clock(), rotate=rotate))
+    failures: list[tuple[str, BaseException]] = []
+    not_found: list[NotFoundError] = []
+    running: dict[asyncio.Task, tuple[str, asyncio.Event]] = {}
+
+    def fail(source: str, e: BaseException) -> None:
+        failures.append((source, e))
+        cooldown = policy.failed(source, clock(), describe(e))
+        if on_failure is not None:
+            on_failure(source, e, cooldown)
+
+    def launch() -> None:
+        source = queue.pop(0)
+        answered = asyncio.Event()
+
+        async def one() -> T:
+            _ANSWERING.set(answered)  # this task's own context
+            return await attempt(source)
+
+        running[asyncio.ensure_future(one())] = (source, answered)
+
+    launch()
+    try:
+        while running:
+            waiting = queue and not any(ev.is_set() for _, ev in running.values())
+            done, _ = await asyncio.wait(running, timeout=hedge_after if waiting else None,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:  # nobody has begun to answer (checked again: one may have since): ask the next too
+                if not any(ev.is_set() for _, ev in running.values()):
+                    launch()
+                continue
+            for task in done:
+                source, _ = running.pop(task)
+                if task.cancelled():
+                    raise asyncio.CancelledError()
+                e = task.exception()
+                if e is None:
+                    policy.succeeded(source)
+                    for other, (slow, ev) in list(running.items()):
+                        if not ev.is_set():  # started first, still silent while this one delivered
+                            fail(slow, SlowerThanHedge(f"{slow}: no answer while {source} delivered {what}"))
+                    return task.result()
+                if isinstance(e, NotFoundError):
+                    not_found.append(e)
+                elif outage(e):
+                    fail(source, e)
+                else:
+                    raise e
+            if not_found:  # a source answered "not found": those failing are not worth a wait for the same
+                queue[:] = [q for q in queue if not policy.cooling(q, clock())]
+            if queue and not any(ev.is_set() for _, ev in running.values()):
+                launch()  # a failure: the next source now, whatever the others are doing
+    finally:
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.gather(*running, return_exceptions=True)
+    _give_up(what, failures, not_found, keep)
 
 
 async def retry(call: Callable[[], Awaitable[T]], *, backoff: Backoff, attempts: int | None,

@@ -1,4 +1,8 @@
-"""The aiohttp application of a deltasync server (origin or relay) and how it starts and stops."""
+"""The aiohttp application of a deltasync server (origin or relay) and how it starts and stops.
+
+Run it with ``connections.GuardedRunner`` (server/cli.py does): the connection limits,
+idle timeout and JSON bad-request errors live there; the app's own middlewares mark
+busy connections and turn errors into the protocol's JSON."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from .config import ServerConfig
+from .connections import busy_middleware
 from .routes import SERVICES, add_routes, error_middleware
 from .services import close_services, open_services
 
@@ -18,7 +23,7 @@ CONFIG = web.AppKey("config", ServerConfig)
 
 def build_app(config: ServerConfig) -> web.Application:
     """The app; its services (store, parents, prefetch) open on startup and close on cleanup."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_manifest_size)
+    app = web.Application(middlewares=[busy_middleware, error_middleware], client_max_size=config.max_manifest_size)
     app[CONFIG] = config
     app.cleanup_ctx.append(_services_ctx)
     app.on_shutdown.append(_end_streams)

@@ -27,6 +27,7 @@ from deltasync.manifest import load_key
 
 from .app import build_app
 from .config import BucketSettings, ServerConfig, Timeouts
+from .connections import ConnectionGuard, GuardedRunner, ServerLimits
 from .bucketlayout import is_bucket_url, parse_bucket_url
 
 log = logging.getLogger("deltasync.server")
@@ -103,6 +104,30 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="a child that accepts no bytes for this long is cut off")
     p.add_argument("--max-wait", type=float, default=60.0, metavar="S", help="longest long-poll a client may ask for")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (tests and benchmarks only: not crash-safe)")
+    p.add_argument("--ttfb-timeout", type=float, default=10.0, metavar="S",
+                   help="a parent that sends no status line for S seconds is failed over (default 10)")
+    p.add_argument("--hedge-after", type=float, default=2.0, metavar="S",
+                   help="a manifest read from a parent with no answer after S seconds also asks the next parent "
+                        "(default 2; 0: never)")
+    p.add_argument("--idle-timeout", type=float, default=15.0, metavar="S",
+                   help="close a connection with no request in progress, or with headers half sent, after S "
+                        "seconds (default 15)")
+    p.add_argument("--body-timeout", type=float, default=10.0, metavar="S",
+                   help="cut an upload that sends nothing for S seconds (default 10)")
+    p.add_argument("--min-upload-rate", type=parse_size, default=64 << 10, metavar="BYTES",
+                   help="cut an upload averaging under BYTES per second after a 5 s grace (default 64K; 0: no minimum)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="most connections held at once; over it the oldest idle one is closed (default: the "
+                        "descriptor limit less 64)")
+    p.add_argument("--max-connections-per-client", type=int, default=512, metavar="N",
+                   help="most connections from one client address (default 512; 0: no limit)")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
+                   help="on SIGTERM, cut what is still running after S seconds (default 5)")
+    p.add_argument("--squash-seconds", type=float, default=None, metavar="S",
+                   help="longest one squashed catch-up build may run (default 120)")
+    p.add_argument("--squash-max-bytes", type=parse_size, default=None, metavar="BYTES",
+                   help="largest squashed delta (blob bytes) one build may make, and chain bytes it may read "
+                        "(default 16G)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -148,7 +173,20 @@ def register(subparsers) -> None:
 
 def _timeouts(args) -> Timeouts:
     return Timeouts(read=args.read_timeout, write=args.write_timeout, max_wait=args.max_wait,
-                    heartbeat=args.heartbeat)
+                    heartbeat=args.heartbeat, ttfb=args.ttfb_timeout, hedge_after=args.hedge_after or None,
+                    shutdown=args.shutdown_timeout)
+
+
+def _limits(args) -> dict:
+    """The ServerConfig fields that bound clients (``limits``) and squash builds (``squash_budget``)."""
+    limits = ServerLimits(idle_timeout=args.idle_timeout, body_timeout=args.body_timeout,
+                          min_upload_rate=args.min_upload_rate, max_connections=args.max_connections,
+                          max_connections_per_client=args.max_connections_per_client)
+    squash = None
+    if args.squash_seconds is not None or args.squash_max_bytes is not None:
+        squash = (120.0 if args.squash_seconds is None else args.squash_seconds,
+                  16 << 30 if args.squash_max_bytes is None else args.squash_max_bytes)
+    return {"limits": limits, "squash_budget": squash}
 
 
 def _key(args) -> bytes | None:
@@ -171,7 +209,8 @@ def run_origin(args) -> int:
         config = ServerConfig(role="origin", host=args.listen[0], port=args.listen[1], store_dir=store_dir,
                               token=token, key=_key(args), retention=args.retention,
                               max_blob_size=args.max_blob_size, fsync=not args.no_fsync, timeouts=_timeouts(args),
-                              store_kind="s3" if bucket else "disk", bucket=bucket, s3_endpoint=args.s3_endpoint)
+                              store_kind="s3" if bucket else "disk", bucket=bucket, s3_endpoint=args.s3_endpoint,
+                              **_limits(args))
     except (OSError, ValueError, DeltaSyncError) as e:
         print(f"deltasync origin: {e}", file=sys.stderr)
         return 2
@@ -184,7 +223,7 @@ def run_relay(args) -> int:
                               parents=tuple(args.parent), cache_size=args.cache_size, key=_key(args),
                               retention=args.retention, fsync=not args.no_fsync, timeouts=_timeouts(args),
                               s3_endpoint=args.s3_endpoint,
-                              bucket_poll=1.0 if args.bucket_poll is None else args.bucket_poll)
+                              bucket_poll=1.0 if args.bucket_poll is None else args.bucket_poll, **_limits(args))
     except (OSError, ValueError, DeltaSyncError) as e:
         print(f"deltasync relay: {e}", file=sys.stderr)
         return 2
@@ -241,8 +280,9 @@ async def _serve(config: ServerConfig) -> int:
 
 async def _serve_app(config: ServerConfig, *, shown_parents: tuple[str, ...]) -> int:
     app = build_app(config)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=config.timeouts.shutdown,
-                           lingering_time=1.0)
+    guard = ConnectionGuard(config.limits)
+    runner = GuardedRunner(app, guard, handle_signals=False, access_log=None,
+                           shutdown_timeout=max(0.1, config.timeouts.shutdown - 1.0), lingering_time=0.5)
     try:
         await runner.setup()
     except (OSError, DeltaSyncError) as e:
@@ -266,7 +306,15 @@ async def _serve_app(config: ServerConfig, *, shown_parents: tuple[str, ...]) ->
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down")
-    await runner.cleanup()
+    # whatever is still open when the budget is nearly spent is cut (a reader that stopped reading, an upload)
+    cut = loop.call_later(max(0.0, config.timeouts.shutdown - 0.5), lambda: guard.abort_all())
+    try:
+        async with asyncio.timeout(config.timeouts.shutdown + 2.0):
+            await runner.cleanup()
+    except TimeoutError:
+        log.warning("shutdown ran over %.0f s; exiting anyway", config.timeouts.shutdown)
+    finally:
+        cut.cancel()
     log.info("stopped")
     return 0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .connections import ServerLimits
+
 ROLES = ("origin", "relay")
 STORES = ("disk", "memory", "s3")
 
@@ -17,6 +19,8 @@ class Timeouts:
     read: float = 30.0  # silence on a parent connection (headers or body) before it counts as dead
     write: float = 60.0  # a child that accepts no bytes for this long is cut off
     first_byte: float = 60.0  # a reader waiting for a blob that is being fetched
+    ttfb: float = 10.0  # a parent's status line (time to first byte); event streams and long waits excepted
+    hedge_after: float | None = 2.0  # a manifest read with no answer after this long also asks the next parent
     max_wait: float = 60.0  # the longest long-poll a client may ask for (?wait=)
     heartbeat: float = 10.0  # SSE comment sent this often so followers can tell a live parent from a dead one
     parent_cooldown: float = 5.0  # a parent that failed is skipped this long while others are tried
@@ -57,6 +61,8 @@ class ServerConfig:
     bucket_poll: float = 1.0  # relay: seconds between polls of a bucket parent's heads.json
     s3_endpoint: str | None = None  # S3 API endpoint of s3:// stores and parents (None: AWS)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    limits: ServerLimits = field(default_factory=ServerLimits)  # what clients may hold (server/connections.py)
+    squash_budget: tuple[float, int] | None = None  # (seconds, output bytes) of one squash build; None: defaults
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

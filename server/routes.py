@@ -32,6 +32,7 @@ from deltasync.errors import (
 from deltasync.manifest import MAX_VERSION, MODEL_RE
 
 from .compat import timeout as timeout_after
+from .connections import UploadPace
 from .events import INLINE_MANIFEST_MAX, event_payload, format_event
 from .inflight import InflightBlob
 from .ranges import etag_matches, if_range_allows, parse_range
@@ -265,7 +266,7 @@ async def put_blob(request: web.Request) -> web.Response:
         blob_id = check_blob_id(request.match_info["id"])
         assert svc.intake is not None
         try:
-            size, created = await svc.intake.put_blob(blob_id, _pieces(request.content, svc.config.timeouts.read),
+            size, created = await svc.intake.put_blob(blob_id, _pieces(request.content, UploadPace(svc.config.limits)),
                                                       declared=request.content_length)
         except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError) as e:
             raise FormatError(f"upload of blob {blob_id} was cut short: {e}") from None
@@ -276,16 +277,17 @@ async def put_blob(request: web.Request) -> web.Response:
                              headers={"ETag": f'"{blob_id}"', "Location": f"/v1/blobs/{blob_id}"})
 
 
-async def _pieces(content, stall: float) -> AsyncIterator[bytes]:
+async def _pieces(content, pace: UploadPace) -> AsyncIterator[bytes]:
     """A request body piece by piece as received (no joining of buffered pieces into new objects);
-    RequestTimeoutError if the sender stalls for ``stall`` seconds."""
+    RequestTimeoutError if the sender stalls or falls under the minimum upload rate (``pace``)."""
     while True:
         try:
-            async with timeout_after(stall):
+            async with timeout_after(pace.wait_limit()):
                 chunk, boundary = await content.readchunk()
         except asyncio.TimeoutError:
-            raise RequestTimeoutError(f"the request body stalled for {stall:.0f} s") from None
+            raise pace.silent() from None
         if chunk:
+            pace.got(len(chunk))
             yield chunk
         elif not boundary:
             return
@@ -358,7 +360,7 @@ async def put_version(request: web.Request) -> web.Response:
         parts: list[bytes] = []
         got = 0
         try:
-            async for piece in _pieces(request.content, svc.config.timeouts.read):
+            async for piece in _pieces(request.content, UploadPace(svc.config.limits)):
                 got += len(piece)
                 if got > limit:
                     raise TooLargeError(f"manifest exceeds the {limit}-byte limit")

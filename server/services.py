@@ -65,13 +65,24 @@ async def open_services(config: ServerConfig) -> Services:
         prefetcher = Prefetcher(store=store, catalog=catalog, upstream=upstream, fetcher=fetcher, hub=hub,
                                 metrics=metrics, timeouts=t, retention=config.retention)
     catchup = CatchupBuilder(store=store, catalog=catalog, fetcher=fetcher, metrics=metrics, key=config.key,
-                             max_chain=config.max_squash_chain, fetch_timeout=t.read * 4)
+                             max_chain=config.max_squash_chain, fetch_timeout=t.read * 4,
+                             budget=_squash_budget(config))
     svc = Services(config=config, metrics=metrics, store=store, hub=hub, catalog=catalog, catchup=catchup,
                    streams=streams, intake=intake, upstream=upstream, fetcher=fetcher, prefetcher=prefetcher)
     _register_gauges(svc)
     if prefetcher is not None:
         prefetcher.start()
     return svc
+
+
+def _squash_budget(config: ServerConfig):
+    """The SquashBudget the server's flags ask for, or None (the defaults; the codec is then not loaded at start)."""
+    if config.squash_budget is None:
+        return None
+    from deltasync.squash import SquashBudget  # loads the codec (torch): only when a budget is set
+
+    seconds, nbytes = config.squash_budget
+    return SquashBudget(seconds=seconds, output_bytes=nbytes, chain_bytes=nbytes)
 
 
 def _open_store(config: ServerConfig, metrics: Metrics) -> BlobStore:

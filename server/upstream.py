@@ -6,24 +6,38 @@ body cut short, bytes that fail their hash) is put in a cool-down (doubling with
 each consecutive failure, from ``Timeouts.parent_cooldown`` up to a minute) and tried
 after the healthy ones until it answers well again. Every request has a connect
 timeout and a read timeout (silence on the socket), so a dead or stalled parent
-costs at most that long before the next one is tried. ``each_parent`` is the one
-per-parent loop (``deltasync.retry.first_source``) every upstream request goes through.
+costs at most that long before the next one is tried; a parent that accepts the
+connection and sends no status line costs ``Timeouts.ttfb`` (time to first byte; the
+event stream, which answers at once, gets it too). Manifest and HEAD reads are hedged
+(``Timeouts.hedge_after``: the next parent is asked in parallel while the first is
+silent); blob fetches are not (one temp file per blob), the TTFB limit bounds them.
+``each_parent`` is the one per-parent loop (``deltasync.retry.first_source``) every
+upstream request goes through.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import aiohttp
 
-from deltasync.errors import DeltaSyncError, FormatError, IntegrityError, NotFoundError, SignatureError, UpstreamError
+from deltasync.errors import (
+    DeltaSyncError,
+    FormatError,
+    IntegrityError,
+    NotFoundError,
+    SignatureError,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from deltasync.failover import Backoff, Failover
 from deltasync.manifest import Manifest, parse_manifest
-from deltasync.retry import describe, first_source
+from deltasync.retry import answering, describe, first_source
 
 from .config import Timeouts
 from .metrics import Metrics
@@ -96,25 +110,40 @@ class Upstream:
 
     async def each_parent(self, attempt: Callable[[str], Awaitable[T]], *, what: str, rotate: int = 0,
                           keep: tuple[type[DeltaSyncError], ...] = (),
-                          on_failure: Callable[[str, BaseException], None] | None = None) -> T:
-        """``attempt(parent)`` on each parent in failover order until one delivers (``first_source``)."""
+                          on_failure: Callable[[str, BaseException], None] | None = None, hedge: bool = False) -> T:
+        """``attempt(parent)`` on each parent in failover order until one delivers (``first_source``);
+        ``hedge``: ask the next parent in parallel while one is silent (only for reads with no shared state)."""
         def failed(parent: str, e: BaseException, cooldown: float | None) -> None:
             if on_failure is not None:
                 on_failure(parent, e)
             self._failed(parent, describe(e), cooldown)
 
+        hedge_after = self.timeouts.hedge_after if hedge and len(self.parents) > 1 else None
         return await first_source(self.failover, attempt, what=what, outage=is_outage, on_failure=failed,
-                                  keep=keep, rotate=rotate)
+                                  keep=keep, rotate=rotate, hedge_after=hedge_after)
 
     # -- requests ------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def request(self, method: str, url: str, **kw) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A request whose status line must come within ``Timeouts.ttfb`` (else UpstreamTimeout)."""
+        ttfb = self.timeouts.ttfb
+        try:
+            async with asyncio.timeout(ttfb):
+                resp = await self.session.request(method, url, **kw)
+        except TimeoutError:
+            raise UpstreamTimeout(f"{method} {url}: no answer within {ttfb:g} s (time-to-first-byte limit)") from None
+        answering()
+        async with resp:
+            yield resp
+
     def blob_request(self, parent: str, blob_id: str, offset: int = 0, *, method: str = "GET"):
         headers = {"Range": f"bytes={offset}-"} if offset else {}
-        return self.session.request(method, f"{parent}/v1/blobs/{blob_id}", headers=headers)
+        return self.request(method, f"{parent}/v1/blobs/{blob_id}", headers=headers)
 
     def events_request(self, parent: str, *, read_timeout: float):
         t = self.timeouts
-        return self.session.get(
-            f"{parent}/v1/events", headers={"Accept": "text/event-stream"},
+        return self.request(
+            "GET", f"{parent}/v1/events", headers={"Accept": "text/event-stream"},
             timeout=aiohttp.ClientTimeout(total=None, connect=t.connect, sock_connect=t.connect, sock_read=read_timeout),
         )
 
@@ -125,7 +154,7 @@ class Upstream:
 
     async def _get_manifest_path(self, path: str, what: str, *, model: str, version: int | None) -> Manifest:
         async def attempt(parent: str) -> Manifest:
-            async with self.session.get(parent + path) as resp:
+            async with self.request("GET", parent + path) as resp:
                 if resp.status == 404:
                     raise NotFoundError(f"{parent} has no {what}")
                 if resp.status != 200:
@@ -144,7 +173,7 @@ class Upstream:
             return m
 
         try:
-            return await self.each_parent(attempt, what=what, keep=(SignatureError, FormatError))
+            return await self.each_parent(attempt, what=what, keep=(SignatureError, FormatError), hedge=True)
         except NotFoundError:
             raise NotFoundError(f"{what} is not on this relay nor on any of its parents") from None
 
@@ -159,6 +188,6 @@ class Upstream:
                 raise UpstreamError(f"{parent} answered {resp.status} to HEAD of blob {blob_id}")
 
         try:
-            return await self.each_parent(attempt, what=f"HEAD of blob {blob_id}")
+            return await self.each_parent(attempt, what=f"HEAD of blob {blob_id}", hedge=True)
         except NotFoundError:
             return None
