@@ -2,6 +2,7 @@
 
 Layout under the store directory::
 
+    lock                      held (fcntl.flock) by the one server using the directory; holds its pid
     blobs/ab/ab01...ef        one file per verified blob, named by its id (sharded by prefix)
     tmp/                      partial writes; emptied at every start
     models/<model>/<version:020d>.json   manifests, canonical JSON
@@ -17,11 +18,21 @@ its id. The slow parts (fsync, creating files, rehashing) run in a worker thread
 small manifest reads stay on the loop (they come from the page cache).
 
 Readers and growing blobs are ``FileBacked``: routes send them with ``os.sendfile``.
+
+One server per directory: ``scan`` takes an exclusive lock on ``lock`` before it
+empties ``tmp/`` (a second server on the same directory stops with StorageError
+naming the holder's pid, instead of wiping the first one's temp files). A full disk
+is the store's own error: a failed write raises StorageError (507), never an
+OSError a relay would blame on its parent; ``DiskPartial.preallocate`` reserves a
+blob's whole size before any byte is served, so a disk that cannot hold it is
+known before a reader gets a status line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import logging
 import os
 import secrets
@@ -32,7 +43,7 @@ import xxhash
 
 from deltasync.blob import BLOB_ID_RE
 from deltasync.atomic import fsync_dir, write_atomic
-from deltasync.errors import NotFoundError
+from deltasync.errors import NotFoundError, StorageError
 from deltasync.manifest import MODEL_RE
 
 from .blobstore import HashedBlob, Inventory, StoredManifest
@@ -80,11 +91,24 @@ class DiskPartial(HashedBlob):
     def fileno(self) -> int:
         return self.fd
 
+    def preallocate(self, size: int) -> None:
+        """Reserve ``size`` bytes on disk now (StorageError if the disk cannot hold them)."""
+        try:
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                return  # a filesystem without fallocate: writes will tell
+            raise StorageError(f"cannot hold blob {self.id} ({size} bytes) in {self.path.parent}: "
+                               f"{e.strerror or e}") from e
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data)
         n = len(view)
         while view:
-            k = os.write(self.fd, view)
+            try:
+                k = os.write(self.fd, view)
+            except OSError as e:
+                raise StorageError(f"cannot write blob {self.id} in {self.path.parent}: {e.strerror or e}") from e
             view = view[k:]
         self._hasher.update(data)
         self.written += n
@@ -128,6 +152,7 @@ class DiskFiles:
         self.squash_dir = self.root / "squash"
         self.fsync = fsync
         self.durable_manifests = durable_manifests and fsync
+        self._lock_fd: int | None = None
 
     # -- paths ---------------------------------------------------------------------------
     def blob_path(self, blob_id: str) -> Path:
@@ -143,8 +168,30 @@ class DiskFiles:
     async def scan(self) -> Inventory:
         return await asyncio.to_thread(self.scan_sync)
 
+    def lock(self) -> None:
+        """Take the directory's lock (held until the process exits); StorageError if another server holds it."""
+        if self._lock_fd is not None:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / "lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise StorageError(f"store directory {self.root} is in use by another server (pid {holder}, "
+                                   f"lock file {path}); give each server its own directory") from None
+            raise StorageError(f"cannot lock store directory {self.root}: {e.strerror or e}") from e
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
     def scan_sync(self) -> Inventory:
-        """Create the layout, drop partial writes, list blobs (oldest first) and read every manifest."""
+        """Lock the directory, create the layout, drop partial writes, list blobs (oldest first) and read every
+        manifest."""
+        self.lock()
         for d in (self.blob_dir, self.tmp_dir, self.model_dir, self.squash_dir):
             d.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.tmp_dir)

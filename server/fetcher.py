@@ -9,6 +9,12 @@ fetched again (starting with another parent); after ``attempts`` bad copies or
 rounds of dead parents the fetch gives up and readers get the error. The rounds go
 through the one retry helper (``deltasync.retry.retry``, its back-off table), each
 round through the one per-parent loop (``Upstream.each_parent``).
+
+A blob no parent has is remembered for ``NEGATIVE_TTL`` seconds (the newest
+``NEGATIVE_MAX`` ids): asking for it again in that time is answered 404 at once, not
+forwarded upstream. A fetch our own disk cannot hold (StorageError, a full disk)
+fails its readers with 507 and does not mark the parent down; ``storage_error`` says
+so until a blob is stored again.
 """
 
 from __future__ import annotations
@@ -17,11 +23,20 @@ import asyncio
 import logging
 import re
 import time
+from collections import OrderedDict
 
 import aiohttp
 
 from deltasync.blob import check_blob_id
-from deltasync.errors import DeltaSyncError, IntegrityError, NotFoundError, UnavailableError, UpstreamError, UpstreamTimeout
+from deltasync.errors import (
+    DeltaSyncError,
+    IntegrityError,
+    NotFoundError,
+    StorageError,
+    UnavailableError,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from deltasync.retry import RETRY_BACKOFF, describe, retry
 
 from .config import Timeouts
@@ -34,6 +49,8 @@ log = logging.getLogger("deltasync.server.fetcher")
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 ATTEMPTS = 3
+NEGATIVE_TTL = 2.0  # seconds a blob no parent had is answered 404 without asking again
+NEGATIVE_MAX = 4096
 
 
 class BlobFetcher:
@@ -47,6 +64,9 @@ class BlobFetcher:
         self._inflight: dict[str, InflightBlob] = {}
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
+        self._missing: OrderedDict[str, float] = OrderedDict()  # blob id -> when the negative entry expires
+        #: why the last fetch could not be stored (our disk full), until a blob is stored again; /healthz shows it
+        self.storage_error: str | None = None
 
     def inflight(self, blob_id: str) -> InflightBlob | None:
         return self._inflight.get(blob_id)
@@ -55,11 +75,32 @@ class BlobFetcher:
     def count(self) -> int:
         return len(self._inflight)
 
+    def known_missing(self, blob_id: str) -> bool:
+        """No parent had this blob less than ``NEGATIVE_TTL`` seconds ago."""
+        until = self._missing.get(blob_id)
+        if until is None:
+            return False
+        if until > time.monotonic():
+            return True
+        del self._missing[blob_id]
+        return False
+
+    def remember_missing(self, blob_id: str) -> None:
+        self._missing[blob_id] = time.monotonic() + NEGATIVE_TTL
+        self._missing.move_to_end(blob_id)
+        while len(self._missing) > NEGATIVE_MAX:
+            self._missing.popitem(last=False)
+
     def get(self, blob_id: str) -> tuple[InflightBlob, bool]:
-        """The blob's fetch, started if needed; the flag says whether this call started it."""
+        """The blob's fetch, started if needed; the flag says whether this call started it. NotFoundError at
+        once for a blob no parent had moments ago (the negative cache)."""
         blob = self._inflight.get(blob_id)
         if blob is not None:
             return blob, False
+        if self.known_missing(blob_id):
+            self.metrics.inc("negative_hits")
+            raise NotFoundError(f"blob {blob_id} is not on this relay nor on any of its parents (asked "
+                                f"{NEGATIVE_TTL:g} s ago at most)")
         if self._closed:
             raise UnavailableError("the relay is shutting down")
         blob = InflightBlob(check_blob_id(blob_id))
@@ -105,6 +146,7 @@ class BlobFetcher:
             blob.verified = True
             blob.progress()
             await blob.part.commit()
+            self.storage_error = None
             log.info("blob %s: %d bytes from %s in %.2f s", blob.id, blob.part.written, parent,
                      time.monotonic() - started)
         except asyncio.CancelledError:
@@ -112,7 +154,12 @@ class BlobFetcher:
             raise
         except DeltaSyncError as e:
             blob.fail(e)
-            if not isinstance(e, NotFoundError):
+            if isinstance(e, StorageError):  # our own disk, not the parent's fault (it is not marked down)
+                self.storage_error = str(e)
+                self.metrics.inc("storage_errors")
+            if isinstance(e, NotFoundError):
+                self.remember_missing(blob.id)
+            else:
                 log.error("blob %s: giving up: %s", blob.id, e)
         except asyncio.TimeoutError:
             blob.fail(UpstreamTimeout(f"every parent timed out sending blob {blob.id}"))
@@ -162,6 +209,8 @@ class BlobFetcher:
             if blob.size is None:
                 self.store.reserve(total)
                 fetch.reserved = total
+                if hasattr(blob.part, "preallocate"):  # our disk must hold it before any reader hears a size
+                    await asyncio.to_thread(blob.part.preallocate, total)
                 blob.set_size(total)
             elif total != blob.size:
                 raise UpstreamError(f"{parent} says blob {blob.id} has {total} bytes, another parent said "

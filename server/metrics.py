@@ -40,6 +40,8 @@ _COUNTERS: dict[str, str] = {
     "squash_builds": "Squashed catch-up deltas built.",
     "squash_hits": "Squashed catch-up deltas served from the cache.",
     "send_aborts": "Blob responses aborted (client too slow or gone, upstream failed mid-stream).",
+    "storage_errors": "Blob fetches that our own disk could not hold (answered 507; the parent is not blamed).",
+    "negative_hits": "Blob requests answered 404 from the negative cache (no parent had it moments ago).",
 }
 
 

@@ -236,6 +236,8 @@ class Prefetcher:
                 blob, _ = self.fetcher.get(blob_id)
                 blob.attach()
                 try:
+                    # announced only once our disk holds room for it (the size is known after preallocating)
+                    await blob.wait_size(self.timeouts.first_byte)
                     started.set_result(None)  # a child asking now joins this fetch
                     await blob.wait_done(self.timeouts.read * 4)
                 finally:

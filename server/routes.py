@@ -149,12 +149,16 @@ def _manifest_response(data: bytes, *, version: int, etag: str, cache: str) -> w
 
 async def healthz(request: web.Request) -> web.Response:
     svc = _svc(request)
-    body = {"status": "shutting_down" if svc.hub.closed else "ok", "role": svc.config.role,
+    storage = svc.fetcher.storage_error if svc.fetcher is not None else None
+    status = "shutting_down" if svc.hub.closed else "degraded" if storage else "ok"
+    body = {"status": status, "role": svc.config.role,
             "models": {name: svc.store.head(name) for name in sorted(svc.store.models)}}
+    if storage:
+        body["storage"] = storage  # the disk cannot hold what the parents send: misses answer 507
     if svc.prefetcher is not None:
         body["following"] = svc.prefetcher.following
         body["parents"] = list(svc.config.parents)
-    return web.json_response(body, status=503 if svc.hub.closed else 200)
+    return web.json_response(body, status=200 if status == "ok" else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -197,8 +201,12 @@ async def get_blob(request: web.Request) -> web.StreamResponse:
         raise NotFoundError(f"blob {blob_id} is not on this origin")
     svc.metrics.inc("cache_misses")
     if request.method == "HEAD" and svc.fetcher.inflight(blob_id) is None:
+        if svc.fetcher.known_missing(blob_id):
+            svc.metrics.inc("negative_hits")
+            raise NotFoundError(f"blob {blob_id} is not on this relay nor on any of its parents")
         size = await svc.upstream.head_blob(blob_id)
         if size is None:
+            svc.fetcher.remember_missing(blob_id)
             raise NotFoundError(f"blob {blob_id} is not on this relay nor on any of its parents")
         resp = web.StreamResponse(headers={**_blob_headers(blob_id), "X-Deltasync-Cache": "miss"})
         resp.content_length = size
