@@ -15,6 +15,7 @@ import re
 from collections.abc import AsyncIterator
 
 import aiohttp
+import xxhash
 from aiohttp import web
 
 from deltasync.blob import check_blob_id
@@ -22,14 +23,15 @@ from deltasync.errors import (
     AuthError,
     DeltaSyncError,
     FormatError,
+    IntegrityError,
     NotFoundError,
     ReadOnlyError,
-    RequestTimeoutError,
+    StorageError,
     TooLargeError,
     UnavailableError,
     to_wire,
 )
-from deltasync.manifest import MAX_VERSION, MODEL_RE
+from deltasync.manifest import MAX_VERSION, MODEL_RE, parse_manifest
 
 from .compat import timeout as timeout_after
 from .connections import UploadPace
@@ -303,6 +305,39 @@ async def _pieces(content, pace: UploadPace) -> AsyncIterator[bytes]:
 
 # -- manifests ------------------------------------------------------------------------------------
 
+async def served_manifest(svc: Services, model: str, version: int) -> bytes:
+    """A stored manifest's bytes, checked before they are served: they must hash to the etag indexed when the
+    manifest was verified, and the first time this process serves it they must parse (and verify, with the
+    key). A copy that fails is a relay's own damage: dropped and fetched again from a parent, like a bad blob
+    (an origin answers 507: it has nothing to refetch from)."""
+    info = svc.store.info(model, version)
+    data = await svc.catalog.manifest_bytes(model, version)
+    info = info or svc.store.info(model, version)
+    mark = (model, version, info.etag if info is not None else None)
+    try:
+        if info is None or f'"{xxhash.xxh3_64_hexdigest(data)}"' != info.etag:
+            raise IntegrityError(f"{model} v{version}: the stored bytes do not hash to their etag")
+        if mark not in svc.checked_manifests:
+            m = parse_manifest(data, key=svc.config.key)
+            if m.model != model or m.version != version:
+                raise IntegrityError(f"the file of {model} v{version} holds {m.model} v{m.version}")
+            svc.checked_manifests.add(mark)
+        return data
+    except (FormatError, IntegrityError) as e:  # SignatureError is an IntegrityError
+        svc.metrics.inc("corrupt_dropped")
+        if svc.upstream is None:
+            log.error("%s v%d on disk is damaged (%s); it cannot be served", model, version, e)
+            raise StorageError(f"{model} v{version} is damaged in this origin's store: {e}") from None
+        log.error("%s v%d on disk is damaged (%s); fetching it again from a parent", model, version, e)
+    m = await svc.upstream.get_manifest(model, version)  # verified with the key, when we hold one
+    await svc.store.put_manifest(m, announce=False)
+    data = m.to_json()
+    info = svc.store.info(model, version)
+    if info is not None:
+        svc.checked_manifests.add((model, version, info.etag))
+    return data
+
+
 async def list_models(request: web.Request) -> web.Response:
     store = _svc(request).store
     models = [{"model": name, "head": idx.head, "versions": len(idx.order)} for name, idx in sorted(store.models.items())
@@ -314,7 +349,7 @@ async def get_version(request: web.Request) -> web.Response:
     svc = _svc(request)
     model = _model(request)
     version = _version(request.match_info["version"])
-    data = await svc.catalog.manifest_bytes(model, version)
+    data = await served_manifest(svc, model, version)
     info = svc.store.info(model, version)
     if etag_matches(request.headers.get("If-None-Match"), info.etag):
         return web.Response(status=304, headers={"ETag": info.etag, "Cache-Control": IMMUTABLE})
@@ -352,8 +387,8 @@ async def get_head(request: web.Request) -> web.Response:
     if head is None:
         raise NotFoundError(f"model {model!r} has no versions here")
     info = svc.store.info(model, head)
-    return _manifest_response(await svc.store.get_manifest(model, head), version=head, etag=info.etag,
-                              cache="no-cache")
+    data = await served_manifest(svc, model, head)
+    return _manifest_response(data, version=head, etag=svc.store.info(model, head).etag, cache="no-cache")
 
 
 async def put_version(request: web.Request) -> web.Response:
@@ -468,7 +503,7 @@ async def _stream_events(request: web.Request, model: str | None, after: int | N
 
 async def _payload(svc: Services, info) -> bytes:
     small = info.manifest_size <= INLINE_MANIFEST_MAX
-    return event_payload(info, await svc.store.get_manifest(info.model, info.version) if small else None)
+    return event_payload(info, await served_manifest(svc, info.model, info.version) if small else None)
 
 
 async def _write(resp: web.StreamResponse, data: bytes, timeout: float) -> None:

@@ -136,3 +136,45 @@ async def test_a_full_disk_is_the_relays_own_fault(tmp_path, small_disk):
                 assert resp.status == 200
     finally:
         assert stop_all(r, o) == [0, 0], [r.log()[-3000:], o.log()[-3000:]]
+
+
+async def test_a_relay_rechecks_manifests_it_serves_from_disk_and_refetches_bad_ones(tmp_path):
+    """Issue 9: a relay whose cached manifests are damaged (garbage, or a changed signature) serves the good
+    copy from its parent, for versions, the head and event replays alike."""
+    import json
+
+    o = origin(tmp_path, "o", "--no-fsync", key=True)
+    (tmp_path / "token").write_text(TOKEN)
+    r = relay(tmp_path, "r", [o.url], "--no-fsync", key=True)
+    start_all(o, r)
+    try:
+        async with session() as s:
+            blobs = [make_blob(1000, 7)]
+            await publish(s, o.url, keyframe("mc", 0, blobs), blobs)
+            await publish(s, o.url, keyframe("mc", 1, blobs), blobs)
+
+            async def announced():
+                async with s.get(f"{r.url}/v1/models/mc/head") as resp:
+                    return resp.status == 200 and (await resp.json())["version"] == 1
+            await wait_for(announced, 20, what="the relay to announce v1")
+            good = {}
+            for v in (0, 1):
+                async with s.get(f"{o.url}/v1/models/mc/versions/{v}") as resp:
+                    good[v] = await resp.read()
+            mdir = tmp_path / "r" / "models" / "mc"
+            (mdir / f"{0:020d}.json").write_bytes(b"<html>garbage{")
+            obj = json.loads(good[1])
+            sig = obj["signature"]
+            obj["signature"] = sig[:-1] + ("0" if sig[-1] != "0" else "1")
+            (mdir / f"{1:020d}.json").write_bytes(json.dumps(obj).encode())
+            for v in (0, 1):
+                async with s.get(f"{r.url}/v1/models/mc/versions/{v}") as resp:
+                    assert resp.status == 200 and await resp.read() == good[v]
+            (mdir / f"{1:020d}.json").write_bytes(json.dumps(obj).encode())  # damaged again, after a good serve
+            async with s.get(f"{r.url}/v1/models/mc/head") as resp:
+                assert resp.status == 200 and await resp.read() == good[1]
+            assert (mdir / f"{1:020d}.json").read_bytes() == good[1]  # repaired on disk
+            assert (await metrics(s, r.url))["deltasync_corrupt_dropped_total"] == 3
+            assert (await metrics(s, r.url))["deltasync_upstream_failovers_total"] == 0
+    finally:
+        assert stop_all(r, o) == [0, 0], [r.log()[-3000:], o.log()[-3000:]]
