@@ -11,7 +11,9 @@ loop (``HttpClient.get_head(parse=)``, ``fetch_manifest``): a source serving a b
 that is not JSON, does not parse or has a bad signature is that source's fault, and
 the next source is tried. The driver also sets the client's ``check_manifest`` (when
 unset) so other head reads through the same client (``Subscriber.head_version``,
-``subscribe --once``) fail over the same way.
+``subscribe --once``) fail over the same way. Its timeouts (``Timeouts``: connect, TTFB,
+read, hedge, cool-down) are the ``Subscriber``'s ``timeouts=``; the cool-downs are
+shared with every other client of the process that lists the same URLs.
 
 One blocking action runs at a time, as a task; when the machine supersedes it (an apply
 failed, say), the task is cancelled and its result, if any, ignored by ticket.
@@ -169,7 +171,7 @@ class SyncDriver:
         else:
             try:
                 head = await asyncio.wait_for(self.client.get_head(a.stream, after=a.after, parse=parse),
-                                              t.poll + t.read + t.connect)
+                                              t.poll + max(t.read, t.ttfb) + t.connect)
             except asyncio.TimeoutError:  # nothing newer within the long-poll: ask again
                 return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=a.after)
         if head is None:

@@ -141,6 +141,10 @@ class DiskPartial(HashedBlob):
                 pass
 
 
+#: store directories' lock files this process holds (realpath -> descriptor), kept until it exits
+_HELD_LOCKS: dict[str, int] = {}
+
+
 class DiskFiles:
     """``BlobFiles`` over a directory (layout in the module docstring)."""
 
@@ -169,11 +173,17 @@ class DiskFiles:
         return await asyncio.to_thread(self.scan_sync)
 
     def lock(self) -> None:
-        """Take the directory's lock (held until the process exits); StorageError if another server holds it."""
+        """Take the directory's lock (held until the process exits); StorageError if another process holds it.
+        A store reopened within the same process shares the lock it already holds."""
         if self._lock_fd is not None:
             return
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / "lock"
+        real = os.path.realpath(path)
+        held = _HELD_LOCKS.get(real)
+        if held is not None:
+            self._lock_fd = held
+            return
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -186,7 +196,7 @@ class DiskFiles:
             raise StorageError(f"cannot lock store directory {self.root}: {e.strerror or e}") from e
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        self._lock_fd = _HELD_LOCKS[real] = fd
 
     def scan_sync(self) -> Inventory:
         """Lock the directory, create the layout, drop partial writes, list blobs (oldest first) and read every
