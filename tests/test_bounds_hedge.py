@@ -211,3 +211,31 @@ def test_a_following_subscriber_gets_new_versions_promptly_behind_a_stall(cluste
         assert _same(target, published[-1])
     finally:
         sub.close()
+
+
+async def test_a_relay_behind_a_stalled_first_parent_follows_the_next_within_the_ttfb_bound(tmp_path, stalled):
+    """The relay's event stream, manifest and blob reads from a parent that never answers fail over after the
+    TTFB limit (2 s here), and manifest reads are hedged: a version published on the origin reaches the relay."""
+    from server_fixtures import KEY as SKEY, TOKEN, keyframe, make_blob, origin, publish, relay, session, start_all, \
+        stop_all, wait_for
+
+    (tmp_path / "token").write_text(TOKEN)
+    o = origin(tmp_path, "o", "--no-fsync", key=True)
+    r = relay(tmp_path, "r", [stalled, o.url], "--no-fsync", "--ttfb-timeout", "2", "--hedge-after", "0.5", key=True)
+    start_all(o, r)
+    try:
+        async with session() as s:
+            blobs = [make_blob(5000, 3)]
+            t0 = time.monotonic()
+            await publish(s, o.url, keyframe("st", 0, blobs, key=SKEY), blobs)
+
+            async def announced():
+                async with s.get(f"{r.url}/v1/models/st/head") as resp:
+                    return resp.status == 200
+            await wait_for(announced, 30, interval=0.2, what="the relay to announce v0")
+            took = time.monotonic() - t0
+            async with s.get(f"{r.url}/v1/blobs/{blobs[0][0]}") as resp:
+                assert resp.status == 200 and await resp.read() == blobs[0][1]
+        assert took < 12, took
+    finally:
+        assert stop_all(r, o) == [0, 0], [r.log()[-3000:], o.log()[-3000:]]
