@@ -307,9 +307,10 @@ async def _serve_app(config: ServerConfig, *, shown_parents: tuple[str, ...]) ->
     await stop.wait()
     log.info("shutting down")
     # whatever is still open when the budget is nearly spent is cut (a reader that stopped reading, an upload)
-    cut = loop.call_later(max(0.0, config.timeouts.shutdown - 0.5), lambda: guard.abort_all())
+    budget = config.timeouts.shutdown
+    cut = loop.call_later(max(budget * 0.5, budget - 1.5), lambda: guard.abort_all())
     try:
-        async with asyncio.timeout(config.timeouts.shutdown + 2.0):
+        async with asyncio.timeout(max(budget * 0.8, budget - 0.5)):  # the interpreter's exit takes the rest
             await runner.cleanup()
     except TimeoutError:
         log.warning("shutdown ran over %.0f s; exiting anyway", config.timeouts.shutdown)

@@ -194,11 +194,15 @@ class ConnectionGuard:
             self._busy.pop(handler, None)
 
     def abort_all(self) -> int:
-        """Cut every connection still open (the end of the shutdown budget); returns how many."""
+        """Cut every connection still open and cancel its handler (the end of the shutdown budget: a handler
+        blocked on a reader that stopped reading would otherwise run to its write timeout); returns how many."""
         n = 0
         for handler, (transport, _) in list(self._open.items()):
             self.closed(handler)
             transport.abort()
+            task = getattr(handler, "_task_handler", None)  # aiohttp's task serving this connection
+            if task is not None and not task.done():
+                task.cancel()
             n += 1
         return n
 
