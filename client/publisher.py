@@ -225,7 +225,7 @@ class Publisher:
                  upload_concurrency: int = 4, max_pending: int = 4, timeouts: Timeouts | None = None,
                  commit: bool = True, check_origin: bool = True, shard_bytes: int = DEFAULT_SHARD_BYTES,
                  base: tuple[int, Mapping[str, torch.Tensor], Mapping[str, int] | None] | None = None,
-                 budget: int | BudgetPolicy | None = None) -> None:
+                 budget: int | BudgetPolicy | None = None, ssl=None) -> None:
         if keyframe_every < 0:
             raise ValueError("keyframe_every must be >= 0")
         self.model = model
@@ -240,7 +240,8 @@ class Publisher:
         self.budget = BudgetPolicy(bytes=budget) if isinstance(budget, int) else budget
         self._budgeter = Budgeter(self.budget) if self.budget is not None else None
         self._io = LoopThread("deltasync-publisher-io")
-        self._client = HttpClient([origin_url], token=token, timeouts=self.timeouts)
+        # the publish token also reads (head checks); ``ssl``: an SSLContext for an https origin (--ca-file)
+        self._client = HttpClient([origin_url], token=token, timeouts=self.timeouts, ssl=ssl, read_token=token)
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltasync-encode")
         self._slots = threading.BoundedSemaphore(max(1, max_pending))
         self._ref_free = threading.Event()
