@@ -3,7 +3,7 @@
 A token file is either one bare token (the old form: it may publish and read every
 model) or lines ``SCOPE MODEL TOKEN``: ``SCOPE`` is ``publish`` (publish and read) or
 ``read``; ``MODEL`` is a model name or a glob (``policy*``, ``*``); ``#`` starts a
-comment. When the file holds any ``read`` line, reads need a token too; otherwise
+comment. A grant for ``M`` covers its side keyframe stream ``M.kf``. When the file holds any ``read`` line, reads need a token too; otherwise
 reads are open. Blob ids are content addresses shared by every model, so a blob GET
 accepts any read token and a blob PUT any publish token; a manifest PUT needs a
 publish token for its model. Tokens are compared in constant time and never appear in
@@ -21,6 +21,7 @@ from deltasync.errors import FormatError
 __all__ = ["SCOPES", "TokenGrant", "TokenTable", "bearer"]
 
 SCOPES = ("publish", "read")
+SIDE_SUFFIX = ".kf"  # the side keyframe stream of a model (deltasync.client.streams; servers do not import client/)
 MIN_TOKEN_CHARS = 16
 
 
@@ -33,7 +34,11 @@ class TokenGrant:
     def covers(self, scope: str, model: str | None) -> bool:
         if scope == "publish" and self.scope != "publish":
             return False
-        return model is None or fnmatch.fnmatchcase(model, self.model)
+        if model is None:
+            return True
+        # a model's side keyframe stream M.kf (client/streams.py) goes with M
+        base = model[: -len(SIDE_SUFFIX)] if model.endswith(SIDE_SUFFIX) else model
+        return fnmatch.fnmatchcase(model, self.model) or fnmatch.fnmatchcase(base, self.model)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
