@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-_LISTENING = re.compile(r"listening on (http://[^\s,()]+)")
+_LISTENING = re.compile(r"listening on (https?://[^\s,()]+)")
 RETENTION = 16  # versions each server keeps
 
 

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 from deltasync import __version__
-from . import offline
+from . import keys, offline
 from .run import run_command
 
 # Subcommand groups owned by the server and client packages; each module has register(subparsers).
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     offline.register(sub)
+    keys.register(sub)
     for name in _PLUGINS:
         try:
             mod = importlib.import_module(name)

@@ -2,8 +2,12 @@
 
 ``register(subparsers)`` adds them to the project's CLI (``cli/main.py``);
 ``python -m deltasync.client.cli COMMAND ...`` runs them standalone. Every command
-takes ``--quiet``; ``--key-file`` holds the manifest-signing key as hex (a publisher
-signs with it; a subscriber refuses any manifest that does not verify). Exit codes:
+takes ``--quiet``. Trust (docs/THREAT_MODEL.md): ``publish``/``sidecar`` sign with
+``--signing-key`` (Ed25519 private key, PEM; ``deltasync keygen``), ``subscribe`` verifies
+with ``--verify-key`` (the public key; repeatable for rotation) and refuses any manifest or
+blob that does not verify; ``--key-file`` (a shared HMAC secret, hex) is the closed-deployment
+alternative. ``--ca-file`` trusts a CA for https URLs; ``--read-token-file`` sends a read
+token (origins and relays that require one). Exit codes:
 0 success, 1 an error (printed on stderr), 2 bad usage, 130 interrupted.
 """
 
@@ -21,7 +25,8 @@ from pathlib import Path
 import torch
 
 from deltasync.atomic import remove_temp_files
-from deltasync.cli.keys import signer_from_file, verifier_from_file
+from deltasync.cli.keys import signer_from_options, verifier_from_options
+from deltasync.cli.tls import client_ssl_context
 from deltasync.cli.run import run_command
 from deltasync.dtypes import dtype_info
 from deltasync.errors import DeltaSyncError, NotFoundError
@@ -55,6 +60,28 @@ def _read_token(path: str) -> str:
     return token
 
 
+def _signer(args):
+    return signer_from_options(getattr(args, "signing_key", None), args.key_file)
+
+
+def _verifier(args, signer=None) -> Verifier | None:
+    """The command's Verifier: --verify-key, else the signer's own public half, else --key-file."""
+    if getattr(args, "verify_key", None):
+        return verifier_from_options(args.verify_key, None if getattr(args, "signing_key", None) else args.key_file)
+    if signer is not None and hasattr(signer, "verifier"):
+        return signer.verifier()
+    return verifier_from_options((), args.key_file)
+
+
+def _ssl(args):
+    return client_ssl_context(getattr(args, "ca_file", None))
+
+
+def _read_token_of(args) -> str | None:
+    path = getattr(args, "read_token_file", None)
+    return _read_token(path) if path else None
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:,.2f} MB"
 
@@ -66,10 +93,11 @@ def _setup_logging(args) -> None:
 
 # -- publish ---------------------------------------------------------------------------------------
 
-async def _head_state(url: str, model: str, verifier: Verifier | None, like: dict[str, torch.Tensor], timeout: float):
+async def _head_state(url: str, model: str, verifier: Verifier | None, like: dict[str, torch.Tensor], timeout: float,
+                      *, ssl=None, token: str | None = None):
     """The head version's state, rebuilt from the servers into tensors shaped like ``like``;
     None when the origin has no version or the layout differs."""
-    client = HttpClient([url])
+    client = HttpClient([url], ssl=ssl, read_token=token)
     try:
         head = await client.get_head(model)
     finally:
@@ -77,7 +105,7 @@ async def _head_state(url: str, model: str, verifier: Verifier | None, like: dic
     if head is None:
         return None
     target = {n: torch.empty_like(t) for n, t in like.items()}
-    sub = Subscriber([url], model, target, key=verifier, use_squash=True)
+    sub = Subscriber([url], model, target, key=verifier, use_squash=True, ssl=ssl, read_token=token)
     await sub.start()
     try:
         v = await sub.sync(timeout)
@@ -106,22 +134,22 @@ def _served_base(args, budgeter):
         return None
 
     async def head():
-        async with HttpClient([args.origin]) as h:
+        async with HttpClient([args.origin], ssl=_ssl(args), read_token=_read_token(args.token_file)) as h:
             return await h.get_head(args.model)
     from deltasync.manifest import parse_manifest
     h = asyncio.run(head())
     if h is None:
         return None
     got = load_served(Path(args.state_dir) / "served.safetensors", args.model, h.version,
-                      parse_manifest(h.body, verifier=verifier_from_file(args.key_file)).state_fp, budgeter)
+                      parse_manifest(h.body, verifier=_verifier(args, _signer(args))).state_fp, budgeter)
     return None if got is None else (h.version, got[0], got[1])
 
 
 def cmd_publish(args) -> int:
     _setup_logging(args)
     token = _read_token(args.token_file)
-    signer = signer_from_file(args.key_file)
-    verifier = verifier_from_file(args.key_file)
+    signer = _signer(args)
+    verifier = _verifier(args, signer)
     policy = _policy(args)
     if policy is not None and not args.state_dir:
         print("deltasync publish: error: --budget needs --state-dir (where the served view is kept)", file=sys.stderr)
@@ -132,7 +160,8 @@ def cmd_publish(args) -> int:
     base = _served_base(args, budgeter)
     head_v = base[0] if base is not None else None
     try:
-        got = None if base is not None else asyncio.run(_head_state(args.origin, args.model, verifier, state, args.timeout))
+        got = None if base is not None else asyncio.run(_head_state(args.origin, args.model, verifier, state, args.timeout,
+                                                                     ssl=_ssl(args), token=token))
     except DeltaSyncError as e:
         raise DeltaSyncError(f"cannot read {args.model}'s head from {args.origin}: {e}") from e
     if got is not None:
@@ -146,7 +175,7 @@ def cmd_publish(args) -> int:
     if base is None and head_v is not None:
         _say(args, f"origin has v{head_v} but its state could not be rebuilt here; publishing a keyframe")
     pub = Publisher(args.origin, args.model, token, signer, keyframe_every=0, base=base, check_origin=False,
-                    budget=policy)
+                    budget=policy, ssl=_ssl(args))
     if budgeter is not None and pub.budgeter is not None:
         pub.budgeter.load_ledger(budgeter.ledger_state())  # what the served view in --state-dir still owes
     try:
@@ -195,7 +224,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
             target = None
     if target is None:
         # a head that does not parse or verify is that source's fault: the next --from is tried
-        client = HttpClient(args.sources, timeouts=timeouts,
+        client = HttpClient(args.sources, timeouts=timeouts, ssl=_ssl(args), read_token=_read_token_of(args),
                             check_manifest=lambda body: parse_manifest(body, verifier=verifier))
         try:
             deadline = time.monotonic() + args.timeout
@@ -215,7 +244,8 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
             _say(args, f"{ev.kind} v{ev.version}: {ev.detail}")
 
     sub = Subscriber(args.sources, args.model, target, key=verifier, version=version, timeouts=timeouts,
-                     scrub_every=args.scrub_every, on_event=on_event)
+                     scrub_every=args.scrub_every, on_event=on_event, ssl=_ssl(args),
+                     read_token=_read_token_of(args))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -263,7 +293,11 @@ def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> i
     if args.once and args.until is not None:
         print("deltasync subscribe: error: --once and --until exclude each other", file=sys.stderr)
         return 2
-    return asyncio.run(_subscribe(args, verifier_from_file(args.key_file), on_applied))
+    if args.signing_key:
+        print("deltasync subscribe: error: a subscriber holds no signing key; give the public key (--verify-key)",
+              file=sys.stderr)
+        return 2
+    return asyncio.run(_subscribe(args, _verifier(args), on_applied))
 
 
 # -- sidecar ----------------------------------------------------------------------------------------
@@ -271,7 +305,7 @@ def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> i
 def cmd_sidecar(args) -> int:
     _setup_logging(args)
     token = _read_token(args.token_file)
-    signer = signer_from_file(args.key_file)
+    signer = _signer(args)
     if not Path(args.watch).is_dir():
         print(f"deltasync sidecar: error: {args.watch} is not a directory", file=sys.stderr)
         return 1
@@ -284,7 +318,7 @@ def cmd_sidecar(args) -> int:
 
     car = Sidecar(args.watch, args.origin, args.model, token, signer, keyframe_every=args.keyframe_every,
                   delete_published=args.delete_published, marker=args.marker, poll=args.poll,
-                  state_file=args.state_file, on_event=on_event, budget=_policy(args))
+                  state_file=args.state_file, on_event=on_event, budget=_policy(args), ssl=_ssl(args))
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -301,7 +335,13 @@ def cmd_sidecar(args) -> int:
 
 def _sources(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="M", help="model stream name")
-    p.add_argument("--key-file", metavar="F", help="file holding the manifest-signing key (hex)")
+    p.add_argument("--key-file", metavar="F",
+                   help="shared HMAC key (hex), closed deployments only: whoever holds it can sign")
+    p.add_argument("--signing-key", metavar="PEM",
+                   help="publish/sidecar: the Ed25519 private key that signs versions (deltasync keygen)")
+    p.add_argument("--verify-key", action="append", default=[], metavar="PEM",
+                   help="the publisher's Ed25519 public key; manifests and blobs must verify (repeat: key set)")
+    p.add_argument("--ca-file", metavar="PEM", help="trust only these CAs for https URLs (default: system store)")
     p.add_argument("--quiet", "-q", action="store_true", help="print nothing but errors")
 
 
@@ -353,6 +393,7 @@ def register(subparsers) -> None:
     s.add_argument("--hedge-after", type=float, default=2.0, metavar="S",
                    help="a read with no answer after S seconds also asks the next --from in parallel (default 2; "
                         "0: never)")
+    s.add_argument("--read-token-file", metavar="F", help="file holding a read token (servers that require one)")
     s.add_argument("--scrub-every", type=int, default=0, metavar="N",
                    help="re-fingerprint every tensor every N applies (default: never; incremental checks always run)")
     s.set_defaults(func=cmd_subscribe)

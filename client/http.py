@@ -43,6 +43,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+import ssl as ssl_module
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -51,6 +52,7 @@ from urllib.parse import quote
 import aiohttp
 
 from deltasync.blob import blob_id, check_blob_id
+from deltasync.digest import check_digest
 from deltasync.errors import (
     AuthError,
     DeltaSyncError,
@@ -180,12 +182,17 @@ class HttpClient:
 
     def __init__(self, urls: str | Sequence[str], *, token: str | None = None, timeouts: Timeouts | None = None,
                  write_retries: int = 3, check_manifest: Callable[[bytes], object] | None = None,
-                 failover: Failover | None = None) -> None:
+                 failover: Failover | None = None,
+                 ssl: ssl_module.SSLContext | None = None, read_token: str | None = None) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("at least one server URL is needed")
         self.urls = list(dict.fromkeys(u.rstrip("/") for u in urls))  # a URL listed twice is one source
         self.token = token
+        #: sent on reads (a scoped read token, docs/PROTOCOL.md "Tokens"); never logged
+        self.read_token = read_token
+        #: TLS for https:// URLs (``client_ssl_context(ca_file)``); None: the system's trust store
+        self.ssl = ssl
         self.timeouts = timeouts or Timeouts()
         self.write_retries = write_retries
         #: run on every head/manifest body before it is accepted from a source (raise FormatError or
@@ -205,8 +212,10 @@ class HttpClient:
             t = self.timeouts
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=t.request, connect=t.connect, sock_connect=t.connect, sock_read=t.read),
-                connector=aiohttp.TCPConnector(limit=64, enable_cleanup_closed=True),
+                connector=aiohttp.TCPConnector(limit=64, enable_cleanup_closed=True,
+                                               **({} if self.ssl is None else {"ssl": self.ssl})),
                 auto_decompress=False,
+                headers={"Authorization": f"Bearer {self.read_token}"} if self.read_token else None,
             )
         return self._session
 
@@ -345,12 +354,14 @@ class HttpClient:
                                             ttfb=timeout)
         return body
 
-    async def get_blob(self, bid: str, size: int | None = None) -> bytes:
-        """A blob, its hash checked; fails over on bad bytes and resumes cut transfers with Range."""
+    async def get_blob(self, bid: str, size: int | None = None, digest: str | None = None) -> bytes:
+        """A blob, its hash checked (and its cryptographic ``digest`` from a signed manifest, when given); fails
+        over on bad bytes and resumes cut transfers with Range."""
         check_blob_id(bid)
-        return await self._each_url(lambda url: self._get_blob_from(url, bid, size), what=f"blob {bid}")
+        return await self._each_url(lambda url: self._get_blob_from(url, bid, size, digest=digest), what=f"blob {bid}")
 
-    async def _get_blob_from(self, url: str, bid: str, size: int | None, attempts: int = 3) -> bytes:
+    async def _get_blob_from(self, url: str, bid: str, size: int | None, attempts: int = 3, *,
+                             digest: str | None = None) -> bytes:
         full = f"{url}/v1/blobs/{bid}"
         buf = bytearray()
 
@@ -379,6 +390,8 @@ class HttpClient:
         found = blob_id(data)
         if found != bid:
             raise IntegrityError(f"blob {bid}: content hashes to {found}")
+        if digest is not None:
+            check_digest(bid, data, digest)  # crafted bytes that match the xxh3 id: this URL's fault
         return data
 
     # -- writes (origin only) -----------------------------------------------------------------

@@ -67,6 +67,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,7 @@ from deltasync.errors import ChainError, DeltaSyncError, PublishError
 from deltasync.fingerprint import state_fingerprint
 from deltasync.keyframe import DEFAULT_SHARD_BYTES, encode_keyframe
 from deltasync.manifest import BlobRef, Manifest, parse_manifest
+from deltasync.signing import Signer
 
 from .http import HttpClient, Timeouts
 from .loop import LoopThread
@@ -208,7 +210,8 @@ class Publisher:
     """Publishes a trainer's state every step (see the module docstring).
 
     ``origin_url``: the origin server; ``token``: its bearer token for writes; ``key``:
-    the manifest-signing key (bytes, see ``deltasync.manifest.load_key``) or None.
+    the manifest :class:`~deltasync.signing.Signer` (an ``Ed25519Signer``: only the
+    publisher holds the private key; raw ``bytes``: a shared HMAC secret) or None.
     ``keyframe_every``: a side keyframe every K versions (0: only on demand).
     ``commit=False``: part mode for sharded trainers (see the module docstring).
     ``base``: ``(version, tensors, fps)`` of the state the origin's head holds, to
@@ -217,12 +220,12 @@ class Publisher:
     :class:`~deltasync.budget.BudgetPolicy`); None is the lossless stream.
     """
 
-    def __init__(self, origin_url: str, model: str, token: str | None, key: bytes | None = None, *,
+    def __init__(self, origin_url: str, model: str, token: str | None, key: Signer | bytes | None = None, *,
                  keyframe_every: int = 20, options: EncodeOptions | None = None, workers: int = 2,
                  upload_concurrency: int = 4, max_pending: int = 4, timeouts: Timeouts | None = None,
                  commit: bool = True, check_origin: bool = True, shard_bytes: int = DEFAULT_SHARD_BYTES,
                  base: tuple[int, Mapping[str, torch.Tensor], Mapping[str, int] | None] | None = None,
-                 budget: int | BudgetPolicy | None = None) -> None:
+                 budget: int | BudgetPolicy | None = None, ssl=None) -> None:
         if keyframe_every < 0:
             raise ValueError("keyframe_every must be >= 0")
         self.model = model
@@ -237,7 +240,8 @@ class Publisher:
         self.budget = BudgetPolicy(bytes=budget) if isinstance(budget, int) else budget
         self._budgeter = Budgeter(self.budget) if self.budget is not None else None
         self._io = LoopThread("deltasync-publisher-io")
-        self._client = HttpClient([origin_url], token=token, timeouts=self.timeouts)
+        # the publish token also reads (head checks); ``ssl``: an SSLContext for an https origin (--ca-file)
+        self._client = HttpClient([origin_url], token=token, timeouts=self.timeouts, ssl=ssl, read_token=token)
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="deltasync-encode")
         self._slots = threading.BoundedSemaphore(max(1, max_pending))
         self._ref_free = threading.Event()
@@ -439,6 +443,11 @@ class Publisher:
         finally:
             if job.kind == "keyframe" or job.side or job.budgeted:
                 self._ref_free.set()
+        # signed manifests carry a digest of every blob (docs/FORMAT.md §5.2); parts: the committing rank signs
+        if self.key is not None or not self.committer:
+            main = dataclasses.replace(main, manifest=main.manifest.with_digests(main.blobs))
+            if side is not None:
+                side = dataclasses.replace(side, manifest=side.manifest.with_digests(side.blobs))
         return main, side, time.perf_counter() - t0, report
 
     async def _process(self, job: _Job, prev: concurrent.futures.Future | None) -> PublishResult:

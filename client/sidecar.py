@@ -81,7 +81,7 @@ class Sidecar:
                  keyframe_every: int = 20, delete_published: bool = False, marker: str | None = None,
                  poll: float = 1.0, state_file: str | os.PathLike | None = None,
                  on_event: Callable[[SidecarEvent], None] | None = None,
-                 budget: int | BudgetPolicy | None = None) -> None:
+                 budget: int | BudgetPolicy | None = None, ssl=None) -> None:
         self.dir = Path(watch_dir)
         self.model = model
         self.side_model = keyframe_stream(model)
@@ -92,7 +92,7 @@ class Sidecar:
         self.poll = poll
         self.state_path = Path(state_file) if state_file else self.dir / STATE_NAME
         self.options = EncodeOptions()
-        self.client = HttpClient([origin], token=token, timeouts=Timeouts())
+        self.client = HttpClient([origin], token=token, timeouts=Timeouts(), ssl=ssl, read_token=token)
         self.on_event = on_event
         # resumable state
         self.version: int | None = None

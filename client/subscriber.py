@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl as ssl_module
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +57,7 @@ from dataclasses import dataclass, field
 
 from deltasync import syncmachine as sm
 from deltasync.errors import NotFoundError
+from deltasync.signing import Verifier
 
 from .appliers import as_applier
 from .driver import SyncDriver
@@ -112,19 +114,26 @@ class Subscriber:
     """Asyncio subscriber. ``apply_pending`` and ``hold`` are synchronous and thread-safe; the event loop
     never waits for them (see the module docstring)."""
 
-    def __init__(self, urls: str | Sequence[str], model: str, target, *, key: bytes | None = None, auto: bool = False,
+    def __init__(self, urls: str | Sequence[str], model: str, target, *, key: Verifier | bytes | None = None,
+                 auto: bool = False,
                  verify: str = "incremental", scrub_every: int = 0, version: int | None = None,
                  timeouts: Timeouts | None = None, max_ready: int = 8, download_concurrency: int = 4,
                  use_squash: bool = True, squash_min_chain: int = 3, squash_timeout: float = 15.0, max_refetch: int = 1,
                  on_event: Callable[[SyncEvent], None] | None = None,
-                 on_applied: Callable[[int], None] | None = None) -> None:
+                 on_applied: Callable[[int], None] | None = None, verifier: Verifier | None = None,
+                 ssl: ssl_module.SSLContext | None = None, read_token: str | None = None) -> None:
+        # ``verifier``: the publisher's public key(s) (``Ed25519Verifier`` / ``KeySet``; ``key=`` takes the same,
+        # or a raw HMAC secret); ``ssl``: TLS context for https sources; ``read_token``: a scoped read token
+        if verifier is not None and key is not None:
+            raise TypeError("Subscriber: pass verifier= or key=, not both")
+        key = verifier if verifier is not None else key
         self.model = model
         self.target = target
         self.auto = auto
         self.on_event = on_event
         self.on_applied = on_applied
         self.timeouts = timeouts or Timeouts()
-        self.client = HttpClient(urls, timeouts=self.timeouts)
+        self.client = HttpClient(urls, timeouts=self.timeouts, ssl=ssl, read_token=read_token)
         self.live = LiveState(as_applier(target), version=version, verify=verify, scrub_every=scrub_every)
         self.queue = ReadyQueue()
         self.machine = sm.SyncMachine(sm.SyncConfig(

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Mapping
 
 from deltasync.manifest import Manifest
+from deltasync.signing import Signer
 
 from .http import HttpClient
 
@@ -28,8 +29,9 @@ async def upload_blobs(client: HttpClient, blobs: Mapping[str, bytes], *, concur
     return sum(sizes)
 
 
-async def commit_manifest(client: HttpClient, manifest: Manifest, *, key: bytes | None = None) -> Manifest:
-    """Sign (when a key is given) and PUT a manifest; returns what was sent."""
+async def commit_manifest(client: HttpClient, manifest: Manifest, *, key: Signer | bytes | None = None) -> Manifest:
+    """Sign (when a key is given) and PUT a manifest; returns what was sent. A public-key signer needs the
+    blobs' digests in the manifest already (``Manifest.with_digests``; ``upload_version`` adds them)."""
     if key is not None:
         manifest = manifest.sign(key)
     await client.put_manifest(manifest.model, manifest.version, manifest.to_json())
@@ -37,7 +39,9 @@ async def commit_manifest(client: HttpClient, manifest: Manifest, *, key: bytes 
 
 
 async def upload_version(client: HttpClient, manifest: Manifest, blobs: Mapping[str, bytes], *,
-                         key: bytes | None = None, concurrency: int = 4) -> Manifest:
-    """Blobs first (in parallel), then the manifest."""
+                         key: Signer | bytes | None = None, concurrency: int = 4) -> Manifest:
+    """Blobs first (in parallel), then the manifest (signed with ``key``: with a digest of every blob)."""
+    if key is not None:
+        manifest = manifest.with_digests(blobs)
     await upload_blobs(client, {b.id: blobs[b.id] for b in manifest.blobs}, concurrency=concurrency)
     return await commit_manifest(client, manifest, key=key)

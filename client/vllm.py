@@ -283,12 +283,16 @@ def _live_tensors(model: torch.nn.Module) -> dict[str, _Live]:
 
 # -- the worker extension --------------------------------------------------------------------------------------
 
-def _key(key_hex: str | None, verify_key: str | None) -> bytes | None:
+def _key(key_hex: str | None, verify_key: str | None):
     from deltasync.manifest import load_key
 
     if key_hex and verify_key:
         raise ValueError("give key_hex or verify_key (a key file), not both")
-    if verify_key:
+    if verify_key:  # an Ed25519 public key (PEM; several comma-separated: a key set) or a legacy HMAC hex file
+        from deltasync.cli.keys import verifier_from_options
+        paths = [p.strip() for p in str(verify_key).split(",") if p.strip()]
+        if b"PUBLIC KEY" in open(paths[0], "rb").read():
+            return verifier_from_options(paths)
         with open(verify_key) as f:
             return load_key(f.read())
     return load_key(key_hex) if key_hex else None

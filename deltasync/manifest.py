@@ -4,8 +4,15 @@ A manifest is canonical JSON (docs/FORMAT.md, "manifest"). ``Manifest.to_json``
 writes it, ``parse_manifest`` reads it back and rejects anything malformed with a
 FormatError. ``sign`` takes a :class:`~deltasync.signing.Signer`, ``verify_signature``
 and ``parse_manifest(verifier=...)`` a :class:`~deltasync.signing.Verifier`; both sign
-the canonical encoding of every field but the signature itself. A raw ``bytes`` key is
-still accepted wherever one was (wrapped into HMAC-SHA256).
+the canonical encoding of every field but the signature and the key id (a hint naming
+the key; the signature is what binds). A raw ``bytes`` key is still accepted wherever
+one was (wrapped into HMAC-SHA256).
+
+Format 2 (this build writes it) adds a cryptographic digest per blob
+(``BlobRef.digest``, deltasync.digest; ``with_digests`` fills them) and the signer's
+``key_id``. A manifest signed with a public key (Ed25519) must carry a digest of every
+blob, and a public-key verifier accepts only format 2; format 1 is still read, but only
+unsigned or HMAC-signed (docs/FORMAT.md §5).
 """
 
 from __future__ import annotations
@@ -16,19 +23,23 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .blob import check_blob_id
+from .digest import DEFAULT_DIGEST, blob_digest, parse_digest
 from .dtypes import dtype_info, word_count
 from .errors import DeltaSyncError, FormatError, SignatureError
-from .signing import Signer, Verifier, as_signer, as_verifier, load_key
+from .signing import Ed25519Signer, Signer, Verifier, as_signer, as_verifier, is_public_key, load_key
 
 __all__ = [
     "BlobRef", "ChunkRef", "FORMAT_VERSION", "KINDS", "Manifest", "TensorRecord", "load_key", "parse_manifest",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: manifest formats this build reads (1: no digests, no key id; only unsigned or HMAC-signed is accepted)
+READ_FORMATS = (1, 2)
 KINDS = ("keyframe", "delta")
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FP_RE = re.compile(r"^[0-9a-f]{16}$")
 _SIG_RE = re.compile(r"^[a-z0-9-]{1,32}:[0-9a-f]{16,256}$")
+_KEY_ID_RE = re.compile(r"^[A-Za-z0-9._:,-]{1,256}$")
 MAX_VERSION = (1 << 63) - 1
 MAX_MANIFEST_BYTES = 256 << 20
 
@@ -95,9 +106,12 @@ class TensorRecord:
 class BlobRef:
     id: str
     size: int
+    digest: str | None = None  # "blake3:<64 hex>" | "sha256:<64 hex>" (format 2), covered by the signature
 
-    def to_obj(self) -> dict:
-        return {"id": self.id, "size": self.size}
+    def to_obj(self, format: int = FORMAT_VERSION) -> dict:
+        if format < 2:
+            return {"id": self.id, "size": self.size}
+        return {"id": self.id, "size": self.size, "digest": self.digest}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,6 +127,7 @@ class Manifest:
     meta: dict[str, str] = field(default_factory=dict)
     signature: str | None = None
     format: int = FORMAT_VERSION
+    key_id: str | None = None  # the signer's key id (format 2); not covered by the signature, a hint
 
     # -- views -------------------------------------------------------------------
     @property
@@ -140,10 +155,12 @@ class Manifest:
             "format": self.format, "model": self.model, "version": self.version, "parent": self.parent,
             "kind": self.kind, "state_fp_before": self.state_fp_before, "state_fp": self.state_fp,
             "meta": dict(self.meta), "tensors": [t.to_obj() for t in self.tensors],
-            "blobs": [b.to_obj() for b in self.blobs],
+            "blobs": [b.to_obj(self.format) for b in self.blobs],
         }
         if with_signature:
             obj["signature"] = self.signature
+            if self.format >= 2:
+                obj["key_id"] = self.key_id
         return obj
 
     def canonical_bytes(self) -> bytes:
@@ -153,18 +170,64 @@ class Manifest:
     def to_json(self) -> bytes:
         return _canonical(self.to_obj())
 
+    @property
+    def has_digests(self) -> bool:
+        """Every blob carries a cryptographic digest."""
+        return all(b.digest is not None for b in self.blobs)
+
+    def with_digests(self, blobs, alg: str = DEFAULT_DIGEST) -> Manifest:
+        """This manifest (as format 2) with a digest of every blob, computed from ``blobs`` (id -> bytes);
+        blobs that already carry one keep it. A changed manifest loses its old signature."""
+        refs = []
+        for b in self.blobs:
+            if b.digest is None:
+                if b.id not in blobs:
+                    raise FormatError(f"{self.model} v{self.version}: blob {b.id} is not in hand to digest")
+                b = replace(b, digest=blob_digest(blobs[b.id], alg))
+            refs.append(b)
+        out = replace(self, blobs=tuple(refs), format=FORMAT_VERSION)
+        return out if out == self else replace(out, signature=None, key_id=None)
+
     def sign(self, signer: Signer | bytes) -> Manifest:
-        """This manifest with ``signer``'s signature (a raw ``bytes`` key signs with HMAC-SHA256)."""
-        return replace(self, signature=as_signer(signer).sign(self.canonical_bytes()))
+        """This manifest with ``signer``'s signature (a raw ``bytes`` key signs with HMAC-SHA256) and key id.
+        A public-key signer needs a digest of every blob first (``with_digests``)."""
+        signer = as_signer(signer)
+        kid = getattr(signer, "key_id", None)
+        if isinstance(signer, Ed25519Signer) and not (self.format >= 2 and self.has_digests):
+            raise FormatError(f"{self.model} v{self.version}: a public-key signature needs a digest of every blob "
+                              "(Manifest.with_digests(blobs) first)")
+        signed = replace(self, key_id=kid if self.format >= 2 and isinstance(kid, str) else None)
+        return replace(signed, signature=signer.sign(self.canonical_bytes()))
 
     def verify_signature(self, verifier: Verifier | bytes) -> None:
-        """Raise SignatureError unless ``verifier`` accepts the signature (a raw ``bytes`` key: HMAC-SHA256)."""
+        """Raise SignatureError unless ``verifier`` accepts the signature (a raw ``bytes`` key: HMAC-SHA256).
+        A public-key verifier also needs format 2 with a digest of every blob (what makes the blobs' bytes
+        part of what is signed)."""
+        where = f"{self.model} v{self.version}"
         if self.signature is None:
-            raise SignatureError(f"{self.model} v{self.version}: manifest is unsigned but a key is configured")
+            raise SignatureError(f"{where}: manifest is unsigned but a key is configured")
+        v = as_verifier(verifier)
+        if is_public_key(v):
+            if self.format < 2:
+                raise SignatureError(f"{where}: manifest format {self.format} has no blob digests; a public-key "
+                                     "verifier accepts only format 2 (republish with this version of deltasync)")
+            if not self.has_digests:
+                raise SignatureError(f"{where}: manifest lacks a digest for some blobs; a public-key verifier "
+                                     "refuses it (the blobs' bytes would not be covered by the signature)")
         try:
-            as_verifier(verifier).verify(self.canonical_bytes(), self.signature)
+            verify_as = getattr(v, "verify_as", None)
+            if self.key_id is not None and verify_as is not None:  # a key set: the member the manifest names
+                verify_as(self.key_id, self.canonical_bytes(), self.signature)
+            else:
+                v.verify(self.canonical_bytes(), self.signature)
+            held = getattr(v, "key_ids", None)
+            if held is None and isinstance(getattr(v, "key_id", None), str):
+                held = frozenset((v.key_id,))
+            if self.key_id is not None and held is not None and self.key_id not in held:
+                # the key id is not signed: one that names another key than the one that verified is tampered
+                raise SignatureError(f"names key {self.key_id} but verifies with {sorted(held)} (key id altered)")
         except SignatureError as e:
-            raise SignatureError(f"{self.model} v{self.version}: manifest {e}") from None
+            raise SignatureError(f"{where}: manifest {e}") from None
 
 
 def _canonical(obj: Any) -> bytes:
@@ -231,15 +294,19 @@ def _fp(x: Any, what: str, optional: bool = False) -> str | None:
 
 
 _TOP = {"format", "model", "version", "parent", "kind", "state_fp_before", "state_fp", "meta", "tensors", "blobs", "signature"}
+_TOP2 = _TOP | {"key_id"}
 
 
 def _from_obj(obj: Any) -> Manifest:
     _expect(isinstance(obj, dict), "top level must be an object")
-    _expect(set(obj) == _TOP, f"fields must be exactly {sorted(_TOP)}, found {sorted(obj)}")
+    _expect("format" in obj, f"fields must be exactly {sorted(_TOP2)}, found {sorted(obj)}")
     fmt = _int(obj["format"], "format")
-    if fmt != FORMAT_VERSION:
+    if fmt not in READ_FORMATS:
         from .errors import UnsupportedError
-        raise UnsupportedError(f"manifest format {fmt} is not supported (this build reads {FORMAT_VERSION})")
+        raise UnsupportedError(f"manifest format {fmt} is not supported (this build reads {list(READ_FORMATS)}); "
+                               "upgrade deltasync")
+    top = _TOP2 if fmt >= 2 else _TOP
+    _expect(set(obj) == top, f"fields must be exactly {sorted(top)}, found {sorted(obj)}")
     model = obj["model"]
     _expect(isinstance(model, str) and bool(MODEL_RE.match(model)), f"model name {model!r} must match {MODEL_RE.pattern}")
     version = _int(obj["version"], "version")
@@ -259,15 +326,25 @@ def _from_obj(obj: Any) -> Manifest:
     _expect(isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()), "meta must map strings to strings")
     sig = obj["signature"]
     _expect(sig is None or (isinstance(sig, str) and bool(_SIG_RE.match(sig))),
-            "signature must be null or 'ALG:HEX' (e.g. hmac-sha256:<64 hex digits>)")
+            "signature must be null or 'ALG:HEX' (e.g. ed25519:<128 hex digits>)")
+    key_id = obj.get("key_id")
+    _expect(key_id is None or (isinstance(key_id, str) and bool(_KEY_ID_RE.match(key_id))),
+            f"key_id must be null or a key id like 'ed25519:<16 hex>', found {str(key_id)[:80]!r}")
+    _expect(key_id is None or sig is not None, "key_id without a signature")
 
     blobs_obj = obj["blobs"]
     _expect(isinstance(blobs_obj, list), "blobs must be a list")
     _expect(len(blobs_obj) <= MAX_BLOBS, f"a manifest lists at most {MAX_BLOBS} blobs, found {len(blobs_obj)}")
     blobs = []
-    for b in blobs_obj:
-        _expect(isinstance(b, dict) and set(b) == {"id", "size"}, "each blob is {id, size}")
-        blobs.append(BlobRef(id=check_blob_id(b["id"]), size=_int(b["size"], "blob size", hi=MAX_BLOB_BYTES)))
+    blob_keys = ({"id", "size"}, {"id", "size", "digest"}) if fmt >= 2 else ({"id", "size"},)
+    for b in blobs_obj:  # format 2: "digest" may be left out (= null)
+        _expect(isinstance(b, dict) and set(b) in blob_keys,
+                "each blob is {id, size, digest}" if fmt >= 2 else "each blob is {id, size}")
+        digest = b.get("digest")
+        if digest is not None:
+            parse_digest(digest)
+        blobs.append(BlobRef(id=check_blob_id(b["id"]), size=_int(b["size"], "blob size", hi=MAX_BLOB_BYTES),
+                             digest=digest))
     ids = {b.id for b in blobs}
     _expect(len(ids) == len(blobs), "blob ids must be unique")
     total_blob = sum(b.size for b in blobs)
@@ -327,4 +404,4 @@ def _from_obj(obj: Any) -> Manifest:
     _expect([t.name for t in tensors] == sorted(names), "tensors must be sorted by name")
     return Manifest(model=model, version=version, parent=parent, kind=kind, tensors=tuple(tensors),
                     blobs=tuple(blobs), state_fp=state_fp, state_fp_before=state_fp_before, meta=meta,
-                    signature=sig, format=fmt)
+                    signature=sig, format=fmt, key_id=key_id)

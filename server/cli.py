@@ -22,12 +22,14 @@ from pathlib import Path
 from aiohttp import web
 
 from deltasync.errors import DeltaSyncError
+from deltasync.cli.keys import verifier_from_options
 from deltasync.cli.run import run_command
 from deltasync.manifest import load_key
 
 from .app import build_app
 from .config import BucketSettings, ServerConfig, Timeouts
 from .connections import ConnectionGuard, GuardedRunner, ServerLimits
+from .tokens import TokenTable
 from .bucketlayout import is_bucket_url, parse_bucket_url
 
 log = logging.getLogger("deltasync.server")
@@ -94,7 +96,14 @@ def _bucket_options(p: argparse.ArgumentParser) -> None:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", required=True, type=parse_listen, metavar="HOST:PORT",
                    help="address to serve on (port 0: any free port, logged at start)")
-    p.add_argument("--key-file", type=Path, help="hex HMAC key; when given, every manifest must verify with it")
+    p.add_argument("--verify-key", action="append", type=Path, default=[], metavar="PEM",
+                   help="the publisher's Ed25519 public key (PEM); every manifest and blob digest must verify. "
+                        "Repeat for rotation (any listed key is accepted)")
+    p.add_argument("--key-file", type=Path,
+                   help="shared HMAC key (hex), closed deployments only: its holders can also sign; when given, "
+                        "every manifest must verify with it")
+    p.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve https with this certificate chain")
+    p.add_argument("--tls-key", type=Path, metavar="PEM", help="the private key of --tls-cert")
     p.add_argument("--retention", type=int, default=16, metavar="N",
                    help="pin the blobs of each model's newest N versions (and newest keyframe); default 16")
     p.add_argument("--heartbeat", type=float, default=10.0, metavar="S", help="event-stream keepalive period")
@@ -154,7 +163,9 @@ def register(subparsers) -> None:
                    help="bucket store: seconds between sweeps of orphaned blobs (0: never)")
     o.add_argument("--gc-grace", type=float, default=3600.0, metavar="S",
                    help="bucket store: blobs no manifest names are deleted once older than this")
-    o.add_argument("--token-file", required=True, type=Path, metavar="F", help="file holding the bearer token")
+    o.add_argument("--token-file", required=True, type=Path, metavar="F",
+                   help="bearer tokens: one token (publish and read everything), or lines 'publish|read MODEL "
+                        "TOKEN' (scoped per model; any read line makes reads need a token). docs/PROTOCOL.md")
     o.add_argument("--max-blob-size", type=parse_size, default=4 << 30, metavar="BYTES",
                    help="largest blob upload accepted (default 4G)")
     o.set_defaults(func=run_origin)
@@ -168,6 +179,10 @@ def register(subparsers) -> None:
     _bucket_options(r)
     r.add_argument("--cache-size", type=parse_size, default=None, metavar="BYTES",
                    help="blob cache budget (K/M/G/T suffixes); default unbounded")
+    r.add_argument("--token-file", type=Path, metavar="F",
+                   help="read tokens its children must send (lines 'read MODEL TOKEN'); default: reads are open")
+    r.add_argument("--read-token-file", type=Path, metavar="F", help="the read token this relay sends its parents")
+    r.add_argument("--ca-file", type=Path, metavar="PEM", help="trust only these CAs for https parents")
     r.set_defaults(func=run_relay)
 
 
@@ -190,14 +205,33 @@ def _limits(args) -> dict:
 
 
 def _key(args) -> bytes | None:
+    if args.key_file and args.verify_key:
+        raise DeltaSyncError("give --verify-key (public keys) or --key-file (HMAC), not both")
     return load_key(args.key_file.read_text()) if args.key_file else None
+
+
+def _trust(args) -> dict:
+    """The verify key(s), the HMAC key and the TLS files of a server's options, as ServerConfig fields."""
+    return {"key": _key(args), "verifier": verifier_from_options(args.verify_key) if args.verify_key else None,
+            "tls_cert": args.tls_cert, "tls_key": args.tls_key}
+
+
+def _tokens(path: Path | None) -> TokenTable | None:
+    return None if path is None else TokenTable.parse(path.read_text(), where=f"token file {path}")
+
+
+def _read_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    token = path.read_text().strip()
+    if not token:
+        raise DeltaSyncError(f"read token file {path} is empty")
+    return token
 
 
 def run_origin(args) -> int:
     try:
-        token = args.token_file.read_text().strip()
-        if not token:
-            raise DeltaSyncError(f"token file {args.token_file} is empty")
+        tokens = _tokens(args.token_file)
         store_dir, bucket = args.store, None
         if isinstance(args.store, str):  # a bucket
             bucket = BucketSettings(url=args.store, cache_size=args.s3_cache_size,
@@ -207,7 +241,7 @@ def run_origin(args) -> int:
                                     gc_interval=args.gc_interval, gc_grace=args.gc_grace)
             store_dir = args.s3_scratch or Path(tempfile.mkdtemp(prefix="deltasync-scratch-"))
         config = ServerConfig(role="origin", host=args.listen[0], port=args.listen[1], store_dir=store_dir,
-                              token=token, key=_key(args), retention=args.retention,
+                              tokens=tokens, **_trust(args), retention=args.retention,
                               max_blob_size=args.max_blob_size, fsync=not args.no_fsync, timeouts=_timeouts(args),
                               store_kind="s3" if bucket else "disk", bucket=bucket, s3_endpoint=args.s3_endpoint,
                               **_limits(args))
@@ -220,7 +254,9 @@ def run_origin(args) -> int:
 def run_relay(args) -> int:
     try:
         config = ServerConfig(role="relay", host=args.listen[0], port=args.listen[1], store_dir=args.cache,
-                              parents=tuple(args.parent), cache_size=args.cache_size, key=_key(args),
+                              parents=tuple(args.parent), cache_size=args.cache_size, **_trust(args),
+                              tokens=_tokens(args.token_file), read_token=_read_token(args.read_token_file),
+                              ca_file=args.ca_file,
                               retention=args.retention, fsync=not args.no_fsync, timeouts=_timeouts(args),
                               s3_endpoint=args.s3_endpoint,
                               bucket_poll=1.0 if args.bucket_poll is None else args.bucket_poll, **_limits(args))
@@ -288,7 +324,16 @@ async def _serve_app(config: ServerConfig, *, shown_parents: tuple[str, ...]) ->
     except (OSError, DeltaSyncError) as e:
         log.error("cannot start: %s", e)
         return 1
-    site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_address=True)
+    ssl_context = None
+    if config.tls_cert is not None:
+        from deltasync.cli.tls import server_ssl_context
+        try:
+            ssl_context = server_ssl_context(config.tls_cert, config.tls_key)
+        except DeltaSyncError as e:
+            log.error("cannot start: %s", e)
+            await runner.cleanup()
+            return 1
+    site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_address=True, ssl_context=ssl_context)
     try:
         await site.start()
     except OSError as e:
@@ -299,7 +344,8 @@ async def _serve_app(config: ServerConfig, *, shown_parents: tuple[str, ...]) ->
     shown = f"[{host}]" if ":" in host else host
     extra = f", parents {', '.join(shown_parents)}" if shown_parents else ""
     store = config.bucket.url if config.bucket is not None else config.store_dir
-    log.info("%s listening on http://%s:%d (store %s%s)", config.role, shown, port, store, extra)
+    scheme = "https" if ssl_context is not None else "http"
+    log.info("%s listening on %s://%s:%d (store %s%s)", config.role, scheme, shown, port, store, extra)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

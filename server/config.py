@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .connections import ServerLimits
+from deltasync.signing import Verifier
+
+from .tokens import TokenTable
 
 ROLES = ("origin", "relay")
 STORES = ("disk", "memory", "s3")
@@ -47,7 +50,13 @@ class ServerConfig:
     port: int
     store_dir: Path | None  # the disk store's directory (unused by the memory store)
     token: str | None = None  # origin: bearer token for writes
-    key: bytes | None = None  # HMAC key: when set, manifests must verify
+    key: bytes | None = None  # HMAC key (closed deployments): when set, manifests must verify; squashes are signed
+    verifier: Verifier | None = None  # the publisher's public key(s) (--verify-key): manifests and digests must verify
+    tokens: TokenTable | None = None  # scoped tokens (--token-file); origin default: TokenTable.single(token)
+    read_token: str | None = None  # relay: sent to its parents (--read-token-file)
+    tls_cert: Path | None = None  # serve https with this certificate chain (PEM) ...
+    tls_key: Path | None = None  # ... and key (PEM)
+    ca_file: Path | None = None  # relay: trust only these CAs for https parents (PEM)
     parents: tuple[str, ...] = ()  # relay: base URLs, most preferred first
     cache_size: int | None = None  # byte budget for blobs; None = unbounded
     retention: int = 16  # newest versions per model whose blobs are pinned
@@ -67,7 +76,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, found {self.role!r}")
-        if self.role == "origin" and not self.token:
+        if self.role == "origin" and not (self.token or self.tokens):
             raise ValueError("an origin needs a bearer token for writes (--token-file)")
         if self.role == "relay" and not self.parents:
             raise ValueError("a relay needs at least one --parent URL")
@@ -79,6 +88,21 @@ class ServerConfig:
             raise ValueError("the disk store needs a directory (--store)")
         if self.retention < 1:
             raise ValueError("retention must be at least 1 version")
+        if self.key is not None and self.verifier is not None:
+            raise ValueError("give --verify-key (public keys) or --key-file (HMAC), not both")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+
+    @property
+    def verify_with(self) -> Verifier | bytes | None:
+        """What manifests are verified with: the public key(s), else the HMAC key, else None."""
+        return self.verifier if self.verifier is not None else self.key
+
+    @property
+    def token_table(self) -> TokenTable | None:
+        if self.tokens is not None:
+            return self.tokens
+        return TokenTable.single(self.token) if self.token else None
 
     @property
     def is_origin(self) -> bool:

@@ -6,6 +6,12 @@ blobs already stored with the sizes it claims, increases the model's version, an
 links to a committed parent whose state fingerprint it starts from (or is a
 keyframe). Commits of one model are serialized; a version becomes visible (head,
 events, GET) in one step after its manifest file is durably in place.
+
+With a verifier (``--verify-key``: the publisher's public key), the manifest must also
+carry a cryptographic digest of every blob, and each must match the stored bytes: the
+digest is computed while the upload streams in (kept for the blobs of recent uploads)
+or, for an older blob, by rereading it. A blob whose bytes do not match is refused
+(422 integrity), so the origin never serves a version whose blobs are not the signed ones.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from deltasync.errors import (
     StorageError,
     TooLargeError,
 )
+from deltasync.digest import DEFAULT_DIGEST, DigestHasher, blob_digest, parse_digest
 from deltasync.manifest import Manifest, parse_manifest
+from deltasync.signing import Verifier
 
 from .events import EventHub
 from .metrics import Metrics
@@ -34,14 +42,18 @@ log = logging.getLogger("deltasync.server.intake")
 
 
 class Intake:
-    def __init__(self, *, store: BlobStore, hub: EventHub, metrics: Metrics, key: bytes | None,
+    #: digests of this many recent uploads are kept for the commit check (older blobs are reread)
+    DIGEST_MEMORY = 4096
+
+    def __init__(self, *, store: BlobStore, hub: EventHub, metrics: Metrics, key: Verifier | bytes | None,
                  max_blob_size: int) -> None:
         self.store = store
         self.hub = hub
         self.metrics = metrics
-        self.key = key
+        self.key = key  # a Verifier (public keys) or a raw HMAC secret; None: manifests are not verified
         self.max_blob_size = max_blob_size
         self._locks: dict[str, asyncio.Lock] = {}
+        self._digests: dict[str, str] = {}  # blob id -> DEFAULT_DIGEST of its uploaded bytes (insertion order)
 
     async def put_blob(self, blob_id: str, body: AsyncIterator[bytes], *, declared: int | None) -> tuple[int, bool]:
         """Store an uploaded blob; returns (size, created). Nothing is kept unless every check passes."""
@@ -54,8 +66,11 @@ class Intake:
             part = await self.store.open_partial(blob_id)
         except OSError as e:
             raise StorageError(f"cannot store blob {blob_id}: {e.strerror or e}") from e
+        hasher = DigestHasher(DEFAULT_DIGEST) if self.key is not None else None
         try:
             async for chunk in body:
+                if hasher is not None:
+                    hasher.update(chunk)
                 if part.written + len(chunk) > self.max_blob_size:
                     raise TooLargeError(f"blob body exceeds this origin's limit of {self.max_blob_size} bytes")
                 try:
@@ -78,6 +93,10 @@ class Intake:
                 raise StorageError(f"storing blob {blob_id} failed ({e.strerror or e}); nothing was kept") from e
         finally:
             part.close()
+        if hasher is not None:
+            self._digests[blob_id] = hasher.digest()
+            while len(self._digests) > self.DIGEST_MEMORY:
+                del self._digests[next(iter(self._digests))]
         self.metrics.inc("uploads")
         log.info("stored blob %s (%d bytes)", blob_id, part.written)
         return part.written, True
@@ -99,6 +118,8 @@ class Intake:
                 raise ChainError(f"{model} v{version} is already committed with different content; "
                                  "publish a new version instead")
             self._check(m)
+            if self.key is not None:
+                await self._check_digests(m)
             info = await self.store.put_manifest(m, announce=True)
         self.metrics.inc("versions")
         self.hub.publish(info, m.to_json())
@@ -126,3 +147,18 @@ class Intake:
             if parent.state_fp != m.state_fp_before:
                 raise BaseMismatchError(f"{m.model} v{m.version} starts from state {m.state_fp_before} but "
                                         f"v{m.parent} is state {parent.state_fp}")
+
+    async def _check_digests(self, m: Manifest) -> None:
+        """Every blob's stored bytes match the digest the (verified) manifest signs."""
+        for b in m.blobs:
+            if b.digest is None:
+                continue  # only an HMAC-signed or unsigned manifest gets here without digests
+            alg, _ = parse_digest(b.digest)
+            found = self._digests.get(b.id) if alg == DEFAULT_DIGEST else None
+            if found is None:
+                data = await self.store.get_blob(b.id)
+                found = await asyncio.to_thread(blob_digest, data, alg)
+            if found != b.digest:
+                self.metrics.inc("hash_failures")
+                raise IntegrityError(f"blob {b.id}: stored bytes hash to {found} but {m.model} v{m.version} "
+                                     f"signs {b.digest}; re-upload the blob or fix the publisher")

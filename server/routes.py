@@ -8,7 +8,6 @@ asks its parents).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import re
@@ -39,6 +38,7 @@ from .events import INLINE_MANIFEST_MAX, event_payload, format_event
 from .inflight import InflightBlob
 from .ranges import etag_matches, if_range_allows, parse_range
 from .sendfile import send_blob_range
+from .tokens import bearer
 from .services import Services
 
 log = logging.getLogger("deltasync.server.routes")
@@ -133,13 +133,13 @@ def _query_int(request: web.Request, name: str) -> int | None:
 def _check_token(svc: Services, request: web.Request) -> None:
     if not svc.config.is_origin:
         raise ReadOnlyError("relays are read-only; send writes to the origin")
-    auth = request.headers.get("Authorization", "")
-    scheme, _, token = auth.partition(" ")
-    expected = svc.config.token or ""
-    if scheme.lower() != "bearer" or not token:
+    token = bearer(request.headers.get("Authorization"))
+    if token is None:
         raise AuthError("writes need 'Authorization: Bearer <token>'")
-    if not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise AuthError("the bearer token is not valid for this origin")
+    table = svc.config.token_table
+    model = request.match_info.get("model")  # blob PUTs: any publish token (blobs are shared content)
+    if table is None or not table.allows(token, "publish", model):
+        raise AuthError("the bearer token may not publish " + (f"model {model!r}" if model else "to this origin"))
 
 
 def _manifest_response(data: bytes, *, version: int, etag: str, cache: str) -> web.Response:

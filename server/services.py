@@ -57,10 +57,12 @@ async def open_services(config: ServerConfig) -> Services:
     t = config.timeouts
     upstream = fetcher = prefetcher = intake = None
     if config.is_origin:
-        intake = Intake(store=store, hub=hub, metrics=metrics, key=config.key, max_blob_size=config.max_blob_size)
+        intake = Intake(store=store, hub=hub, metrics=metrics, key=config.verify_with,
+                        max_blob_size=config.max_blob_size)
     else:
-        upstream = Upstream(config.parents, timeouts=t, metrics=metrics, key=config.key,
-                            max_manifest_size=config.max_manifest_size)
+        upstream = Upstream(config.parents, timeouts=t, metrics=metrics, key=config.verify_with,
+                            max_manifest_size=config.max_manifest_size, read_token=config.read_token,
+                            ssl=_client_ssl(config))
         await upstream.start()
         fetcher = BlobFetcher(store=store, upstream=upstream, metrics=metrics, timeouts=t)
     catalog = Catalog(store=store, upstream=upstream)
@@ -86,6 +88,11 @@ def _squash_budget(config: ServerConfig):
 
     seconds, nbytes = config.squash_budget
     return SquashBudget(seconds=seconds, output_bytes=nbytes, chain_bytes=nbytes)
+def _client_ssl(config: ServerConfig):
+    if config.ca_file is None:
+        return None
+    from deltasync.cli.tls import client_ssl_context
+    return client_ssl_context(config.ca_file)
 
 
 def _open_store(config: ServerConfig, metrics: Metrics) -> BlobStore:

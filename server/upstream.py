@@ -61,7 +61,8 @@ def is_outage(e: BaseException) -> bool:
 
 class Upstream:
     def __init__(self, parents: tuple[str, ...], *, timeouts: Timeouts, metrics: Metrics,
-                 key: bytes | None = None, max_manifest_size: int = 64 << 20) -> None:
+                 key: bytes | None = None, max_manifest_size: int = 64 << 20, ssl=None,
+                 read_token: str | None = None) -> None:
         if not parents:
             raise ValueError("a relay needs at least one parent")
         self.parents = tuple(dict.fromkeys(p.rstrip("/") for p in parents))  # one source per parent
@@ -69,6 +70,8 @@ class Upstream:
         self.metrics = metrics
         self.key = key
         self.max_manifest_size = max_manifest_size
+        self.ssl = ssl  # an ssl.SSLContext for https parents (--ca-file); None: the system's trust store
+        self.read_token = read_token  # sent to parents that require read tokens; never logged
         self.failover = Failover(self.parents, backoff=Backoff(base=timeouts.parent_cooldown, cap=MAX_COOLDOWN))
         self._session: aiohttp.ClientSession | None = None
 
@@ -76,8 +79,11 @@ class Upstream:
         t = self.timeouts
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=t.connect, sock_connect=t.connect, sock_read=t.read),
-            connector=aiohttp.TCPConnector(limit=512, limit_per_host=0, keepalive_timeout=30),
-            auto_decompress=False, read_bufsize=READ_BUFSIZE, headers={"User-Agent": USER_AGENT},
+            connector=aiohttp.TCPConnector(limit=512, limit_per_host=0, keepalive_timeout=30,
+                                           **({} if self.ssl is None else {"ssl": self.ssl})),
+            auto_decompress=False, read_bufsize=READ_BUFSIZE,
+            headers={"User-Agent": USER_AGENT,
+                     **({"Authorization": f"Bearer {self.read_token}"} if self.read_token else {})},
         )
 
     async def close(self) -> None:

@@ -71,7 +71,8 @@ GOLDEN_BLOB_HEX = (
     "190000a4000228b52ffd2003190000fcfefe"
 )
 GOLDEN_MANIFEST = (
-    '{"blobs":[{"id":"5bda32f1eaa742416b2140871afeda4a","size":642}],"format":1,"kind":"delta","meta":{},'
+    '{"blobs":[{"digest":null,"id":"5bda32f1eaa742416b2140871afeda4a","size":642}],"format":2,"key_id":null,'
+    '"kind":"delta","meta":{},'
     '"model":"policy","parent":1,"signature":null,"state_fp":"7c53280750e88324","state_fp_before":"83399e'
     '61d36f45d3","tensors":[{"changed":5,"chunks":[{"blob":"5bda32f1eaa742416b2140871afeda4a","index":0}]'
     ',"dtype":"bfloat16","fp_after":"2fb6990bb1c93e6c","fp_before":"001d964929711a3f","name":"a","shape":'
@@ -84,7 +85,7 @@ GOLDEN_MANIFEST = (
 )
 GOLDEN_BLOB = bytes.fromhex("".join(GOLDEN_BLOB_HEX))
 GOLDEN_BLOB_ID = "5bda32f1eaa742416b2140871afeda4a"
-GOLDEN_SIGNATURE = "hmac-sha256:5513aaa32639be9a7f1214ea956b1581f1ffb6cad575913a3f876ee83718fcd0"
+GOLDEN_SIGNATURE = "hmac-sha256:0d25e8b61f3b97b37c8f3226c9a67a575a8bdc28987824b006705174bb38d8d6"  # manifest format 2
 # decompressed streams, concatenated over the blob's chunks (docs/FORMAT.md "blob", "positions", "values")
 GOLDEN_STREAMS = {
     "bitmap": "08",  # b: word 3 changed
@@ -102,7 +103,7 @@ GOLDEN_CHUNKS = [
     {"count": 1, "dtype": "float32", "mode": "bitmap", "ne": 0, "ng": 0, "ngx": 0, "nr": 1, "nt": 1, "start": 0, "stop": 4, "tensor": "b"},
     {"count": 4, "dtype": "float8_e5m2", "mode": "dense", "ne": 0, "ng": 0, "ngx": 0, "nr": 0, "nt": 0, "start": 0, "stop": 4, "tensor": "d"},
 ]
-GOLDEN_DELTA_FILE_PREFIX = "4453594e43444c5401000000000000009203000000000000"  # DSYNCDLT, v1, reserved 0, mlen
+GOLDEN_DELTA_FILE_PREFIX = "4453594e43444c540100000000000000ae03000000000000"  # DSYNCDLT, v1, reserved 0, mlen
 
 
 def test_golden_blob_bytes():

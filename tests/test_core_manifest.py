@@ -125,7 +125,7 @@ TAMPERS = {
     "meta-value": lambda m: dataclasses.replace(m, meta={**m.meta, "step": "9"}),
     "meta-added": lambda m: dataclasses.replace(m, meta={**m.meta, "x": ""}),
     "meta-removed": lambda m: dataclasses.replace(m, meta={}),
-    "format": lambda m: dataclasses.replace(m, format=2),
+    "format": lambda m: dataclasses.replace(m, format=1),  # a downgrade to the old format (this build writes 2)
     "blob-size": lambda m: dataclasses.replace(m, blobs=(BlobRef(id=m.blobs[0].id, size=m.blobs[0].size + 1),) + m.blobs[1:]),
     "blob-order": lambda m: dataclasses.replace(m, blobs=tuple(reversed(m.blobs))),
     "tensor-dropped": lambda m: dataclasses.replace(m, tensors=m.tensors[1:]),
@@ -206,7 +206,7 @@ DELTA_CASES = {
     # top level
     "extra-field": (_set(["extra"], 1), FormatError),
     "missing-meta": (_del(["meta"]), FormatError),
-    "format-2": (_set(["format"], 2), UnsupportedError),
+    "format-3": (_set(["format"], 3), UnsupportedError),  # this build reads formats 1 and 2
     "format-0": (_set(["format"], 0), UnsupportedError),
     "format-str": (_set(["format"], "1"), FormatError),
     "format-bool": (_set(["format"], True), FormatError),
