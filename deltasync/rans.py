@@ -221,3 +221,18 @@ def decode_chunk(words, count, length, gf, gc, glut, vf, vc, vlut):
     if at != words.size or x != L:
         return pos, vsym, bneg, bmag, kb, E_END
     return pos, vsym, bneg, bmag, kb, OK
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_ops(freq, start, prec):
+    """A message of arbitrary coded symbols (``freq``, ``start`` out of ``2**prec`` each, in decoding
+    order) -> uint16 words; the general form of :func:`encode_chunk` (used to size other codings)."""
+    out = np.empty(2 * freq.size + 64, dtype=np.uint16)
+    at = out.size
+    x = np.int64(L)
+    for i in range(freq.size - 1, -1, -1):
+        x, at = _put(x, np.int64(freq[i]), np.int64(start[i]), np.int64(prec[i]), out, at)
+    at -= 2
+    out[at] = x & 0xFFFF
+    out[at + 1] = (x >> 16) & 0xFFFF
+    return out[at:].copy()
