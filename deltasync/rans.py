@@ -12,8 +12,8 @@ read and the state back at ``L``.
 One message per chunk (so chunks decode independently, on an executor's threads: the kernels
 release the GIL). Per change, in order: the gap bucket ``b`` (model G: 0 for a gap of 0, else the
 bit length of the gap), the ``b - 1`` bits of the gap below its top bit, then the value symbol
-(model V: ``2*(|d|-1) + (d<0)`` for ``|d| <= SMALL``; ``BIG``: a sign bit, 7 bits of the bucket
-``q`` of ``|d| - 1 - SMALL`` and its ``q - 1`` low bits; ``RAW``: the new word is the next word of
+(model V: ``2*(|d|-1) + (d<0)`` for ``|d| <= SMALL``; ``BIG``: 8 raw bits ``sign | q << 1`` with ``q``
+the bit length of ``|d| - 1 - SMALL``, then its ``q - 1`` bits below the top bit; ``RAW``: the new word is the next word of
 the chunk's raw stream).
 
 Frequency tables (one G and one V per blob, shared by its chunks) come from counts by
@@ -72,7 +72,7 @@ def tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return f, cum, lut
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True)
 def _bitlen(v):
     n = 0
     while v:
@@ -81,7 +81,7 @@ def _bitlen(v):
     return n
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True)
 def _put(x, f, c, p, out, at):
     x_max = ((L >> p) << 16) * f
     while x >= x_max:
@@ -92,7 +92,7 @@ def _put(x, f, c, p, out, at):
     return x, at
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True)
 def _put_bits(x, v, k, out, at):
     # pieces of at most PREC bits; the decoder reads the low piece first, so encode the high piece first
     n = (k + PREC - 1) // PREC
@@ -105,120 +105,176 @@ def _put_bits(x, v, k, out, at):
 
 @numba.njit(cache=True, nogil=True)
 def encode_chunk(gaps, vsym, bigneg, bigmag, gf, gc, vf, vc):
-    """gaps int64[n], value symbols uint8[n], BIG signs/magnitudes (|d| - 1 - SMALL) in order -> uint16 words."""
+    """gaps int64[n], value symbols uint8[n], BIG signs/magnitudes (|d| - 1 - SMALL) in order -> uint16 words.
+
+    Written out by hand like :func:`decode_chunk`; ops are gathered per change (at most 8: bucket,
+    4 pieces of gap bits, value, BIG's 8 bits and its pieces are bounded by 1 + 1 + 6) and put in reverse."""
     n = gaps.size
-    out = np.empty(8 * n + 64, dtype=np.uint16)
+    out = np.empty(14 * n + 64, dtype=np.uint16)
     at = out.size
     x = np.int64(L)
     nb = bigmag.size
+    of = np.empty(16, dtype=np.int64)
+    oc = np.empty(16, dtype=np.int64)
+    op = np.empty(16, dtype=np.int64)
     for i in range(n - 1, -1, -1):
+        k = 0  # ops of change i, in decoding order
+        g = gaps[i]
+        b = 0
+        t = g
+        while t:
+            b += 1
+            t >>= 1
+        of[k] = gf[b]
+        oc[k] = gc[b]
+        op[k] = PREC
+        k += 1
+        r = b - 1
+        low = g
+        while r > 0:
+            kk = r if r < PREC else PREC
+            of[k] = 1
+            oc[k] = low & ((np.int64(1) << kk) - 1)
+            op[k] = kk
+            k += 1
+            low >>= kk
+            r -= kk
         s = vsym[i]
+        of[k] = vf[s]
+        oc[k] = vc[s]
+        op[k] = PREC
+        k += 1
         if s == BIG:
             nb -= 1
             m = bigmag[nb]
-            q = _bitlen(m)
-            if q > 1:
-                x, at = _put_bits(x, m, q - 1, out, at)
-            x, at = _put_bits(x, np.uint64(q), 7, out, at)
-            x, at = _put_bits(x, np.uint64(bigneg[nb]), 1, out, at)
-        x, at = _put(x, np.int64(vf[s]), np.int64(vc[s]), PREC, out, at)
-        g = np.uint64(gaps[i])
-        b = _bitlen(g)
-        if b > 1:
-            x, at = _put_bits(x, g, b - 1, out, at)
-        x, at = _put(x, np.int64(gf[b]), np.int64(gc[b]), PREC, out, at)
+            q = 0
+            t2 = m
+            while t2:
+                q += 1
+                t2 >>= np.uint64(1)
+            of[k] = 1
+            oc[k] = (q << 1) | (1 if bigneg[nb] else 0)
+            op[k] = 8
+            k += 1
+            r = q - 1
+            lowm = m
+            while r > 0:
+                kk = r if r < PREC else PREC
+                of[k] = 1
+                oc[k] = np.int64(lowm & np.uint64((1 << kk) - 1))
+                op[k] = kk
+                k += 1
+                lowm >>= np.uint64(kk)
+                r -= kk
+        for j in range(k - 1, -1, -1):
+            f = of[j]
+            x_max = ((L >> op[j]) << 16) * f
+            if x >= x_max:
+                at -= 1
+                out[at] = x & 0xFFFF
+                x >>= 16
+            if f == 1:  # raw bits: no division
+                x = (x << op[j]) + oc[j]
+            else:
+                x = ((x // f) << op[j]) + (x % f) + oc[j]
     at -= 2
     out[at] = x & 0xFFFF
     out[at + 1] = (x >> 16) & 0xFFFF
     return out[at:].copy()
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _get_bits(x, k, words, at):
-    """Read k raw bits (any k <= 64, low pieces first) -> (x, at, value, ok)."""
-    v = np.uint64(0)
-    sh = 0
-    while k > 0:
-        kk = min(PREC, k)
-        piece = x & ((1 << kk) - 1)
-        x = x >> kk
-        if x < L:
-            if at >= words.size:
-                return x, at, v, False
-            x = (x << 16) | np.int64(words[at])
-            at += 1
-        v |= np.uint64(piece) << np.uint64(sh)
-        sh += kk
-        k -= kk
-    return x, at, v, True
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _get_sym(x, f, c, lut, words, at):
-    slot = x & (M - 1)
-    s = np.int64(lut[slot])
-    x = np.int64(f[s]) * (x >> PREC) + slot - np.int64(c[s])
-    if x < L:
-        if at >= words.size:
-            return x, at, s, False
-        x = (x << 16) | np.int64(words[at])
-        at += 1
-    return x, at, s, True
-
-
 @numba.njit(cache=True, nogil=True)
 def decode_chunk(words, count, length, gf, gc, glut, vf, vc, vlut):
     """-> (positions int64[count], value symbols uint8[count], BIG signs, BIG magnitudes (their first
-    ``nbig`` entries), nbig, error code)."""
+    ``nbig`` entries), nbig, error code).
+
+    Written out by hand (no helper calls: they cost 3x here). A read past the message's end feeds
+    zeros and is caught by the final check, so the loop has no early exits but the position check."""
     pos = np.empty(count, dtype=np.int64)
     vsym = np.empty(count, dtype=np.uint8)
     bneg = np.empty(count, dtype=np.bool_)
     bmag = np.empty(count, dtype=np.uint64)
     kb = 0
-    if words.size < 2:
+    nw = words.size
+    if nw < 2:
         return pos, vsym, bneg, bmag, kb, E_SHORT
     x = np.int64(words[0]) | (np.int64(words[1]) << 16)
     at = 2
     p = np.int64(-1)
+    mask = np.int64(M - 1)
     for i in range(count):
-        x, at, b, ok = _get_sym(x, gf, gc, glut, words, at)
-        if not ok:
-            return pos, vsym, bneg, bmag, kb, E_SHORT
+        slot = x & mask
+        b = np.int64(glut[slot])
+        x = np.int64(gf[b]) * (x >> PREC) + slot - np.int64(gc[b])
+        if x < L:
+            x <<= 16
+            if at < nw:
+                x |= np.int64(words[at])
+            at += 1
         g = np.int64(0)
         if b >= 1:
-            if b > 48:
-                return pos, vsym, bneg, bmag, kb, E_GAP
-            x, at, low, ok = _get_bits(x, b - 1, words, at)
-            if not ok:
-                return pos, vsym, bneg, bmag, kb, E_SHORT
-            g = (np.int64(1) << (b - 1)) | np.int64(low)
-        p = p + g + 1
-        if p >= length:
+            k = b - 1
+            sh = 0
+            while k > 0:
+                kk = k if k < PREC else PREC
+                g |= (x & ((np.int64(1) << kk) - 1)) << sh
+                x >>= kk
+                if x < L:
+                    x <<= 16
+                    if at < nw:
+                        x |= np.int64(words[at])
+                    at += 1
+                sh += kk
+                k -= kk
+            g |= np.int64(1) << (b - 1)
+        p += g + 1
+        if p >= length or b > 48:
             return pos, vsym, bneg, bmag, kb, E_GAP
         pos[i] = p
-        x, at, s, ok = _get_sym(x, vf, vc, vlut, words, at)
-        if not ok:
-            return pos, vsym, bneg, bmag, kb, E_SHORT
+        slot = x & mask
+        s = np.int64(vlut[slot])
+        x = np.int64(vf[s]) * (x >> PREC) + slot - np.int64(vc[s])
+        if x < L:
+            x <<= 16
+            if at < nw:
+                x |= np.int64(words[at])
+            at += 1
         vsym[i] = s
         if s == BIG:
-            x, at, sign, ok = _get_bits(x, 1, words, at)
-            if not ok:
-                return pos, vsym, bneg, bmag, kb, E_SHORT
-            x, at, q, ok = _get_bits(x, 7, words, at)
-            if not ok:
-                return pos, vsym, bneg, bmag, kb, E_SHORT
+            # 1 sign bit, then 7 bits of q: 8 raw bits in one piece (low bit first = the sign)
+            v8 = x & 0xFF
+            x >>= 8
+            if x < L:
+                x <<= 16
+                if at < nw:
+                    x |= np.int64(words[at])
+                at += 1
+            sign = v8 & 1
+            q = v8 >> 1
             if q > 64:
                 return pos, vsym, bneg, bmag, kb, E_SYMBOL
             m = np.uint64(0)
             if q >= 1:
-                x, at, low, ok = _get_bits(x, np.int64(q) - 1, words, at)
-                if not ok:
-                    return pos, vsym, bneg, bmag, kb, E_SHORT
-                m = (np.uint64(1) << np.uint64(q - 1)) | low
+                k = q - 1
+                sh = 0
+                while k > 0:
+                    kk = k if k < PREC else PREC
+                    m |= np.uint64(x & ((np.int64(1) << kk) - 1)) << np.uint64(sh)
+                    x >>= kk
+                    if x < L:
+                        x <<= 16
+                        if at < nw:
+                            x |= np.int64(words[at])
+                        at += 1
+                    sh += kk
+                    k -= kk
+                m |= np.uint64(1) << np.uint64(q - 1)
             bneg[kb] = sign == 1
             bmag[kb] = m
             kb += 1
-    if at != words.size or x != L:
+    if at > nw:
+        return pos, vsym, bneg, bmag, kb, E_SHORT
+    if at != nw or x != L:
         return pos, vsym, bneg, bmag, kb, E_END
     return pos, vsym, bneg, bmag, kb, OK
 
