@@ -46,6 +46,13 @@ def blob_id(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def blob_version(data: bytes | bytearray | memoryview) -> int:
+    """The format version in a blob's prefix (not validated beyond its length: BlobReader does that)."""
+    if len(data) < _PREFIX.size:
+        raise FormatError(f"blob of {len(data)} bytes is shorter than its {_PREFIX.size}-byte prefix")
+    return _PREFIX.unpack_from(data)[1]
+
+
 def check_blob_id(text: str) -> str:
     if not isinstance(text, str) or not BLOB_ID_RE.match(text):
         raise FormatError(f"blob id must be 32 lowercase hex digits, found {text!r}")
