@@ -3,9 +3,10 @@
 Layout (docs/FORMAT.md, "blob")::
 
     magic   8 bytes  b"DSYNCBLB"
-    version u32 LE   1
+    version u32 LE   2 (readers accept 1 and 2; 2 adds the ``ans`` chunk mode and its streams)
     hlen    u32 LE   length of the header
     header  hlen bytes of UTF-8 JSON: {"streams": {name: [offset, clen, rlen]}, "chunks": [...]}
+            (version 2: one zstd frame, with its content size, of that JSON)
     frames  zstd frames; stream offsets count from the first byte after the header
 
 A blob's id is the xxh3-128 of all its bytes, as 32 lowercase hex digits.
@@ -28,18 +29,28 @@ import zstandard
 from .errors import FormatError, IntegrityError
 
 MAGIC = b"DSYNCBLB"
-VERSION = 1
+VERSION = 2
+READ_VERSIONS = (1, 2)
 _PREFIX = struct.Struct("<8sII")
 MAX_HEADER = 64 << 20
 MAX_STREAM = 1 << 30  # no stream of a blob we write comes near; bounds what a forged header can make us allocate
 BLOB_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 WORD_STREAMS = {f"{kind}{w}": w for kind in ("raw", "dense") for w in (1, 2, 4, 8)}
-BYTE_STREAMS = {"gap", "gapx", "bitmap", "sym", "tok", "ext"}
+V1_BYTE_STREAMS = {"gap", "gapx", "bitmap", "sym", "tok", "ext"}
+BYTE_STREAMS = V1_BYTE_STREAMS | {"ans", "ansm"}  # v2: rANS messages (16-bit words, LE) and their tables
 STREAMS = BYTE_STREAMS | set(WORD_STREAMS)
+_STREAMS_OF = {1: V1_BYTE_STREAMS | set(WORD_STREAMS), 2: STREAMS}
 
 
 def blob_id(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def blob_version(data: bytes | bytearray | memoryview) -> int:
+    """The format version in a blob's prefix (not validated beyond its length: BlobReader does that)."""
+    if len(data) < _PREFIX.size:
+        raise FormatError(f"blob of {len(data)} bytes is shorter than its {_PREFIX.size}-byte prefix")
+    return _PREFIX.unpack_from(data)[1]
 
 
 def check_blob_id(text: str) -> str:
@@ -70,13 +81,33 @@ def unshuffle_planes(data: np.ndarray, word_size: int, dtype: np.dtype) -> np.nd
     return np.ascontiguousarray(data.reshape(word_size, -1).T).reshape(-1).view(dtype)
 
 
+def _inflate_header(frame: bytes, dctx: zstandard.ZstdDecompressor) -> bytes:
+    try:
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"blob header is not a zstd frame: {e}") from None
+    if declared < 0 or declared > MAX_HEADER:
+        raise FormatError(f"blob header frame declares {declared} bytes (at most {MAX_HEADER}, content size required)")
+    try:
+        text = dctx.decompress(frame, max_output_size=declared)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"blob header does not decompress: {e}") from None
+    if len(text) != declared:
+        raise FormatError(f"blob header: {len(text)} bytes, its frame says {declared}")
+    return text
+
+
 class BlobWriter:
     """Collects chunk records and their streams, then packs one blob.
 
     Not thread-safe; build one per worker thread (the zstd context is reused).
     """
 
-    def __init__(self, *, level: int = 1, compressor: zstandard.ZstdCompressor | None = None) -> None:
+    def __init__(self, *, level: int = 1, compressor: zstandard.ZstdCompressor | None = None,
+                 version: int = VERSION) -> None:
+        if version not in READ_VERSIONS:
+            raise ValueError(f"blob format version must be one of {READ_VERSIONS}, got {version}")
+        self.version = version
         self._cctx = compressor or zstandard.ZstdCompressor(level=level, write_content_size=True)
         self.reset()
 
@@ -88,13 +119,21 @@ class BlobWriter:
     def add_chunk(self, record: dict, streams: dict[str, np.ndarray]) -> int:
         """Append one chunk; returns its index in this blob."""
         for name, arr in streams.items():
-            if name not in STREAMS:
-                raise ValueError(f"unknown stream {name}")
+            if name not in _STREAMS_OF[self.version]:
+                raise ValueError(f"unknown stream {name} (blob format version {self.version})")
             if arr.size:
                 self._parts.setdefault(name, []).append(arr)
                 self.raw_bytes += arr.nbytes
         self.chunks.append(record)
         return len(self.chunks) - 1
+
+    def append(self, name: str, arr: np.ndarray) -> None:
+        """Append to stream ``name`` out of band (a part the caller codes when the blob closes, in
+        chunk order); the caller accounts for it in ``raw_bytes``."""
+        if name not in STREAMS:
+            raise ValueError(f"unknown stream {name}")
+        if arr.size:
+            self._parts.setdefault(name, []).append(arr)
 
     def finish(self) -> bytes:
         frames: list[bytes] = []
@@ -110,7 +149,9 @@ class BlobWriter:
             frames.append(frame)
             offset += len(frame)
         header = json.dumps({"streams": table, "chunks": self.chunks}, separators=(",", ":"), sort_keys=True).encode()
-        out = b"".join([_PREFIX.pack(MAGIC, VERSION, len(header)), header, *frames])
+        if self.version >= 2:
+            header = self._cctx.compress(header)  # per-chunk records repeat names and keys: ~6x smaller
+        out = b"".join([_PREFIX.pack(MAGIC, self.version, len(header)), header, *frames])
         self.reset()
         return out
 
@@ -125,12 +166,16 @@ class BlobReader:
         magic, version, hlen = _PREFIX.unpack_from(view)
         if magic != MAGIC:
             raise FormatError(f"not a delta blob: magic {bytes(magic)!r}, expected {MAGIC!r}")
-        if version != VERSION:
-            raise FormatError(f"blob format version {version} is not supported (this build reads {VERSION})")
+        if version not in READ_VERSIONS:
+            raise FormatError(f"blob format version {version} is not supported (this build reads "
+                              f"{', '.join(map(str, READ_VERSIONS))}); upgrade deltasync")
         if hlen > MAX_HEADER or _PREFIX.size + hlen > len(view):
             raise FormatError(f"blob header of {hlen} bytes runs past the end ({len(view)} bytes)")
+        text = bytes(view[_PREFIX.size : _PREFIX.size + hlen])
+        if version >= 2:
+            text = _inflate_header(text, dctx or zstandard.ZstdDecompressor())
         try:
-            header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + hlen]))
+            header = json.loads(text)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise FormatError(f"blob header is not JSON: {type(e).__name__}: {e}") from None
         if not isinstance(header, dict) or set(header) != {"streams", "chunks"}:
@@ -142,8 +187,8 @@ class BlobReader:
         end = 0
         spans = []
         for name, entry in streams.items():
-            if name not in STREAMS:
-                raise FormatError(f"blob header: unknown stream {name!r}")
+            if name not in _STREAMS_OF[version]:
+                raise FormatError(f"blob header: unknown stream {name!r} (blob format version {version})")
             if (not isinstance(entry, list) or len(entry) != 3
                     or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_STREAM for x in entry)):
                 raise FormatError(f"blob header: stream {name!r} needs [offset, clen, rlen] of non-negative ints")
@@ -162,6 +207,7 @@ class BlobReader:
         for c in chunks:
             if not isinstance(c, dict):
                 raise FormatError("blob header: every chunk must be an object")
+        self.version: int = version
         self.chunks: list[dict] = chunks
         self._streams = streams
         self._body = body

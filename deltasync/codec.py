@@ -28,6 +28,7 @@ from .dtypes import DtypeInfo, dtype_info, numpy_word_dtype, word_count, word_vi
 from .errors import ChainError, FormatError
 from .fingerprint import fingerprint_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint, words_range_delta
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
+from .entropy import AnsBlobCoder, AnsTables, decode_ans_chunk
 from .positions import choose_position_mode, decode_bitmap, decode_gaps, encode_bitmap, encode_gaps
 from .values import Changes, changes_from_words, decode_values, encode_values
 
@@ -48,6 +49,9 @@ class EncodeOptions:
     # across tensors (a TP rank's rows of every column-parallel tensor share blobs), with tensors whose name
     # ends with one of ``dim1_suffixes`` (sharded on dim 1 by engines: every rank needs all of them) after.
     pack: str = "tensor"
+    # Blob format version written (docs/FORMAT.md §3): 2 = rANS-coded positions and steps (``ans`` chunks);
+    # 1 = the byte-token coding every older reader understands (publish it while a fleet still runs them).
+    format: int = 2
     dim1_suffixes: tuple[str, ...] = ("o_proj.weight", "down_proj.weight", ".w2.weight", "experts.down_proj")
 
     def __post_init__(self) -> None:
@@ -59,6 +63,8 @@ class EncodeOptions:
             raise ValueError(f"zstd level must be in [-7, 22], got {self.level}")
         if self.pack not in ("tensor", "cells"):
             raise ValueError(f"pack must be 'tensor' or 'cells', got {self.pack!r}")
+        if self.format not in (1, 2):
+            raise ValueError(f"format must be 1 or 2, got {self.format!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -231,11 +237,12 @@ class ChunkPacker:
 
     def __init__(self, options: EncodeOptions) -> None:
         self.options = options
-        self.writer = BlobWriter(level=options.level)
+        self.writer = BlobWriter(level=options.level, version=options.format)
         self.blobs: dict[str, bytes] = {}
         self.order: list[str] = []
         self.refs: dict[str, list[ChunkRef]] = {}
         self._pending: list[tuple[str, int]] = []  # (tensor, index in open blob)
+        self._ans = AnsBlobCoder()  # v2: the open blob's ans chunks, coded when it closes
 
     def add(self, name: str, info: DtypeInfo, start: int, stop: int, changes: Changes) -> None:
         length = stop - start
@@ -246,6 +253,11 @@ class ChunkPacker:
         record: dict = {"tensor": name, "dtype": info.name, "start": start, "stop": stop, "count": count}
         if count == length and changes.raw.all():
             self.add_dense(name, info, start, stop, changes.values)
+            return
+        if self.options.format == 2:
+            raw = self._ans.add(record, changes.positions - start, changes)
+            self.writer.raw_bytes += 2 * count  # the ans words are appended when the blob closes
+            self._add(name, record, {f"raw{w}": raw})
             return
         sym, tokens, ext, raw = encode_values(changes)
         mode = choose_position_mode(count, length)
@@ -263,7 +275,8 @@ class ChunkPacker:
 
     def add_dense(self, name: str, info: DtypeInfo, start: int, stop: int, words: np.ndarray) -> None:
         record = {"tensor": name, "dtype": info.name, "start": start, "stop": stop, "count": stop - start,
-                  "mode": "dense", "ng": 0, "ngx": 0, "nt": 0, "ne": 0, "nr": 0}
+                  "mode": "dense"}
+        record.update({"na": 0, "nr": 0} if self.options.format == 2 else {"ng": 0, "ngx": 0, "nt": 0, "ne": 0, "nr": 0})
         self._add(name, record, {f"dense{info.word_size}": np.ascontiguousarray(words)})
 
     def _add(self, name: str, record: dict, streams: dict[str, np.ndarray]) -> None:
@@ -275,6 +288,7 @@ class ChunkPacker:
     def close_blob(self) -> None:
         if not self._pending:
             return
+        self._ans.finish(self.writer)
         data = self.writer.finish()
         bid = blob_id(data)
         if bid not in self.blobs:
@@ -445,6 +459,8 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
 # -- decoding ---------------------------------------------------------------------------------
 
 _CHUNK_KEYS = {"tensor", "dtype", "start", "stop", "count", "mode", "ng", "ngx", "nt", "ne", "nr"}
+_CHUNK_KEYS_V2 = {"tensor", "dtype", "start", "stop", "count", "mode", "na", "nr"}
+_CHUNK_BASE = {"tensor", "dtype", "start", "stop", "count", "mode"}  # the rest count stream items
 
 
 MAX_WORDS = 1 << 48  # the largest tensor (in words) a chunk may address
@@ -473,10 +489,14 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
         cursors[stream] = at + n
         return arr[at : at + n]
 
+    keys = _CHUNK_KEYS if reader.version == 1 else _CHUNK_KEYS_V2
+    tables: list[AnsTables] = []  # the blob's models, parsed at its first ans chunk
+
     jobs: list[Callable[[], ChunkPatch]] = []
     for rec in reader.chunks:
-        if set(rec) != _CHUNK_KEYS:
-            raise FormatError(f"blob chunk fields must be {sorted(_CHUNK_KEYS)}, found {sorted(rec)}")
+        if set(rec) != keys:
+            raise FormatError(f"blob chunk fields must be {sorted(keys)} (blob format version {reader.version}), "
+                              f"found {sorted(rec)}")
         name, dtname, mode = rec["tensor"], rec["dtype"], rec["mode"]
         if not isinstance(name, str) or not isinstance(dtname, str):
             raise FormatError("blob chunk: tensor and dtype must be strings")
@@ -488,10 +508,22 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
         if length <= 0 or count == 0 or count > length:
             raise FormatError(f"blob chunk {name}[{start}:{stop}] with {count} changes is inconsistent")
         if mode == "dense":
-            if count != length or any(_nonneg(rec, k) for k in ("ng", "ngx", "nt", "ne", "nr")):
-                raise FormatError("blob chunk: a dense chunk changes every word and has no ng/ngx/nt/ne/nr")
+            if count != length or any(_nonneg(rec, k) for k in sorted(keys - _CHUNK_BASE)):
+                raise FormatError("blob chunk: a dense chunk changes every word and has no position or value streams")
             patch = ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, dense=take(f"dense{w}", length, wdt))
             jobs.append(lambda patch=patch: patch)
+            continue
+        if reader.version == 2:
+            if mode != "ans":
+                raise FormatError(f"blob chunk: unknown mode {mode!r} (format 2 has 'ans' and 'dense')")
+            if not tables:
+                tables.append(AnsTables.parse(reader.stream("ansm")))
+                cursors["ansm"] = reader.stream("ansm").size
+            words = np.array(take("ans", 2 * _nonneg(rec, "na"))).view("<u2")
+            raw = take(f"raw{w}", _nonneg(rec, "nr"), wdt)
+            jobs.append(lambda name=name, info=info, start=start, stop=stop, count=count, words=words, raw=raw:
+                        ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, changes=decode_ans_chunk(
+                            tables[0], words, raw, count, stop - start, start, info.word_size)))
             continue
         if mode == "gap":
             pos = ("gap", take("gap", _nonneg(rec, "ng")), take("gapx", _nonneg(rec, "ngx")))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .blob import blob_version
 from .codec import ChunkPacker, EncodeOptions, Encoded, decode_blob
 from .dtypes import dtype_info, numpy_word_dtype
 from .errors import ChainError, IntegrityError, TooLargeError
@@ -100,10 +101,10 @@ def check_chain(manifests: Sequence[Manifest]) -> None:
 
 def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes], *, options: EncodeOptions | None = None,
                  budget: SquashBudget | None = None) -> Encoded:
-    """One delta from ``manifests[0].parent`` to ``manifests[-1].version``; unsigned.
+    """One delta from ``manifests[0].parent`` to ``manifests[-1].version``; unsigned. Without ``options``
+    it is written in the newest blob format found in the chain (docs/FORMAT.md §4.2).
     TooLargeError past any cap of ``budget``; IntegrityError if a blob disagrees with its manifest."""
     check_chain(manifests)
-    options = options or EncodeOptions()
     budget = budget or SquashBudget()
     first, last = manifests[0], manifests[-1]
     meter = _Meter(budget, f"{first.model} v{first.parent}→v{last.version}")
@@ -111,6 +112,7 @@ def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes]
     if chain_bytes > budget.chain_bytes:
         raise meter.over("chain bytes", chain_bytes, budget.chain_bytes)
     words_read = 0
+    newest = 1  # the newest blob format in the chain
     per_tensor: dict[str, Changes] = {}
     for m in manifests:
         layout = {t.name: t for t in m.tensors}
@@ -119,6 +121,7 @@ def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes]
             data = get_blob(ref.id)
             if len(data) != ref.size:
                 raise IntegrityError(f"v{m.version}: blob {ref.id} is {len(data)} bytes, its manifest says {ref.size}")
+            newest = max(newest, blob_version(data))
             for patch in decode_blob(data):
                 rec = layout.get(patch.tensor)
                 if rec is None or rec.dtype != patch.dtype or patch.stop > rec.words:
@@ -131,6 +134,8 @@ def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes]
                 ch = patch.as_changes()
                 per_tensor[patch.tensor] = ch if prev is None else compose_changes(prev, ch)
                 meter.tick()
+    if options is None:  # never newer than the chain: subscribers that read the chain read its squash
+        options = EncodeOptions(format=newest)
     # decode_blob yields a blob's chunks in order, and a version's blobs are in tensor order,
     # so composing blob by blob applies each version's chunks once and versions in sequence.
     packer = ChunkPacker(options)

@@ -226,3 +226,45 @@ def apply_changes_np(words: np.ndarray, changes: Changes) -> None:
     p = changes.positions
     with np.errstate(over="ignore"):
         words[p] = np.where(changes.raw, changes.values, words[p] + changes.values)
+
+
+# -- format v2: value symbols of the ``ans`` chunk mode (docs/FORMAT.md §4.3) ----------------------
+
+def step_symbols(changes: Changes, small: int, big: int, raw_sym: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Changes -> (value symbols uint8, BIG signs bool, BIG magnitudes ``|d| - 1 - small`` uint64, raw words).
+
+    Symbol ``2*(|d|-1) + (d<0)`` for ``|d| <= small``, ``big`` for larger steps, ``raw_sym`` for raw words."""
+    v = changes.values
+    sym = np.full(v.size, raw_sym, dtype=np.uint8)
+    step = ~changes.raw
+    neg, mag = _magnitude(v[step])
+    if mag.size and not mag.all():
+        raise ValueError("a zero step is not a change")
+    is_small = mag <= small
+    s = np.where(is_small, (mag - mag.dtype.type(1)) * 2 + neg, big).astype(np.uint8)
+    sym[step] = s
+    bigmag = (mag[~is_small].astype(np.uint64) - np.uint64(1 + small))
+    return sym, neg[~is_small], bigmag, v[changes.raw]
+
+
+def changes_from_symbols(positions: np.ndarray, sym: np.ndarray, bigneg: np.ndarray, bigmag: np.ndarray,
+                         raw_words: np.ndarray, word_size: int, small: int, big: int, raw_sym: int) -> Changes:
+    """Inverse of :func:`step_symbols`; malformed input raises FormatError."""
+    wdt = numpy_word_dtype(word_size)
+    bits = word_size * 8
+    if sym.size and sym.max() > raw_sym:
+        raise FormatError(f"values: symbol {int(sym.max())} is reserved")
+    raw = sym == raw_sym
+    if int(np.count_nonzero(raw)) != raw_words.size:
+        raise FormatError(f"values: {int(np.count_nonzero(raw))} raw symbols but {raw_words.size} raw words")
+    is_big = sym == big
+    if bigmag.size and bigmag.max() > np.uint64((1 << (bits - 1)) - 1 - small):
+        raise FormatError(f"values: a step larger than half a {bits}-bit word")
+    mag = ((sym >> 1).astype(np.uint64) + np.uint64(1))
+    mag[is_big] = bigmag + np.uint64(1 + small)
+    neg = (sym & 1).astype(np.bool_)
+    neg[is_big] = bigneg
+    with np.errstate(over="ignore"):
+        values = np.where(neg, ~mag + np.uint64(1), mag).astype(wdt)
+    values[raw] = raw_words
+    return Changes(positions=positions, raw=raw, values=values)

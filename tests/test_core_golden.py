@@ -19,10 +19,11 @@ import struct
 
 import numpy as np
 import torch
+import zstandard
 
 from deltasync.apply import apply_delta
 from deltasync.blob import BlobReader, blob_id
-from deltasync.codec import decode_blob, encode_delta
+from deltasync.codec import EncodeOptions, decode_blob, encode_delta
 from deltasync.deltafile import pack_delta_file, unpack_delta_file
 from deltasync.fingerprint import fp_hex, tensor_fingerprint
 from deltasync.manifest import parse_manifest
@@ -106,9 +107,12 @@ GOLDEN_CHUNKS = [
 GOLDEN_DELTA_FILE_PREFIX = "4453594e43444c540100000000000000ae03000000000000"  # DSYNCDLT, v1, reserved 0, mlen
 
 
+V1 = EncodeOptions(format=1)  # the constants above are blob format 1, which we still write on request
+
+
 def test_golden_blob_bytes():
     old, new = golden_states()
-    enc = encode_delta(old, new, model="policy", version=2, parent=1)
+    enc = encode_delta(old, new, model="policy", version=2, parent=1, options=V1)
     assert list(enc.blobs) == [GOLDEN_BLOB_ID]
     assert enc.blobs[GOLDEN_BLOB_ID].hex() == GOLDEN_BLOB.hex()
     assert blob_id(GOLDEN_BLOB) == GOLDEN_BLOB_ID
@@ -116,7 +120,7 @@ def test_golden_blob_bytes():
 
 def test_golden_manifest_json():
     old, new = golden_states()
-    enc = encode_delta(old, new, model="policy", version=2, parent=1)
+    enc = encode_delta(old, new, model="policy", version=2, parent=1, options=V1)
     assert enc.manifest.to_json().decode() == "".join(GOLDEN_MANIFEST)
     # the fingerprints in it are those of the states (pins the fingerprint function too)
     m = json.loads("".join(GOLDEN_MANIFEST))
@@ -170,3 +174,68 @@ def test_golden_delta_file():
     assert struct.unpack_from("<Q", data, 16)[0] == len(mj)
     df = unpack_delta_file(data)
     assert df.manifest == m and df.blobs == {GOLDEN_BLOB_ID: GOLDEN_BLOB}
+
+
+# -- blob format 2 (what encode_delta writes by default): the same states ---------------------------------
+
+GOLDEN2_BLOB_HEX = (
+    "4453594e43424c4202000000cc00000028b52ffd608300150600c24c251d70a7d50146f5d12243afa1d14a3e762caa2a"
+    "96faff27a9aab2d2ff3304cbb2d2519e38943a9d673e194a7d0818f4573aca67a1d4f955183fd0d151ea641df357caa3"
+    "73a354516fc21a8cebafc588316d5d4312a20d8e4448e7a0fc6266357ceb5af48d416ac38beb1b75842cae9f6ae898f3"
+    "bd8e59dd9097f82e32b2370040b0ba190a22e213eae80eaf6045a957c01d020a56021100d00c178ae3f8ff5a317000fc"
+    "c1603dcb0f0cc6039d003f2e180c2c02287a4104ec9b2f544975a93d28b52ffd200e71000039f20d0069d5bf914e9b02"
+    "f7110028b52ffd204ced000090ab0500d60aab0500aa050000d60aaa05d60a03004e21189000ac240128b52ffd200421"
+    "0000bc40b8df28b52ffd20021100009ac028b52ffd2004210000000080bf"
+)
+GOLDEN2_BLOB = bytes.fromhex(GOLDEN2_BLOB_HEX)
+GOLDEN2_BLOB_ID = "8ff795c9d39d15c520e77be3b363c69c"
+GOLDEN2_MANIFEST = "".join(GOLDEN_MANIFEST).replace(GOLDEN_BLOB_ID, GOLDEN2_BLOB_ID).replace('"size":642', '"size":318')
+# FORMAT.md §4.3. ansm: model G (49 frequencies; gaps 0, 2, 6, 29, 258 of a and 3 of b: bucket 0 -> 683,
+# 2 -> 1366, 3 -> 683, 5 -> 682, 9 -> 682),
+# then model V (18: +1 -> 1366, -1 -> 682, BIG -> 682, RAW -> 1366), LEB128 each, summing to 4096 per model.
+GOLDEN2_STREAMS = {
+    "ans": "39f20d0069d5bf914e9b02f71100",  # a: 5 words, b: 2 words (rANS state first, then the renormalised words)
+    "ansm": "ab0500d60aab0500aa05000000aa05" + "00" * 39 + "d60aaa05" + "00" * 14 + "aa05d60a",
+    "dense1": "bc40b8df",
+    "raw2": "9ac0",
+    "raw4": "000080bf",
+}
+GOLDEN2_CHUNKS = [
+    {"count": 5, "dtype": "bfloat16", "mode": "ans", "na": 5, "nr": 1, "start": 0, "stop": 300, "tensor": "a"},
+    {"count": 1, "dtype": "float32", "mode": "ans", "na": 2, "nr": 1, "start": 0, "stop": 4, "tensor": "b"},
+    {"count": 4, "dtype": "float8_e5m2", "mode": "dense", "na": 0, "nr": 0, "start": 0, "stop": 4, "tensor": "d"},
+]
+
+
+def test_golden2_blob_bytes():
+    """Also pins zstd's output for the (compressed) header frame: if only this fails while the two tests
+    below pass, only the compressor's choice moved."""
+    old, new = golden_states()
+    enc = encode_delta(old, new, model="policy", version=2, parent=1)
+    assert list(enc.blobs) == [GOLDEN2_BLOB_ID]
+    assert enc.blobs[GOLDEN2_BLOB_ID].hex() == GOLDEN2_BLOB.hex()
+    assert enc.manifest.to_json().decode() == GOLDEN2_MANIFEST
+
+
+def test_golden2_streams_below_zstd():
+    magic, version, hlen = struct.unpack_from("<8sII", GOLDEN2_BLOB)
+    assert (magic, version) == (b"DSYNCBLB", 2)
+    header = json.loads(zstandard.ZstdDecompressor().decompress(GOLDEN2_BLOB[16:16 + hlen]))
+    assert header["chunks"] == GOLDEN2_CHUNKS
+    reader = BlobReader(GOLDEN2_BLOB)
+    got = {n: reader.stream(n).view(np.uint8).tobytes().hex() for n in sorted(reader.stream_names)}
+    assert got == GOLDEN2_STREAMS
+
+
+def test_golden2_bytes_still_decode():
+    old, new = golden_states()
+    patches = decode_blob(GOLDEN2_BLOB)
+    assert [(p.tensor, p.dtype, p.start, p.stop, p.count) for p in patches] == [
+        ("a", "bfloat16", 0, 300, 5), ("b", "float32", 0, 4, 1), ("d", "float8_e5m2", 0, 4, 4)]
+    a = patches[0].changes
+    assert a.positions.tolist() == [0, 3, 10, 40, 299]
+    assert a.raw.tolist() == [False, False, False, True, False]
+    assert a.values.tolist() == [1, 0xFFFF, 200, int(new["a"].view(torch.int16)[40]) & 0xFFFF, 1]
+    target = {n: t.clone() for n, t in old.items()}
+    apply_delta(target, parse_manifest(GOLDEN2_MANIFEST), {GOLDEN2_BLOB_ID: GOLDEN2_BLOB})
+    assert {n: tensor_bytes(t) for n, t in target.items()} == {n: tensor_bytes(t) for n, t in new.items()}

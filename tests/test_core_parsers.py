@@ -122,12 +122,15 @@ def pack_container(header: dict, streams: dict[str, bytes], *, content_size: boo
     return _PREFIX.pack(b"DSYNCBLB", 1, len(h)) + h + b"".join(frames)
 
 
+V1 = EncodeOptions(format=1)  # the container helpers below speak blob format 1 (readers still accept it)
+
+
 def _gap_blob():
     """A real one-chunk uint8 blob in gap mode with changes at 299, 599, 603 (two escaped gaps)."""
     old = torch.zeros(700, dtype=torch.uint8)
     new = old.clone()
     new[[299, 599, 603]] = 1
-    (blob,) = encode_delta({"a": old}, {"a": new}, model="m", version=2, parent=1).blobs.values()
+    (blob,) = encode_delta({"a": old}, {"a": new}, model="m", version=2, parent=1, options=V1).blobs.values()
     header, streams = unpack_container(blob)
     assert [c["mode"] for c in header["chunks"]] == ["gap"]
     return header, streams
@@ -136,7 +139,7 @@ def _gap_blob():
 def _dense_blob():
     old = torch.zeros(4, dtype=torch.float32)
     new = -torch.ones(4, dtype=torch.float32)
-    (blob,) = encode_delta({"a": old}, {"a": new}, model="m", version=2, parent=1).blobs.values()
+    (blob,) = encode_delta({"a": old}, {"a": new}, model="m", version=2, parent=1, options=V1).blobs.values()
     header, streams = unpack_container(blob)
     assert [c["mode"] for c in header["chunks"]] == ["dense"]
     return header, streams

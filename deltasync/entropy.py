@@ -1,0 +1,114 @@
+"""The ``ans`` chunk mode of blob format 2: changed positions and steps under one rANS message per chunk.
+
+Per change, the gap to the previous change (bucket under model G, then its low bits) and the value
+symbol (model V; :func:`deltasync.values.step_symbols`) go into the chunk's message
+(:mod:`deltasync.rans`); raw words go to the ``raw{w}`` stream as in format 1. Models G and V are
+static per blob: the encoder counts every chunk of the blob, normalizes (``rans.normalize``) and
+sends the frequencies in the ``ansm`` stream (docs/FORMAT.md §4.3), then codes each chunk. Chunks
+decode independently (the decoder needs only the blob's tables), so an executor decodes them in
+parallel. Nothing here needs the base state: relays decode, compose and re-encode chains without the
+model (:mod:`deltasync.squash`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import rans
+from .errors import FormatError
+from .values import Changes, changes_from_symbols, step_symbols
+from .varint import decode_varints, encode_varints
+
+_ERRORS = {
+    rans.E_SHORT: "the message ends before its last change (truncated or corrupt)",
+    rans.E_SYMBOL: "a BIG step's bucket is out of range",
+    rans.E_END: "the message has words or state left after its last change (corrupt)",
+    rans.E_GAP: "a gap leaves the chunk",
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AnsTables:
+    """A blob's models: (freq, cumulative start, slot lookup) for G and for V."""
+
+    g: tuple[np.ndarray, np.ndarray, np.ndarray]
+    v: tuple[np.ndarray, np.ndarray, np.ndarray]
+
+    @classmethod
+    def from_freqs(cls, gfreq: np.ndarray, vfreq: np.ndarray) -> "AnsTables":
+        return cls(g=rans.tables(gfreq), v=rans.tables(vfreq))
+
+    def to_bytes(self) -> np.ndarray:
+        """The ``ansm`` stream: N_GAP then N_VAL frequencies as LEB128 varints."""
+        return encode_varints(np.concatenate([self.g[0], self.v[0]]).astype(np.uint64))
+
+    @classmethod
+    def parse(cls, data: np.ndarray) -> "AnsTables":
+        n = rans.N_GAP + rans.N_VAL
+        try:
+            f = decode_varints(data, n)
+        except FormatError as e:
+            raise FormatError(f"ansm stream: {e}") from None
+        g, v = f[: rans.N_GAP], f[rans.N_GAP :]
+        for name, part in (("G", g), ("V", v)):
+            if int(part.max()) > rans.M or int(part.sum()) != rans.M:
+                raise FormatError(f"ansm stream: model {name}'s frequencies sum to {int(part.sum())}, expected {rans.M}")
+        return cls.from_freqs(g.astype(np.int64), v.astype(np.int64))
+
+
+def _buckets(gaps: np.ndarray) -> np.ndarray:
+    """Bit length of each non-negative gap (0 for 0)."""
+    b = np.zeros(gaps.size, dtype=np.int64)
+    nz = gaps > 0
+    if nz.any():
+        _, e = np.frexp(gaps[nz].astype(np.float64))  # exact for gaps < 2**53
+        b[nz] = e
+    return b
+
+
+class AnsBlobCoder:
+    """Collects the ans chunks of the open blob; :meth:`finish` counts, writes the tables and codes them.
+
+    Not thread-safe (one per :class:`~deltasync.codec.ChunkPacker`)."""
+
+    def __init__(self) -> None:
+        self._chunks: list[tuple[dict, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._gcount = np.zeros(rans.N_GAP, dtype=np.int64)
+        self._vcount = np.zeros(rans.N_VAL, dtype=np.int64)
+
+    def add(self, record: dict, rel: np.ndarray, changes: Changes) -> np.ndarray:
+        """Queue one chunk (``rel``: positions relative to the chunk start); sets ``record``'s mode and
+        ``nr`` now and its ``na`` when the blob closes. Returns the raw words for the ``raw{w}`` stream."""
+        gaps = np.diff(rel, prepend=-1) - 1
+        sym, bigneg, bigmag, raw = step_symbols(changes, rans.SMALL, rans.BIG, rans.RAW)
+        self._gcount += np.bincount(_buckets(gaps), minlength=rans.N_GAP)
+        self._vcount += np.bincount(sym, minlength=rans.N_VAL)
+        record.update(mode="ans", na=0, nr=int(raw.size))
+        self._chunks.append((record, gaps.astype(np.int64), sym, bigneg, bigmag))
+        return raw
+
+    def finish(self, writer) -> None:
+        """Append ``ansm`` and each queued chunk's message (in chunk order) to ``writer``; reset."""
+        if not self._chunks:
+            return
+        tables = AnsTables.from_freqs(rans.normalize(self._gcount), rans.normalize(self._vcount))
+        writer.append("ansm", tables.to_bytes())
+        (gf, gc, _), (vf, vc, _) = tables.g, tables.v
+        for record, gaps, sym, bigneg, bigmag in self._chunks:
+            words = rans.encode_chunk(gaps, sym, bigneg, bigmag, gf, gc, vf, vc)
+            record["na"] = int(words.size)
+            writer.append("ans", words.astype("<u2").view(np.uint8))
+        self.__init__()
+
+
+def decode_ans_chunk(tables: AnsTables, words: np.ndarray, raw: np.ndarray, count: int, length: int,
+                     start: int, word_size: int) -> Changes:
+    """One chunk's message (uint16 words) and raw words -> Changes (absolute positions)."""
+    (gf, gc, gl), (vf, vc, vl) = tables.g, tables.v
+    pos, sym, bneg, bmag, nbig, err = rans.decode_chunk(words, count, length, gf, gc, gl, vf, vc, vl)
+    if err != rans.OK:
+        raise FormatError(f"ans chunk: {_ERRORS.get(err, f'error {err}')}")
+    return changes_from_symbols(pos + start, sym, bneg[:nbig], bmag[:nbig], raw, word_size,
+                                rans.SMALL, rans.BIG, rans.RAW)

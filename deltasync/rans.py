@@ -1,0 +1,294 @@
+"""A static rANS entropy coder for the ``ans`` chunk mode (docs/FORMAT.md §4.3), compiled with numba.
+
+State: 32 bits, lower bound ``L = 2**16``, renormalised 16 bits at a time. Each coded symbol has a
+frequency ``f`` and start ``c`` out of ``2**p``: models use ``p = PREC = 12``; raw bits are coded
+as a uniform symbol (``f = 1``, ``c = bits``, ``p = k`` for ``k <= 12`` bits at a time, low pieces
+first). Encoding: ``while x >= ((L >> p) << 16) * f: emit(x & 0xffff); x >>= 16`` then
+``x = (x // f << p) + x % f + c``. The encoder runs backwards over the message; the stream is
+the final state (two 16-bit words, low first) followed by the emitted words in the order the
+decoder reads them. The decoder starts from that state, and a valid stream ends with every word
+read and the state back at ``L``.
+
+One message per chunk (so chunks decode independently, on an executor's threads: the kernels
+release the GIL). Per change, in order: the gap bucket ``b`` (model G: 0 for a gap of 0, else the
+bit length of the gap), the ``b - 1`` bits of the gap below its top bit, then the value symbol
+(model V: ``2*(|d|-1) + (d<0)`` for ``|d| <= SMALL``; ``BIG``: 8 raw bits ``sign | q << 1`` with ``q``
+the bit length of ``|d| - 1 - SMALL``, then its ``q - 1`` bits below the top bit; ``RAW``: the new word is the next word of
+the chunk's raw stream).
+
+Frequency tables (one G and one V per blob, shared by its chunks) come from counts by
+:func:`normalize`; they are sent, not re-derived, so only the encoder's choice lives here.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+PREC = 12
+M = 1 << PREC
+L = 1 << 16
+SMALL = 8
+BIG = 2 * SMALL
+RAW = 2 * SMALL + 1
+N_VAL = RAW + 1  # alphabet of model V
+N_GAP = 49  # alphabet of model G: buckets 0..48 (gaps below 2**48)
+
+# error codes of the kernels
+OK, E_SHORT, E_SYMBOL, E_END, E_GAP = 0, 1, 2, 3, 4
+
+
+def normalize(counts: np.ndarray) -> np.ndarray:
+    """Counts -> frequencies summing to ``M``, every counted symbol at least 1 (deterministic)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    freq = np.zeros(counts.size, dtype=np.int64)
+    if total == 0:
+        freq[0] = M
+        return freq
+    nz = counts > 0
+    freq[nz] = np.maximum(1, counts[nz] * M // total)
+    diff = M - int(freq.sum())
+    order = np.argsort(-freq, kind="stable")
+    i = 0
+    while diff != 0:  # give the rounding error to the largest symbols, one at a time, never below 1
+        s = order[i % int(nz.sum())]
+        if diff > 0:
+            freq[s] += 1
+            diff -= 1
+        elif freq[s] > 1:
+            freq[s] -= 1
+            diff += 1
+        i += 1
+    return freq
+
+
+def tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(freq uint32, cumulative starts uint32, slot -> symbol lookup uint8) of a normalized model."""
+    f = np.asarray(freq, dtype=np.uint32)
+    cum = np.zeros(f.size + 1, dtype=np.uint32)
+    np.cumsum(f, out=cum[1:])
+    lut = np.repeat(np.arange(f.size, dtype=np.uint8), f)
+    return f, cum, lut
+
+
+@numba.njit(cache=True, nogil=True)
+def _bitlen(v):
+    n = 0
+    while v:
+        n += 1
+        v >>= np.uint64(1)
+    return n
+
+
+@numba.njit(cache=True, nogil=True)
+def _put(x, f, c, p, out, at):
+    x_max = ((L >> p) << 16) * f
+    while x >= x_max:
+        at -= 1
+        out[at] = x & 0xFFFF
+        x >>= 16
+    x = ((x // f) << p) + (x % f) + c
+    return x, at
+
+
+@numba.njit(cache=True, nogil=True)
+def _put_bits(x, v, k, out, at):
+    # pieces of at most PREC bits; the decoder reads the low piece first, so encode the high piece first
+    n = (k + PREC - 1) // PREC
+    for j in range(n - 1, -1, -1):
+        kk = min(PREC, k - j * PREC)
+        piece = (v >> np.uint64(j * PREC)) & np.uint64((1 << kk) - 1)
+        x, at = _put(x, 1, np.int64(piece), kk, out, at)
+    return x, at
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_chunk(gaps, vsym, bigneg, bigmag, gf, gc, vf, vc):
+    """gaps int64[n], value symbols uint8[n], BIG signs/magnitudes (|d| - 1 - SMALL) in order -> uint16 words.
+
+    Written out by hand like :func:`decode_chunk`; ops are gathered per change (at most 8: bucket,
+    4 pieces of gap bits, value, BIG's 8 bits and its pieces are bounded by 1 + 1 + 6) and put in reverse."""
+    n = gaps.size
+    out = np.empty(14 * n + 64, dtype=np.uint16)
+    at = out.size
+    x = np.int64(L)
+    nb = bigmag.size
+    of = np.empty(16, dtype=np.int64)
+    oc = np.empty(16, dtype=np.int64)
+    op = np.empty(16, dtype=np.int64)
+    for i in range(n - 1, -1, -1):
+        k = 0  # ops of change i, in decoding order
+        g = gaps[i]
+        b = 0
+        t = g
+        while t:
+            b += 1
+            t >>= 1
+        of[k] = gf[b]
+        oc[k] = gc[b]
+        op[k] = PREC
+        k += 1
+        r = b - 1
+        low = g
+        while r > 0:
+            kk = r if r < PREC else PREC
+            of[k] = 1
+            oc[k] = low & ((np.int64(1) << kk) - 1)
+            op[k] = kk
+            k += 1
+            low >>= kk
+            r -= kk
+        s = vsym[i]
+        of[k] = vf[s]
+        oc[k] = vc[s]
+        op[k] = PREC
+        k += 1
+        if s == BIG:
+            nb -= 1
+            m = bigmag[nb]
+            q = 0
+            t2 = m
+            while t2:
+                q += 1
+                t2 >>= np.uint64(1)
+            of[k] = 1
+            oc[k] = (q << 1) | (1 if bigneg[nb] else 0)
+            op[k] = 8
+            k += 1
+            r = q - 1
+            lowm = m
+            while r > 0:
+                kk = r if r < PREC else PREC
+                of[k] = 1
+                oc[k] = np.int64(lowm & np.uint64((1 << kk) - 1))
+                op[k] = kk
+                k += 1
+                lowm >>= np.uint64(kk)
+                r -= kk
+        for j in range(k - 1, -1, -1):
+            f = of[j]
+            x_max = ((L >> op[j]) << 16) * f
+            if x >= x_max:
+                at -= 1
+                out[at] = x & 0xFFFF
+                x >>= 16
+            if f == 1:  # raw bits: no division
+                x = (x << op[j]) + oc[j]
+            else:
+                x = ((x // f) << op[j]) + (x % f) + oc[j]
+    at -= 2
+    out[at] = x & 0xFFFF
+    out[at + 1] = (x >> 16) & 0xFFFF
+    return out[at:].copy()
+
+
+@numba.njit(cache=True, nogil=True)
+def decode_chunk(words, count, length, gf, gc, glut, vf, vc, vlut):
+    """-> (positions int64[count], value symbols uint8[count], BIG signs, BIG magnitudes (their first
+    ``nbig`` entries), nbig, error code).
+
+    Written out by hand (no helper calls: they cost 3x here). A read past the message's end feeds
+    zeros and is caught by the final check, so the loop has no early exits but the position check."""
+    pos = np.empty(count, dtype=np.int64)
+    vsym = np.empty(count, dtype=np.uint8)
+    bneg = np.empty(count, dtype=np.bool_)
+    bmag = np.empty(count, dtype=np.uint64)
+    kb = 0
+    nw = words.size
+    if nw < 2:
+        return pos, vsym, bneg, bmag, kb, E_SHORT
+    x = np.int64(words[0]) | (np.int64(words[1]) << 16)
+    at = 2
+    p = np.int64(-1)
+    mask = np.int64(M - 1)
+    for i in range(count):
+        slot = x & mask
+        b = np.int64(glut[slot])
+        x = np.int64(gf[b]) * (x >> PREC) + slot - np.int64(gc[b])
+        if x < L:
+            x <<= 16
+            if at < nw:
+                x |= np.int64(words[at])
+            at += 1
+        g = np.int64(0)
+        if b >= 1:
+            k = b - 1
+            sh = 0
+            while k > 0:
+                kk = k if k < PREC else PREC
+                g |= (x & ((np.int64(1) << kk) - 1)) << sh
+                x >>= kk
+                if x < L:
+                    x <<= 16
+                    if at < nw:
+                        x |= np.int64(words[at])
+                    at += 1
+                sh += kk
+                k -= kk
+            g |= np.int64(1) << (b - 1)
+        p += g + 1
+        if p >= length or b > 48:
+            return pos, vsym, bneg, bmag, kb, E_GAP
+        pos[i] = p
+        slot = x & mask
+        s = np.int64(vlut[slot])
+        x = np.int64(vf[s]) * (x >> PREC) + slot - np.int64(vc[s])
+        if x < L:
+            x <<= 16
+            if at < nw:
+                x |= np.int64(words[at])
+            at += 1
+        vsym[i] = s
+        if s == BIG:
+            # 1 sign bit, then 7 bits of q: 8 raw bits in one piece (low bit first = the sign)
+            v8 = x & 0xFF
+            x >>= 8
+            if x < L:
+                x <<= 16
+                if at < nw:
+                    x |= np.int64(words[at])
+                at += 1
+            sign = v8 & 1
+            q = v8 >> 1
+            if q > 64:
+                return pos, vsym, bneg, bmag, kb, E_SYMBOL
+            m = np.uint64(0)
+            if q >= 1:
+                k = q - 1
+                sh = 0
+                while k > 0:
+                    kk = k if k < PREC else PREC
+                    m |= np.uint64(x & ((np.int64(1) << kk) - 1)) << np.uint64(sh)
+                    x >>= kk
+                    if x < L:
+                        x <<= 16
+                        if at < nw:
+                            x |= np.int64(words[at])
+                        at += 1
+                    sh += kk
+                    k -= kk
+                m |= np.uint64(1) << np.uint64(q - 1)
+            bneg[kb] = sign == 1
+            bmag[kb] = m
+            kb += 1
+    if at > nw:
+        return pos, vsym, bneg, bmag, kb, E_SHORT
+    if at != nw or x != L:
+        return pos, vsym, bneg, bmag, kb, E_END
+    return pos, vsym, bneg, bmag, kb, OK
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_ops(freq, start, prec):
+    """A message of arbitrary coded symbols (``freq``, ``start`` out of ``2**prec`` each, in decoding
+    order) -> uint16 words; the general form of :func:`encode_chunk` (used to size other codings)."""
+    out = np.empty(2 * freq.size + 64, dtype=np.uint16)
+    at = out.size
+    x = np.int64(L)
+    for i in range(freq.size - 1, -1, -1):
+        x, at = _put(x, np.int64(freq[i]), np.int64(start[i]), np.int64(prec[i]), out, at)
+    at -= 2
+    out[at] = x & 0xFFFF
+    out[at + 1] = (x >> 16) & 0xFFFF
+    return out[at:].copy()
