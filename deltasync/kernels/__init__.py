@@ -39,6 +39,8 @@ word_size)``
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ..errors import FormatError, ApplyError
@@ -90,6 +92,18 @@ def _table() -> np.ndarray:
     return _T_NP
 
 
+_local = threading.local()
+_BUFFER_WORDS = 1 << 16
+
+
+def _buffer() -> np.ndarray:
+    """This thread's reused index buffer (a fresh big allocation per chunk costs page faults)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = np.empty(_BUFFER_WORDS + 64, np.int64)
+    return buf
+
+
 def _per(word_size: int) -> int:
     return 0 if word_size == 1 else word_size // 2
 
@@ -101,9 +115,17 @@ def diff_words(o: np.ndarray, n: np.ndarray, start: int, word_size: int, update_
     (unsigned word arrays of one chunk starting at ``start``); None when nothing changed."""
     k = cpu_kernels()
     if k is not None:
-        pos, ow, nw, fpd = k.diff_words(o, n, start, _per(word_size), _table())
-        if pos.size == 0:
+        buf = _buffer()
+        parts = []
+        at = 0
+        while at < o.size:
+            count, at = k.compare_words(o, n, buf, at)
+            if count:
+                parts.append(buf[:count].copy())
+        if not parts:
             return None
+        rel = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        pos, ow, nw, fpd = k.gather_changes(o, n, rel, start, _per(word_size), _table())
         if update_old:
             o[pos - start] = nw
         return pos, ow, nw, int(fpd)

@@ -20,7 +20,10 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+from llvmlite import ir
 from numba import njit
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from ..errors import FormatError
 
@@ -71,8 +74,11 @@ def lanes_sum(lanes, offset, table):
         j0 = idx & 0xFFFF
         m = min(n - i, 65536 - j0)
         s = np.uint64(0)
+        ui = np.uint64(i)  # unsigned indices: no negative-index wraparound test (keeps it vectorized)
+        uj = np.uint64(j0)
         for j in range(m):
-            s += np.uint64(lanes[i + j]) * table[j0 + j]
+            uj_ = np.uint64(j)
+            s += np.uint64(lanes[ui + uj_]) * table[uj + uj_]
         total += s * _block_key(idx >> 16)
         i += m
     return total
@@ -113,53 +119,74 @@ def fingerprint_delta(positions, old, new, per, table):
 
 # -- compare and compaction ----------------------------------------------------------------------
 
-_BLOCK = 64
+@intrinsic
+def _cttz(typingctx, x):
+    """Count of trailing zero bits of a non-zero uint64 (llvm.cttz)."""
+    sig = types.uint64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(1)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.cttz.i64")
+        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
+
+    return sig, codegen
 
 
 @_jit
-def diff_words(o, n, start, per, table):
-    """Changed words of two equal-length word arrays (a chunk starting at word ``start``).
-
-    Returns (absolute positions, old words, new words, fingerprint change). Blocks of 64 words are OR-reduced first, so an
-    unchanged block costs one vectorized pass."""
+def compare_words(o, n, out, first):
+    """Indices ``i >= first`` where ``o[i] != n[i]``, written into ``out``; returns (how many,
+    where to resume: ``o.size`` when done). Stops early when ``out`` could overflow, so a small
+    reused buffer serves any density. Each block of 64 words is compared into a 64-bit mask (a
+    vectorized pass); only its set bits cost more. ``first`` is a multiple of 64 (or o.size)."""
     length = o.size
-    cap = max(256, length >> 7)
-    pos = np.empty(cap, np.int64)
-    ow = np.empty(cap, o.dtype)
-    nw = np.empty(cap, o.dtype)
     k = 0
+    nfull = length // 64
+    blk = first // 64
+    while blk < nfull:
+        room = (out.size - k) // 64  # blocks that fit whatever they hold: no check in the hot loop
+        if room == 0:
+            return k, blk * 64
+        stop = min(nfull, blk + room)
+        for b in range(blk, stop):
+            b0 = b * 64
+            u0 = np.uint64(b0)  # unsigned indices: no negative-index wraparound test in the hot loop
+            m = np.uint64(0)
+            for j in range(64):
+                u = u0 + np.uint64(j)
+                m |= np.uint64(o[u] != n[u]) << np.uint64(j)
+            while m:
+                out[k] = b0 + np.int64(_cttz(m))
+                m &= m - _U1
+                k += 1
+        blk = stop
+    if out.size - k < 64:
+        return k, nfull * 64
+    for i in range(max(nfull * 64, first), length):
+        if o[i] != n[i]:
+            out[k] = i
+            k += 1
+    return k, length
+
+
+@_jit
+def gather_changes(o, n, rel, start, per, table):
+    """(absolute positions, old words, new words, fingerprint change) at indices ``rel``."""
+    count = rel.size
+    pos = np.empty(count, np.int64)
+    ow = np.empty(count, o.dtype)
+    nw = np.empty(count, o.dtype)
     last = np.full(2, -1, np.int64)
     fpd = np.uint64(0)
-    base = 0
-    while base < length:
-        end = min(base + _BLOCK, length)
-        acc = o[base] ^ o[base]
-        for i in range(base, end):
-            acc |= o[i] ^ n[i]
-        if acc != 0:
-            for i in range(base, end):
-                a = o[i]
-                b = n[i]
-                if a != b:
-                    if k == cap:
-                        cap *= 2
-                        p2 = np.empty(cap, np.int64)
-                        p2[:k] = pos[:k]
-                        pos = p2
-                        o2 = np.empty(cap, o.dtype)
-                        o2[:k] = ow[:k]
-                        ow = o2
-                        n2 = np.empty(cap, o.dtype)
-                        n2[:k] = nw[:k]
-                        nw = n2
-                    p = start + i
-                    pos[k] = p
-                    ow[k] = a
-                    nw[k] = b
-                    k += 1
-                    fpd += _word_delta(p, np.uint64(a), np.uint64(b), per, table, last)
-        base = end
-    return pos[:k].copy(), ow[:k].copy(), nw[:k].copy(), fpd
+    for k in range(count):
+        i = rel[k]
+        a = o[i]
+        b = n[i]
+        p = start + i
+        pos[k] = p
+        ow[k] = a
+        nw[k] = b
+        fpd += _word_delta(p, np.uint64(a), np.uint64(b), per, table, last)
+    return pos, ow, nw, fpd
 
 
 # -- values (today's step/raw token coding, docs/FORMAT.md "values") -----------------------------
@@ -460,16 +487,16 @@ def decode_bitmap(packed, count, length):
     if length & 7 and packed.size and packed[-1] >> np.uint8(length & 7):
         return out, E_BMPAST, 0
     k = 0
-    for i in range(packed.size):
-        b = packed[i]
-        while b:
-            j = 0
-            while not (b >> np.uint8(j)) & np.uint8(1):
-                j += 1
+    nbytes = packed.size
+    for w0 in range(0, nbytes, 8):
+        m = np.uint64(0)
+        for j in range(min(8, nbytes - w0)):
+            m |= np.uint64(packed[w0 + j]) << np.uint64(8 * j)
+        while m:
             if k < count:
-                out[k] = i * 8 + j
+                out[k] = w0 * 8 + np.int64(_cttz(m))
             k += 1
-            b &= np.uint8(b - np.uint8(1))
+            m &= m - _U1
     if k != count:
         return out, E_BMCOUNT, k
     return out, E_OK, 0
