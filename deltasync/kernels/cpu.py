@@ -85,35 +85,38 @@ def lanes_sum(lanes, offset, table):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _word_delta(p, a, b, per, table, last):
-    """Fingerprint change of word p going from a to b (uint64); ``last`` caches (block, key)."""
+def _word_delta(p, a, b, per, table, lb, lk):
+    """Fingerprint change of word p going from a to b (uint64). (lb, lk): the last block and its
+    key, carried in registers by the caller; returns (change, lb, lk)."""
     d = np.uint64(0)
     if per == 0:  # one-byte words: one 8-bit lane per word
         blk = p >> 16
-        if blk != last[0]:
-            last[0] = blk
-            last[1] = np.int64(_block_key(blk))
-        d += ((b & _LO8) - (a & _LO8)) * table[p & 0xFFFF] * np.uint64(last[1])
-        return d
+        if blk != lb:
+            lb = blk
+            lk = _block_key(blk)
+        d += ((b & _LO8) - (a & _LO8)) * table[p & 0xFFFF] * lk
+        return d, lb, lk
     for q in range(per):
         idx = p * per + q
         blk = idx >> 16
-        if blk != last[0]:
-            last[0] = blk
-            last[1] = np.int64(_block_key(blk))
+        if blk != lb:
+            lb = blk
+            lk = _block_key(blk)
         sh = np.uint64(16 * q)
-        d += (((b >> sh) & _LO16) - ((a >> sh) & _LO16)) * table[idx & 0xFFFF] * np.uint64(last[1])
-    return d
+        d += (((b >> sh) & _LO16) - ((a >> sh) & _LO16)) * table[idx & 0xFFFF] * lk
+    return d, lb, lk
 
 
 @_jit
 def fingerprint_delta(positions, old, new, per, table):
     """Change of a tensor's fingerprint when words at ``positions`` go from old to new.
     ``per``: 16-bit lanes per word (0 for one-byte words)."""
-    last = np.full(2, -1, np.int64)
+    lb = np.int64(-1)
+    lk = np.uint64(0)
     d = np.uint64(0)
     for k in range(positions.size):
-        d += _word_delta(positions[k], np.uint64(old[k]), np.uint64(new[k]), per, table, last)
+        dd, lb, lk = _word_delta(positions[k], np.uint64(old[k]), np.uint64(new[k]), per, table, lb, lk)
+        d += dd
     return d
 
 
@@ -175,7 +178,8 @@ def gather_changes(o, n, rel, start, per, table):
     pos = np.empty(count, np.int64)
     ow = np.empty(count, o.dtype)
     nw = np.empty(count, o.dtype)
-    last = np.full(2, -1, np.int64)
+    lb = np.int64(-1)
+    lk = np.uint64(0)
     fpd = np.uint64(0)
     for k in range(count):
         i = rel[k]
@@ -185,7 +189,8 @@ def gather_changes(o, n, rel, start, per, table):
         pos[k] = p
         ow[k] = a
         nw[k] = b
-        fpd += _word_delta(p, np.uint64(a), np.uint64(b), per, table, last)
+        dd, lb, lk = _word_delta(p, np.uint64(a), np.uint64(b), per, table, lb, lk)
+        fpd += dd
     return pos, ow, nw, fpd
 
 
@@ -525,10 +530,12 @@ def patch_words(words, positions, raw, values, per, table):
             words[p] = values[k]
         else:
             words[p] = a + values[k]
-    last = np.full(2, -1, np.int64)
+    lb = np.int64(-1)
+    lk = np.uint64(0)
     fpd = np.uint64(0)
     for k in range(count):  # read back: verify what landed, not what we meant
-        fpd += _word_delta(positions[k], np.uint64(old[k]), np.uint64(words[positions[k]]), per, table, last)
+        dd, lb, lk = _word_delta(positions[k], np.uint64(old[k]), np.uint64(words[positions[k]]), per, table, lb, lk)
+        fpd += dd
     return old, fpd, -1
 
 
@@ -546,12 +553,14 @@ def apply_changes(words, positions, raw, values):
 @_jit
 def copy_range_delta(dst, src, start, per, table):
     """dst[:] = src with the fingerprint change of words [start, start+len) (dense chunks)."""
-    last = np.full(2, -1, np.int64)
+    lb = np.int64(-1)
+    lk = np.uint64(0)
     fpd = np.uint64(0)
     for i in range(dst.size):
         a = dst[i]
         b = src[i]
         if a != b:
-            fpd += _word_delta(start + i, np.uint64(a), np.uint64(b), per, table, last)
+            dd, lb, lk = _word_delta(start + i, np.uint64(a), np.uint64(b), per, table, lb, lk)
+            fpd += dd
             dst[i] = b
     return fpd
