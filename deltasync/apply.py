@@ -326,12 +326,17 @@ def _patch_tensor(live: torch.Tensor, chunks: list[ChunkPatch], fp: int, undo: _
             continue
         ch = c.changes
         idx = torch.from_numpy(ch.positions).to(device)
-        old = words.index_select(0, idx)
-        undo.entries.append((words, idx, old, None if work is live else live, work))
         vals = torch.from_numpy(ch.values.view(np.dtype(f"i{info.word_size}"))).to(device)
         raw = torch.from_numpy(ch.raw).to(device)
-        new = torch.where(raw, vals, old + vals).to(sdt)
-        words.index_copy_(0, idx, new)
+        g = kernels.gpu_kernels(words)
+        if g is not None and ch.positions.size and 0 <= ch.positions[0] and ch.positions[-1] < words.numel():
+            old = g.patch_words(words, idx, raw, vals)  # Triton: gather + write in one pass (positions sorted)
+            undo.entries.append((words, idx, old, None if work is live else live, work))
+        else:
+            old = words.index_select(0, idx)
+            undo.entries.append((words, idx, old, None if work is live else live, work))
+            new = torch.where(raw, vals, old + vals).to(sdt)
+            words.index_copy_(0, idx, new)
         written = words.index_select(0, idx)  # read back: verify what landed, not what we meant
         if len(ch) * DENSE_FP > c.stop - c.start:
             # Many changes: two streaming passes over the chunk beat per-change keys. The old

@@ -170,7 +170,8 @@ def diff_chunk(old_words: torch.Tensor, new_words: torch.Tensor, start: int, sto
         return ChunkDiff(start=start, stop=stop, positions=p, old=ow, new=nw), fpd
     o = old_words[start:stop]
     n = new_words[start:stop]
-    rel = torch.nonzero(o != n).squeeze(1)
+    g = kernels.gpu_kernels(o)
+    rel = g.changed_positions(o, n) if g is not None else torch.nonzero(o != n).squeeze(1)
     if rel.numel() == 0:
         return None, 0
     ow, nw = o.index_select(0, rel), n.index_select(0, rel)

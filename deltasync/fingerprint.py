@@ -32,7 +32,7 @@ import torch
 import xxhash
 
 from .dtypes import dtype_info, word_view
-from .kernels import cpu_kernels
+from .kernels import cpu_kernels, gpu_kernels
 
 _UNSIGNED = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 
@@ -156,6 +156,12 @@ def lanes_sum(lanes: torch.Tensor, offset: int) -> int:
     if device.type == "cpu":  # unsigned views widen without a mask pass on CPU
         lanes, mask = lanes.view(torch.uint8 if mask == 0xFF else torch.uint16), 0
     table = _table(device)
+    g = gpu_kernels(lanes) if offset % BLOCK == 0 else None
+    if g is not None:  # Triton: one pass, per-block sums on the device
+        sums = g.lane_block_sums(lanes.contiguous(), table)
+        keys = _block_keys(torch.arange(offset >> BLOCK_BITS, (offset >> BLOCK_BITS) + sums.numel(), dtype=torch.int64,
+                                        device=device))
+        return (total + int((sums * keys).sum().item())) & _MASK64
     step = BLOCK * _CHUNK_BLOCKS
     nblocks = (n + BLOCK - 1) // BLOCK
     buf = torch.empty(min(step, nblocks * BLOCK), dtype=torch.int64, device=device)

@@ -298,3 +298,30 @@ def test_select_rejects_unknown_names():
         kernels.select("fast")
     assert kernels.select("reference") == "reference" and kernels.active() == "reference"
     assert kernels.select("auto") == "numba"
+
+
+@pytest.mark.slow
+def test_triton_kernels_under_the_interpreter():
+    """The Triton kernels of deltasync.kernels.gpu on CPU tensors under TRITON_INTERPRET=1 (no GPU here),
+    against the torch reference; the same check runs on a real device in `make gpu-check`."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    code = "from deltasync.kernels import gpu; gpu.self_check('cpu', n=20_011); print('self-check ok')"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0 and "self-check ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_gpu_check_fails_clearly_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no CUDA device" in out.stderr

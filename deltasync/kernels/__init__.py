@@ -51,13 +51,17 @@ _selected: str | None = None  # resolved lazily: numba when it imports
 _cpu = None
 
 
-def select(name: str = "auto") -> str:
+def select(name: str = "auto", *, lazy: bool = False) -> str:
     """Choose the CPU kernels: ``"numba"``, ``"reference"`` or ``"auto"`` (numba when it imports).
-    Returns the resolved name; asking for numba where it does not import raises ImportError."""
+    Returns the resolved name; asking for numba where it does not import raises ImportError.
+    ``lazy=True`` with ``"auto"`` defers the choice (and numba's import) to the first kernel call."""
     global _selected, _cpu
     name = (name or "auto").strip().lower()
     if name not in _CHOICES:
         raise ValueError(f"kernels must be one of {_CHOICES}, found {name!r} (DELTASYNC_KERNELS?)")
+    if name == "auto" and lazy:  # resolved at the first kernel call: a server never imports numba
+        _selected, _cpu = None, None
+        return name
     if name == "reference":
         _selected, _cpu = "reference", None
         return _selected
@@ -84,6 +88,23 @@ def cpu_kernels():
     if _selected is None:
         select("auto")
     return _cpu
+
+
+_gpu = False  # not yet imported
+
+
+def gpu_kernels(t):
+    """:mod:`deltasync.kernels.gpu` for a tensor on CUDA when triton imports, else None (torch)."""
+    global _gpu
+    if t.device.type != "cuda":
+        return None
+    if _gpu is False:
+        try:
+            from . import gpu as mod
+        except ImportError:
+            mod = None
+        _gpu = mod if mod is not None and mod.triton is not None else None
+    return _gpu
 
 
 def _table() -> np.ndarray:
