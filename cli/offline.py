@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from deltasync.blob import BlobReader
 from deltasync.budget import budget_of, residual_of
@@ -37,6 +39,8 @@ def register(sub) -> None:
     p.add_argument("--key-file", help="sign the manifest with this hex key")
     p.add_argument("--chunk-words", type=int, default=EncodeOptions().chunk_words)
     p.add_argument("--level", type=int, default=1, help="zstd level (default 1)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="threads comparing chunks (default: one per core)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_diff)
 
@@ -77,8 +81,10 @@ def cmd_diff(args) -> int:
     new = read_state_file(args.new)
     version = args.version if args.version is not None else args.parent + 1
     prog = Progress("diff", quiet=args.quiet)
-    enc = encode_delta(old, new, model=args.model, version=version, parent=args.parent,
-                       options=EncodeOptions(level=args.level, chunk_words=args.chunk_words), progress=prog.update)
+    with ThreadPoolExecutor(max(args.threads, 1)) as pool:  # compiled compare kernels release the GIL
+        enc = encode_delta(old, new, model=args.model, version=version, parent=args.parent,
+                           options=EncodeOptions(level=args.level, chunk_words=args.chunk_words), progress=prog.update,
+                           executor=pool if args.threads > 1 else None)
     prog.done()
     manifest = enc.manifest
     signer = signer_from_file(args.key_file)

@@ -29,6 +29,10 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None = None) 
     """Parse ``argv``, run the chosen subcommand; a DeltaSyncError or a missing/unreadable file
     is one line on stderr and exit status 1, an interrupt 130, a closed stdout 141."""
     args = parser.parse_args(argv)
+    if os.environ.get("DELTASYNC_KERNELS"):  # the one place the kernel switch is read (deltasync.kernels)
+        from deltasync import kernels
+
+        kernels.select(os.environ["DELTASYNC_KERNELS"], lazy=True)
     try:
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit

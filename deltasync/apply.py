@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from .codec import DENSE_FP, ChunkPatch, chunk_spans, decode_blob
-from .dtypes import dtype_info, signed_word_dtype, word_view
+from . import kernels
+from .dtypes import dtype_info, numpy_word_dtype, signed_word_dtype, word_view
 from .blob import verify_blob
 from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError
 from .fingerprint import fingerprint_delta, words_range_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint
@@ -312,6 +313,8 @@ def _patch_tensor(live: torch.Tensor, chunks: list[ChunkPatch], fp: int, undo: _
     work = live if live.is_contiguous() else live.contiguous()
     words = word_view(work)
     device = words.device
+    if device.type == "cpu" and kernels.cpu_kernels() is not None:
+        return _patch_tensor_compiled(live, work, words, chunks, fp, undo, info.word_size)
     for c in chunks:
         if c.dense is not None:
             where = slice(c.start, c.stop)
@@ -323,12 +326,17 @@ def _patch_tensor(live: torch.Tensor, chunks: list[ChunkPatch], fp: int, undo: _
             continue
         ch = c.changes
         idx = torch.from_numpy(ch.positions).to(device)
-        old = words.index_select(0, idx)
-        undo.entries.append((words, idx, old, None if work is live else live, work))
         vals = torch.from_numpy(ch.values.view(np.dtype(f"i{info.word_size}"))).to(device)
         raw = torch.from_numpy(ch.raw).to(device)
-        new = torch.where(raw, vals, old + vals).to(sdt)
-        words.index_copy_(0, idx, new)
+        g = kernels.gpu_kernels(words)
+        if g is not None and ch.positions.size and 0 <= ch.positions[0] and ch.positions[-1] < words.numel():
+            old = g.patch_words(words, idx, raw, vals)  # Triton: gather + write in one pass (positions sorted)
+            undo.entries.append((words, idx, old, None if work is live else live, work))
+        else:
+            old = words.index_select(0, idx)
+            undo.entries.append((words, idx, old, None if work is live else live, work))
+            new = torch.where(raw, vals, old + vals).to(sdt)
+            words.index_copy_(0, idx, new)
         written = words.index_select(0, idx)  # read back: verify what landed, not what we meant
         if len(ch) * DENSE_FP > c.stop - c.start:
             # Many changes: two streaming passes over the chunk beat per-change keys. The old
@@ -338,6 +346,27 @@ def _patch_tensor(live: torch.Tensor, chunks: list[ChunkPatch], fp: int, undo: _
             fp = update_fingerprint(fp, words_range_delta(before, words[c.start : c.stop], c.start, info.word_size))
         else:
             fp = update_fingerprint(fp, fingerprint_delta(idx, old, written, info.word_size))
+    if work is not live:
+        live.copy_(work)
+    return fp
+
+
+def _patch_tensor_compiled(live: torch.Tensor, work: torch.Tensor, words: torch.Tensor, chunks: list[ChunkPatch],
+                           fp: int, undo: _Undo, word_size: int) -> int:
+    """:func:`_patch_tensor` on CPU with the compiled kernels: one pass per chunk gathers the old
+    words, writes the new ones and sums the fingerprint change from the words read back."""
+    host = words.detach().numpy().view(numpy_word_dtype(word_size))
+    sdt = np.dtype(f"i{word_size}")
+    restore = None if work is live else live
+    for c in chunks:
+        if c.dense is not None:
+            where = slice(c.start, c.stop)
+            undo.entries.append((words, where, words[where].clone(), restore, work))
+            fp = update_fingerprint(fp, kernels.copy_range_delta(host[where], c.dense, c.start, word_size))
+            continue
+        old, fpd = kernels.patch_words(host, c.changes, word_size)  # all or nothing: bounds checked first
+        undo.entries.append((words, torch.from_numpy(c.changes.positions), torch.from_numpy(old.view(sdt)), restore, work))
+        fp = update_fingerprint(fp, fpd)
     if work is not live:
         live.copy_(work)
     return fp

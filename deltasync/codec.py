@@ -29,8 +29,10 @@ from .errors import ChainError, FormatError
 from .fingerprint import fingerprint_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint, words_range_delta
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
 from .entropy import AnsBlobCoder, AnsTables, decode_ans_chunk
-from .positions import choose_position_mode, decode_bitmap, decode_gaps, encode_bitmap, encode_gaps
-from .values import Changes, changes_from_words, decode_values, encode_values
+from . import kernels
+from .kernels import changes_from_words, decode_bitmap, decode_gaps, decode_values, encode_bitmap, encode_gaps, encode_values
+from .positions import choose_position_mode
+from .values import Changes
 
 DEFAULT_CHUNK_WORDS = 4 << 20
 DEFAULT_BLOB_TARGET = 32 << 20
@@ -149,6 +151,13 @@ def diff_chunk(old_words: torch.Tensor, new_words: torch.Tensor, start: int, sto
     """
     ndt = numpy_word_dtype(word_size)
     sdt = np.dtype(f"i{word_size}")
+    if old_words.device.type == "cpu" and kernels.cpu_kernels() is not None:  # one fused compiled pass
+        found = kernels.diff_words(old_words[start:stop].numpy().view(ndt), new_words[start:stop].numpy().view(ndt),
+                                   start, word_size, update_old)
+        if found is None:
+            return None, 0
+        p, ow, nw, fpd = found
+        return ChunkDiff(start=start, stop=stop, positions=p, old=ow, new=nw), fpd
     if old_words.device.type == "cpu":
         o = old_words[start:stop].numpy().view(ndt)
         n = new_words[start:stop].numpy().view(ndt)
@@ -167,7 +176,8 @@ def diff_chunk(old_words: torch.Tensor, new_words: torch.Tensor, start: int, sto
         return ChunkDiff(start=start, stop=stop, positions=p, old=ow, new=nw), fpd
     o = old_words[start:stop]
     n = new_words[start:stop]
-    rel = torch.nonzero(o != n).squeeze(1)
+    g = kernels.gpu_kernels(o)
+    rel = g.changed_positions(o, n) if g is not None else torch.nonzero(o != n).squeeze(1)
     if rel.numel() == 0:
         return None, 0
     ow, nw = o.index_select(0, rel), n.index_select(0, rel)
@@ -190,12 +200,16 @@ def diff_states(
     chunk_words: int = DEFAULT_CHUNK_WORDS,
     update_old: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    executor: Executor | None = None,
 ) -> StateDiff:
     """Diff two states of the same layout chunk by chunk; the new fingerprints are derived from the
-    changes (``base_fps`` are the old ones when the caller tracks them, else computed)."""
+    changes (``base_fps`` are the old ones when the caller tracks them, else computed).
+    ``executor``: compare chunks on its threads (the compiled CPU kernels release the GIL); the
+    result is the same as without."""
     _check_layout(old, new)
     names = sorted(new)
-    fps_before = dict(base_fps) if base_fps is not None else {n: tensor_fingerprint(old[n]) for n in names}
+    fps_before = dict(base_fps) if base_fps is not None else {
+        n: tensor_fingerprint(old[n], executor=executor) for n in names}
     fps_after: dict[str, int] = {}
     chunks: dict[str, list[ChunkDiff]] = {}
     total = sum(new[n].numel() * new[n].element_size() for n in names)
@@ -212,8 +226,13 @@ def diff_states(
             nw = word_view(n_t if n_t.is_contiguous() else n_t.contiguous())
             fp = fps_before[name]
             out = []
-            for s, e in tensor_chunk_ranges(tuple(n_t.shape), nw.numel(), chunk_words):
-                cd, fpd = diff_chunk(ow, nw, s, e, info.word_size, update_old=update_old)
+            ranges = tensor_chunk_ranges(tuple(n_t.shape), nw.numel(), chunk_words)
+            if executor is not None and len(ranges) > 1:
+                results = executor.map(lambda r: diff_chunk(ow, nw, r[0], r[1], info.word_size, update_old=update_old),
+                                       ranges)
+            else:
+                results = (diff_chunk(ow, nw, s, e, info.word_size, update_old=update_old) for s, e in ranges)
+            for (s, e), (cd, fpd) in zip(ranges, results):
                 if cd is not None:
                     fp = update_fingerprint(fp, fpd)
                     out.append(cd)
@@ -391,6 +410,7 @@ def encode_delta(
     options: EncodeOptions | None = None,
     meta: Mapping[str, str] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    executor: Executor | None = None,
 ) -> Encoded:
     """Delta from ``old`` (version ``parent``) to ``new`` (``version``): :func:`diff_states`
     then :func:`encode_diff`.
@@ -398,10 +418,12 @@ def encode_delta(
     ``base_fps`` are the old tensors' fingerprints when the caller tracks them (the
     publisher does); otherwise they are computed. The new fingerprints are derived
     incrementally from the changes, so encoding reads each tensor once.
-    ``progress(done_bytes, total_bytes)`` is called after each chunk.
+    ``progress(done_bytes, total_bytes)`` is called after each chunk; ``executor``: compare
+    chunks on its threads (:func:`diff_states`).
     """
     options = options or EncodeOptions()
-    diff = diff_states(old, new, base_fps=base_fps, chunk_words=options.chunk_words, progress=progress)
+    diff = diff_states(old, new, base_fps=base_fps, chunk_words=options.chunk_words, progress=progress,
+                       executor=executor)
     return encode_diff(diff, model=model, version=version, parent=parent, options=options, meta=meta)
 
 

@@ -32,6 +32,9 @@ import torch
 import xxhash
 
 from .dtypes import dtype_info, word_view
+from .kernels import cpu_kernels, gpu_kernels
+
+_UNSIGNED = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 
 BLOCK_BITS = 16
 BLOCK = 1 << BLOCK_BITS
@@ -95,16 +98,25 @@ def lane_bits(dtype: torch.dtype | str) -> int:
     return 8 if dtype_info(dtype).word_size == 1 else 16
 
 
-def tensor_fingerprint(tensor: torch.Tensor) -> int:
+FP_SPLIT_LANES = 1 << 22  # with an executor, a full recompute runs in pieces of this many lanes
+
+
+def tensor_fingerprint(tensor: torch.Tensor, *, executor=None) -> int:
     """Full recompute ("scrub") of a tensor's fingerprint on its own device.
 
     Extra memory is bounded (a few MiB on the tensor's device); the tensor is
     never copied to the host. Non-contiguous tensors are made contiguous first.
+    ``executor``: sum pieces of ``FP_SPLIT_LANES`` lanes on its threads (the compiled CPU
+    kernel releases the GIL; the sum is order-free, so the result is the same).
     """
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     lanes = _lanes(tensor)
-    return (lanes_sum(lanes, 0) + lanes.numel() * _C0) & _MASK64
+    n = lanes.numel()
+    if executor is not None and n > FP_SPLIT_LANES:
+        parts = executor.map(lambda s: lanes_sum(lanes[s : s + FP_SPLIT_LANES], s), range(0, n, FP_SPLIT_LANES))
+        return (sum(parts) + n * _C0) & _MASK64
+    return (lanes_sum(lanes, 0) + n * _C0) & _MASK64
 
 
 def words_range_delta(old_words: torch.Tensor, new_words: torch.Tensor, start: int, word_size: int) -> int:
@@ -128,6 +140,9 @@ def lanes_sum(lanes: torch.Tensor, offset: int) -> int:
     n = lanes.numel()
     if n == 0:
         return 0
+    if lanes.device.type == "cpu" and (k := cpu_kernels()) is not None:  # compiled: one pass, no buffers
+        lanes = lanes.contiguous().view(torch.uint8 if lanes.dtype == torch.int8 else torch.uint16)
+        return int(k.lanes_sum(lanes.numpy(), offset, _T_NP)) & _MASK64
     mask = 0xFF if lanes.dtype == torch.int8 else 0xFFFF
     device = lanes.device
     total = 0
@@ -141,6 +156,12 @@ def lanes_sum(lanes: torch.Tensor, offset: int) -> int:
     if device.type == "cpu":  # unsigned views widen without a mask pass on CPU
         lanes, mask = lanes.view(torch.uint8 if mask == 0xFF else torch.uint16), 0
     table = _table(device)
+    g = gpu_kernels(lanes) if offset % BLOCK == 0 else None
+    if g is not None:  # Triton: one pass, per-block sums on the device
+        sums = g.lane_block_sums(lanes.contiguous(), table)
+        keys = _block_keys(torch.arange(offset >> BLOCK_BITS, (offset >> BLOCK_BITS) + sums.numel(), dtype=torch.int64,
+                                        device=device))
+        return (total + int((sums * keys).sum().item())) & _MASK64
     step = BLOCK * _CHUNK_BLOCKS
     nblocks = (n + BLOCK - 1) // BLOCK
     buf = torch.empty(min(step, nblocks * BLOCK), dtype=torch.int64, device=device)
@@ -204,6 +225,11 @@ def fingerprint_delta(
     """
     if positions.numel() == 0:
         return 0
+    if positions.device.type == "cpu" and (k := cpu_kernels()) is not None:
+        udt = _UNSIGNED[word_size]
+        return int(k.fingerprint_delta(positions.contiguous().numpy(), old_words.contiguous().view(udt).numpy(),
+                                       new_words.contiguous().view(udt).numpy(), 0 if word_size == 1 else word_size // 2,
+                                       _T_NP)) & _MASK64
     idx, old = _word_lanes(positions, old_words, word_size)
     _, new = _word_lanes(positions, new_words, word_size)
     d = ((new - old) * lane_keys(idx)).sum()

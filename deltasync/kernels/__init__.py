@@ -1,0 +1,324 @@
+"""Compiled kernels for the codec's hot loops, and the one switch between them and the reference.
+
+Two implementations of the same loops, bit for bit equal (``tests/test_core_kernels.py``):
+
+* ``"numba"`` (default when numba imports): :mod:`deltasync.kernels.cpu`, ``@njit(nogil=True,
+  cache=True)`` loops, O(1) compiled work per changed word; callers run chunks on their own
+  executor's threads (the GIL is released), the core starts no thread.
+* ``"reference"``: today's numpy/torch code (``deltasync.positions``, ``deltasync.values``,
+  ``deltasync.fingerprint``), the specification the kernels are tested against.
+
+CUDA tensors take the Triton kernels of :mod:`deltasync.kernels.gpu` when triton imports
+(else torch), whatever the selection.
+
+**The switch.** :func:`select` (``"numba"``, ``"reference"`` or ``"auto"``) is the only way to
+change the selection; the core never reads the environment: the CLI calls
+``select(os.environ.get("DELTASYNC_KERNELS", "auto"))``. :func:`active` names the selection.
+
+**API** (numpy arrays of unsigned words, int64 positions; each function dispatches on the
+selection and returns exactly what its reference returns):
+
+=============================================  ===============================================
+``diff_words(o, n, start, word_size,           changed words of a chunk: (positions, old, new,
+update_old=False)``                            fingerprint change); ``codec.diff_chunk`` on CPU
+``changes_from_words(positions, old, new,      ``values.changes_from_words``
+is_float=)``
+``encode_values(changes)`` /                   ``values.encode_values`` / ``decode_values``
+``decode_values(positions, sym, tok, ext,
+raw, word_size)``
+``encode_gaps`` / ``decode_gaps`` /            ``positions.*``
+``encode_bitmap`` / ``decode_bitmap``
+``apply_changes_np(words, changes)``           ``values.apply_changes_np``
+``patch_words(words, changes, word_size)``     in-place patch of a live tensor's words: (old
+                                               words, fingerprint change read back) (apply.py)
+``lanes_sum_np(lanes, offset)``                ``fingerprint.lanes_sum`` of host lanes
+``fingerprint_delta_np(positions, old, new,    ``fingerprint.fingerprint_delta`` on the host
+word_size)``
+=============================================  ===============================================
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ..errors import FormatError, ApplyError
+
+_MASK64 = (1 << 64) - 1
+_CHOICES = ("auto", "numba", "reference")
+_selected: str | None = None  # resolved lazily: numba when it imports
+_cpu = None
+
+
+def select(name: str = "auto", *, lazy: bool = False) -> str:
+    """Choose the CPU kernels: ``"numba"``, ``"reference"`` or ``"auto"`` (numba when it imports).
+    Returns the resolved name; asking for numba where it does not import raises ImportError.
+    ``lazy=True`` with ``"auto"`` defers the choice (and numba's import) to the first kernel call."""
+    global _selected, _cpu
+    name = (name or "auto").strip().lower()
+    if name not in _CHOICES:
+        raise ValueError(f"kernels must be one of {_CHOICES}, found {name!r} (DELTASYNC_KERNELS?)")
+    if name == "auto" and lazy:  # resolved at the first kernel call: a server never imports numba
+        _selected, _cpu = None, None
+        return name
+    if name == "reference":
+        _selected, _cpu = "reference", None
+        return _selected
+    try:
+        from . import cpu as mod
+    except ImportError:
+        if name == "numba":
+            raise ImportError("DELTASYNC_KERNELS=numba but numba does not import; pip install numba, "
+                              "or select 'reference'") from None
+        _selected, _cpu = "reference", None
+        return _selected
+    _selected, _cpu = "numba", mod
+    return _selected
+
+
+def active() -> str:
+    if _selected is None:
+        select("auto")
+    return _selected
+
+
+def cpu_kernels():
+    """The numba kernel module when selected, else None (use the reference)."""
+    if _selected is None:
+        select("auto")
+    return _cpu
+
+
+_gpu = False  # not yet imported
+
+
+def gpu_kernels(t):
+    """:mod:`deltasync.kernels.gpu` for a tensor on CUDA when triton imports, else None (torch)."""
+    global _gpu
+    if t.device.type != "cuda":
+        return None
+    if _gpu is False:
+        try:
+            from . import gpu as mod
+        except ImportError:
+            mod = None
+        _gpu = mod if mod is not None and mod.triton is not None else None
+    return _gpu
+
+
+def _table() -> np.ndarray:
+    from ..fingerprint import _T_NP
+
+    return _T_NP
+
+
+_local = threading.local()
+_BUFFER_WORDS = 1 << 16
+
+
+def _buffer() -> np.ndarray:
+    """This thread's reused index buffer (a fresh big allocation per chunk costs page faults)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = np.empty(_BUFFER_WORDS + 64, np.int64)
+    return buf
+
+
+def _per(word_size: int) -> int:
+    return 0 if word_size == 1 else word_size // 2
+
+
+# -- compare ---------------------------------------------------------------------------------------
+
+def diff_words(o: np.ndarray, n: np.ndarray, start: int, word_size: int, update_old: bool = False):
+    """(positions, old, new, fingerprint change) of the words that differ between ``o`` and ``n``
+    (unsigned word arrays of one chunk starting at ``start``); None when nothing changed."""
+    k = cpu_kernels()
+    if k is not None:
+        buf = _buffer()
+        parts = []
+        at = 0
+        while at < o.size:
+            count, at = k.compare_words(o, n, buf, at)
+            if count:
+                parts.append(buf[:count].copy())
+        if not parts:
+            return None
+        rel = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        pos, ow, nw, fpd = k.gather_changes(o, n, rel, start, _per(word_size), _table())
+        if update_old:
+            o[pos - start] = nw
+        return pos, ow, nw, int(fpd)
+    import torch
+
+    from ..fingerprint import fingerprint_delta
+
+    rel = np.flatnonzero(o != n)
+    if rel.size == 0:
+        return None
+    sdt = np.dtype(f"i{word_size}")
+    ow, nw = o[rel], n[rel]
+    p = rel + start
+    fpd = fingerprint_delta(torch.from_numpy(p), torch.from_numpy(ow.view(sdt)), torch.from_numpy(nw.view(sdt)),
+                            word_size)
+    if update_old:
+        o[rel] = nw
+    return p, ow, nw, fpd
+
+
+# -- values ----------------------------------------------------------------------------------------
+
+def changes_from_words(positions: np.ndarray, old: np.ndarray, new: np.ndarray, *, is_float: bool):
+    from ..values import Changes, _raw_limit, changes_from_words as ref
+
+    k = cpu_kernels()
+    if k is None:
+        return ref(positions, old, new, is_float=is_float)
+    raw, values = k.changes_from_words(old, new, _raw_limit(old.dtype.itemsize * 8), bool(is_float))
+    return Changes(positions=positions, raw=raw, values=values)
+
+
+def encode_values(changes):
+    from ..values import encode_values as ref
+
+    k = cpu_kernels()
+    if k is None:
+        return ref(changes)
+    packed, tokens, ext, raw, err = k.encode_values(np.ascontiguousarray(changes.raw),
+                                                    np.ascontiguousarray(changes.values))
+    if err:
+        raise ValueError("a zero step is not a change")
+    return packed, tokens, ext, raw
+
+
+_VALUE_ERRORS = {
+    1: "values: symbol bytes do not match the change count (found {d} bytes)",
+    2: "values: padding symbols must be 0",
+    3: "values: symbol 3 is reserved",
+    4: "values: {d} changes need a token, found another number of tokens",
+    5: "values: token {d} is reserved",
+    6: "values: {d} raw tokens but another number of raw words",
+    7: "varint stream: expected {d} values (truncated or corrupt)",
+    8: "varint stream: a value is longer than 10 bytes",
+    9: "values: a step larger than the word",
+    20: "gap stream: expected another number of gaps, found {d}",
+    21: "gap stream: a gap leaves the chunk",
+    22: "gap stream: position {d} outside the chunk",
+    30: "bitmap: wrong byte count for the chunk (found {d} bytes)",
+    31: "bitmap: bits set past the end of the chunk",
+    32: "bitmap: expected another number of set bits, found {d}",
+}
+
+
+def _raise(code: int, detail: int) -> None:
+    raise FormatError(_VALUE_ERRORS.get(int(code), "malformed chunk streams (code {c})").format(d=int(detail), c=code))
+
+
+def decode_values(positions, packed, tokens, ext, raw_words, word_size: int):
+    from ..dtypes import numpy_word_dtype
+    from ..values import Changes, decode_values as ref
+
+    k = cpu_kernels()
+    if k is None:
+        return ref(positions, packed, tokens, ext, raw_words, word_size)
+    wdt = numpy_word_dtype(word_size)
+    raw, values, err, detail = k.decode_values(np.ascontiguousarray(packed, np.uint8),
+                                               np.ascontiguousarray(tokens, np.uint8),
+                                               np.ascontiguousarray(ext, np.uint8),
+                                               np.ascontiguousarray(raw_words, wdt), positions.size, word_size * 8)
+    if err:
+        _raise(err, detail)
+    return Changes(positions=positions, raw=raw, values=values)
+
+
+def apply_changes_np(words: np.ndarray, changes) -> None:
+    from ..values import apply_changes_np as ref
+
+    k = cpu_kernels()
+    if k is None or not words.flags.writeable:
+        return ref(words, changes)
+    if changes.positions.size and (changes.positions.min() < 0 or changes.positions.max() >= words.size):
+        raise IndexError(f"change positions leave an array of {words.size} words")
+    k.apply_changes(words, changes.positions, changes.raw, changes.values.astype(words.dtype, copy=False))
+
+
+# -- positions -------------------------------------------------------------------------------------
+
+def encode_gaps(positions: np.ndarray):
+    from ..positions import encode_gaps as ref
+
+    k = cpu_kernels()
+    return ref(positions) if k is None else k.encode_gaps(np.ascontiguousarray(positions, np.int64))
+
+
+def decode_gaps(small, big, count: int, length: int) -> np.ndarray:
+    from ..positions import decode_gaps as ref
+
+    k = cpu_kernels()
+    if k is None:
+        return ref(small, big, count, length)
+    out, err, detail = k.decode_gaps(np.ascontiguousarray(small, np.uint8), np.ascontiguousarray(big, np.uint8),
+                                     count, length)
+    if err:
+        _raise(err, detail)
+    return out
+
+
+def encode_bitmap(positions: np.ndarray, length: int) -> np.ndarray:
+    from ..positions import encode_bitmap as ref
+
+    k = cpu_kernels()
+    return ref(positions, length) if k is None else k.encode_bitmap(np.ascontiguousarray(positions, np.int64), length)
+
+
+def decode_bitmap(packed, count: int, length: int) -> np.ndarray:
+    from ..positions import decode_bitmap as ref
+
+    k = cpu_kernels()
+    if k is None:
+        return ref(packed, count, length)
+    out, err, detail = k.decode_bitmap(np.ascontiguousarray(packed, np.uint8), count, length)
+    if err:
+        _raise(err, detail)
+    return out
+
+
+# -- patching and fingerprints -----------------------------------------------------------------------
+
+def patch_words(words: np.ndarray, changes, word_size: int):
+    """Patch a live tensor's unsigned host words in place with the numba kernel:
+    (old words for undo, fingerprint change computed from the words read back). Numba only:
+    the reference patch is the torch code in ``deltasync.apply``."""
+    k = cpu_kernels()
+    if k is None:
+        raise RuntimeError("patch_words needs the numba kernels")
+    old, fpd, bad = k.patch_words(words, changes.positions, changes.raw,
+                                  changes.values.astype(words.dtype, copy=False), _per(word_size), _table())
+    if bad >= 0:
+        raise ApplyError(f"change position {int(changes.positions[bad])} is outside a tensor of {words.size} words")
+    return old, int(fpd)
+
+
+def copy_range_delta(dst: np.ndarray, src: np.ndarray, start: int, word_size: int) -> int:
+    """``dst[:] = src`` (a dense chunk at word ``start``) and the fingerprint change. Numba only."""
+    return int(cpu_kernels().copy_range_delta(dst, src, start, _per(word_size), _table()))
+
+
+def lanes_sum_np(lanes: np.ndarray, offset: int) -> int:
+    """sum_i lane_i * K(offset + i) mod 2**64 over unsigned uint8/uint16 host lanes. Numba only."""
+    return int(cpu_kernels().lanes_sum(lanes, offset, _table()))
+
+
+def fingerprint_delta_np(positions: np.ndarray, old: np.ndarray, new: np.ndarray, word_size: int) -> int:
+    """Fingerprint change of words at ``positions`` going from ``old`` to ``new`` (unsigned host words)."""
+    k = cpu_kernels()
+    if k is None:
+        import torch
+
+        from ..fingerprint import fingerprint_delta
+
+        sdt = np.dtype(f"i{word_size}")
+        return fingerprint_delta(torch.from_numpy(positions), torch.from_numpy(old.view(sdt)),
+                                 torch.from_numpy(new.view(sdt)), word_size)
+    return int(k.fingerprint_delta(positions, old, new, _per(word_size), _table())) & _MASK64

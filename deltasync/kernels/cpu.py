@@ -1,0 +1,566 @@
+"""Compiled CPU kernels (numba) for the codec's hot loops.
+
+Every function here gives the same bytes, the same words and the same fingerprints as the
+numpy/torch reference (``deltasync.positions``, ``deltasync.values``, ``deltasync.fingerprint``,
+``deltasync.codec.diff_chunk``), bit for bit; ``tests/test_core_kernels.py`` checks it.
+Each kernel does O(1) compiled work per changed word plus, for the compare and the
+fingerprint, one streaming pass over the words. All kernels are ``nogil``: a caller's
+``ThreadPoolExecutor`` runs chunks in parallel (the core starts no thread of its own).
+
+Arrays are numpy arrays of *unsigned* words (``uint8/16/32/64``); positions are int64.
+Decoders validate like the reference and raise :class:`~deltasync.errors.FormatError`.
+
+Compiled code is cached on disk (``cache=True``, numba's ``__pycache__`` next to this file, or
+``NUMBA_CACHE_DIR``); where no cache directory is writeable the kernels compile in memory at
+first use (about a second per kernel and word width) instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+from llvmlite import ir
+from numba import njit
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from ..errors import FormatError
+
+
+def _jit(fn):
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return njit(nogil=True, cache=True)(fn)
+    except RuntimeError:  # no writeable cache location: compile in memory
+        return njit(nogil=True)(fn)
+
+
+_U1 = np.uint64(1)
+_GOLD = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_SEED_B = np.uint64(0xBB67AE8584CAA73B)
+_S30 = np.uint64(30)
+_S27 = np.uint64(27)
+_S31 = np.uint64(31)
+_S16 = np.uint64(16)
+_LO16 = np.uint64(0xFFFF)
+_LO8 = np.uint64(0xFF)
+_LO7 = np.uint64(0x7F)
+_S7 = np.uint64(7)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _block_key(b):
+    """O(b) of FORMAT §2 for a non-negative int64 block number (splitmix64 of b ^ seed, odd)."""
+    z = (np.uint64(b) ^ _SEED_B) + _GOLD
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return (z ^ (z >> _S31)) | _U1
+
+
+# -- fingerprints -------------------------------------------------------------------------------
+
+@_jit
+def lanes_sum(lanes, offset, table):
+    """sum_i lane_i * K(offset + i) mod 2**64 over unsigned uint8/uint16 lanes (as uint64)."""
+    n = lanes.size
+    total = np.uint64(0)
+    i = 0
+    while i < n:
+        idx = offset + i
+        j0 = idx & 0xFFFF
+        m = min(n - i, 65536 - j0)
+        s = np.uint64(0)
+        ui = np.uint64(i)  # unsigned indices: no negative-index wraparound test (keeps it vectorized)
+        uj = np.uint64(j0)
+        for j in range(m):
+            uj_ = np.uint64(j)
+            s += np.uint64(lanes[ui + uj_]) * table[uj + uj_]
+        total += s * _block_key(idx >> 16)
+        i += m
+    return total
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _word_delta(p, a, b, per, table, lb, lk):
+    """Fingerprint change of word p going from a to b (uint64). (lb, lk): the last block and its
+    key, carried in registers by the caller; returns (change, lb, lk)."""
+    d = np.uint64(0)
+    if per == 0:  # one-byte words: one 8-bit lane per word
+        blk = p >> 16
+        if blk != lb:
+            lb = blk
+            lk = _block_key(blk)
+        d += ((b & _LO8) - (a & _LO8)) * table[p & 0xFFFF] * lk
+        return d, lb, lk
+    for q in range(per):
+        idx = p * per + q
+        blk = idx >> 16
+        if blk != lb:
+            lb = blk
+            lk = _block_key(blk)
+        sh = np.uint64(16 * q)
+        d += (((b >> sh) & _LO16) - ((a >> sh) & _LO16)) * table[idx & 0xFFFF] * lk
+    return d, lb, lk
+
+
+@_jit
+def fingerprint_delta(positions, old, new, per, table):
+    """Change of a tensor's fingerprint when words at ``positions`` go from old to new.
+    ``per``: 16-bit lanes per word (0 for one-byte words)."""
+    lb = np.int64(-1)
+    lk = np.uint64(0)
+    d = np.uint64(0)
+    for k in range(positions.size):
+        dd, lb, lk = _word_delta(positions[k], np.uint64(old[k]), np.uint64(new[k]), per, table, lb, lk)
+        d += dd
+    return d
+
+
+# -- compare and compaction ----------------------------------------------------------------------
+
+@intrinsic
+def _cttz(typingctx, x):
+    """Count of trailing zero bits of a non-zero uint64 (llvm.cttz)."""
+    sig = types.uint64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(1)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.cttz.i64")
+        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
+
+    return sig, codegen
+
+
+@_jit
+def compare_words(o, n, out, first):
+    """Indices ``i >= first`` where ``o[i] != n[i]``, written into ``out``; returns (how many,
+    where to resume: ``o.size`` when done). Stops early when ``out`` could overflow, so a small
+    reused buffer serves any density. Each block of 64 words is compared into a 64-bit mask (a
+    vectorized pass); only its set bits cost more. ``first`` is a multiple of 64 (or o.size)."""
+    length = o.size
+    k = 0
+    nfull = length // 64
+    blk = first // 64
+    while blk < nfull:
+        room = (out.size - k) // 64  # blocks that fit whatever they hold: no check in the hot loop
+        if room == 0:
+            return k, blk * 64
+        stop = min(nfull, blk + room)
+        for b in range(blk, stop):
+            b0 = b * 64
+            u0 = np.uint64(b0)  # unsigned indices: no negative-index wraparound test in the hot loop
+            m = np.uint64(0)
+            for j in range(64):
+                u = u0 + np.uint64(j)
+                m |= np.uint64(o[u] != n[u]) << np.uint64(j)
+            while m:
+                out[k] = b0 + np.int64(_cttz(m))
+                m &= m - _U1
+                k += 1
+        blk = stop
+    if out.size - k < 64:
+        return k, nfull * 64
+    for i in range(max(nfull * 64, first), length):
+        if o[i] != n[i]:
+            out[k] = i
+            k += 1
+    return k, length
+
+
+@_jit
+def gather_changes(o, n, rel, start, per, table):
+    """(absolute positions, old words, new words, fingerprint change) at indices ``rel``."""
+    count = rel.size
+    pos = np.empty(count, np.int64)
+    ow = np.empty(count, o.dtype)
+    nw = np.empty(count, o.dtype)
+    lb = np.int64(-1)
+    lk = np.uint64(0)
+    fpd = np.uint64(0)
+    for k in range(count):
+        i = rel[k]
+        a = o[i]
+        b = n[i]
+        p = start + i
+        pos[k] = p
+        ow[k] = a
+        nw[k] = b
+        dd, lb, lk = _word_delta(p, np.uint64(a), np.uint64(b), per, table, lb, lk)
+        fpd += dd
+    return pos, ow, nw, fpd
+
+
+# -- values (today's step/raw token coding, docs/FORMAT.md "values") -----------------------------
+
+@_jit
+def changes_from_words(old, new, raw_limit, is_float):
+    """Step or raw for each change: (raw bool, values) exactly as ``values.changes_from_words``."""
+    count = old.size
+    bits = old.itemsize * 8
+    raw = np.empty(count, np.bool_)
+    values = np.empty(count, old.dtype)
+    top = np.uint64(bits - 1)
+    half = np.uint64(1) << top
+    mask = ~np.uint64(0) if bits == 64 else (np.uint64(1) << np.uint64(bits)) - _U1
+    lim = np.uint64(raw_limit)
+    for k in range(count):
+        a = np.uint64(old[k])
+        b = np.uint64(new[k])
+        d = (b - a) & mask
+        mag = ((~d + _U1) & mask) if d >= half else d
+        r = mag > lim
+        if is_float and ((a ^ b) >> top) & _U1:
+            r = True
+        raw[k] = r
+        if r:
+            values[k] = new[k]
+        else:
+            values[k] = d
+    return raw, values
+
+
+@_jit
+def _varint_len(v):
+    n = 1
+    v >>= _S7
+    while v:
+        n += 1
+        v >>= _S7
+    return n
+
+
+@_jit
+def encode_values(raw, values):
+    """(packed 2-bit symbols, tokens, ext varint bytes, raw words), as ``values.encode_values``.
+    Returns an error flag instead of raising on a zero step."""
+    count = values.size
+    bits = values.itemsize * 8
+    mask = ~np.uint64(0) if bits == 64 else (np.uint64(1) << np.uint64(bits)) - _U1
+    half = np.uint64(1) << np.uint64(bits - 1)
+    packed = np.zeros((count + 3) // 4, np.uint8)
+    n_tok = 0
+    n_raw = 0
+    ext_bytes = 0
+    for k in range(count):
+        v = np.uint64(values[k])
+        if raw[k]:
+            s = 2
+            n_raw += 1
+        else:
+            t = (v + _U1) & mask
+            s = 0 if t == 2 else (2 if t > 2 else 1)
+        if s == 2:
+            n_tok += 1
+            if not raw[k]:
+                mag = ((~v + _U1) & mask) if v >= half else v
+                if mag >= np.uint64(127):
+                    ext_bytes += _varint_len(mag - np.uint64(127))
+        packed[k >> 2] |= np.uint8(s << (2 * (k & 3)))
+    tokens = np.empty(n_tok, np.uint8)
+    ext = np.empty(ext_bytes, np.uint8)
+    raw_words = np.empty(n_raw, values.dtype)
+    err = False
+    it = 0
+    ir = 0
+    ie = 0
+    for k in range(count):
+        if (packed[k >> 2] >> np.uint8(2 * (k & 3))) & np.uint8(3) != 2:
+            continue
+        if raw[k]:
+            tokens[it] = 254
+            raw_words[ir] = values[k]
+            ir += 1
+        else:
+            v = np.uint64(values[k])
+            neg = v >= half
+            mag = ((~v + _U1) & mask) if neg else v
+            if mag == 0:
+                err = True
+                mag = _U1
+            m = mag - _U1
+            if m < np.uint64(126):
+                tokens[it] = np.uint8(m + m + np.uint64(1 if neg else 0))
+            else:
+                tokens[it] = 253 if neg else 252
+                x = m - np.uint64(126)
+                while x >= np.uint64(0x80):
+                    ext[ie] = np.uint8((x & _LO7) | np.uint64(0x80))
+                    ie += 1
+                    x >>= _S7
+                ext[ie] = np.uint8(x)
+                ie += 1
+        it += 1
+    return packed, tokens, ext, raw_words, err
+
+
+# decode_values error codes -> messages (the wrapper in kernels/__init__ raises FormatError)
+E_OK, E_SYMBYTES, E_PADDING, E_SYM3, E_NTOK, E_TOKRES, E_NRAW, E_VARINT, E_VARLONG, E_STEPBIG = range(10)
+
+
+@_jit
+def _decode_varints(data, count, out):
+    """Exactly ``count`` LEB128 varints filling ``data``; 0 on success, else an error code."""
+    nb = data.size
+    if count == 0:
+        return E_OK if nb == 0 else E_VARINT
+    k = 0
+    i = 0
+    while i < nb:
+        v = np.uint64(0)
+        sh = 0
+        ln = 0
+        while True:
+            if i >= nb:
+                return E_VARINT
+            b = data[i]
+            i += 1
+            ln += 1
+            if ln <= 10:
+                v |= (np.uint64(b) & _LO7) << np.uint64(sh)
+            sh += 7
+            if b < 0x80:
+                break
+        if ln > 10:
+            return E_VARLONG
+        if k >= count:
+            return E_VARINT
+        out[k] = v
+        k += 1
+    return E_OK if k == count else E_VARINT
+
+
+@_jit
+def decode_values(packed, tokens, ext, raw_words, count, bits):
+    """Inverse of :func:`encode_values` with the reference's checks: (raw, values, error code, detail)."""
+    mask = ~np.uint64(0) if bits == 64 else (np.uint64(1) << np.uint64(bits)) - _U1
+    raw = np.zeros(count, np.bool_)
+    values = np.empty(count, raw_words.dtype)
+    if packed.size != (count + 3) // 4:
+        return raw, values, E_SYMBYTES, packed.size
+    for k in range(count, packed.size * 4):
+        if (packed[k >> 2] >> np.uint8(2 * (k & 3))) & np.uint8(3):
+            return raw, values, E_PADDING, 0
+    n_other = 0
+    for k in range(count):
+        s = (packed[k >> 2] >> np.uint8(2 * (k & 3))) & np.uint8(3)
+        if s == 3:
+            return raw, values, E_SYM3, 0
+        if s == 2:
+            n_other += 1
+    if tokens.size != n_other:
+        return raw, values, E_NTOK, n_other
+    n_raw = 0
+    n_big = 0
+    for t in tokens:
+        if t > 254:
+            return raw, values, E_TOKRES, t
+        if t == 254:
+            n_raw += 1
+        elif t >= 252:
+            n_big += 1
+    if n_raw != raw_words.size:
+        return raw, values, E_NRAW, n_raw
+    big = np.empty(n_big, np.uint64)
+    e = _decode_varints(ext, n_big, big)
+    if e != E_OK:
+        return raw, values, e, n_big
+    limit = (np.uint64(1) << np.uint64(bits - 1)) if bits < 64 else np.uint64((1 << 63) - 127)
+    for x in big:
+        if (bits < 64 and x >= limit) or (bits == 64 and x > limit):
+            return raw, values, E_STEPBIG, 0
+    it = 0
+    ir = 0
+    ib = 0
+    for k in range(count):
+        s = (packed[k >> 2] >> np.uint8(2 * (k & 3))) & np.uint8(3)
+        if s == 0:
+            values[k] = 1
+        elif s == 1:
+            values[k] = mask
+        else:
+            t = tokens[it]
+            it += 1
+            if t == 254:
+                raw[k] = True
+                values[k] = raw_words[ir]
+                ir += 1
+                continue
+            if t >= 252:
+                m = big[ib] + np.uint64(127)
+                ib += 1
+                neg = t == 253
+            else:
+                m = np.uint64(t >> 1) + _U1
+                neg = (t & 1) == 1
+            v = ((~m + _U1) & mask) if neg else (m & mask)
+            values[k] = v
+    return raw, values, E_OK, 0
+
+
+# -- positions (docs/FORMAT.md "positions") ------------------------------------------------------
+
+@_jit
+def encode_gaps(rel):
+    """Sorted unique positions -> (gap bytes, gapx varint bytes)."""
+    n = rel.size
+    small = np.empty(n, np.uint8)
+    nx = 0
+    prev = -1
+    for k in range(n):
+        g = rel[k] - prev - 1
+        prev = rel[k]
+        if g >= 255:
+            small[k] = 255
+            nx += _varint_len(np.uint64(g - 255))
+        else:
+            small[k] = np.uint8(g)
+    big = np.empty(nx, np.uint8)
+    ie = 0
+    prev = -1
+    for k in range(n):
+        g = rel[k] - prev - 1
+        prev = rel[k]
+        if g >= 255:
+            x = np.uint64(g - 255)
+            while x >= np.uint64(0x80):
+                big[ie] = np.uint8((x & _LO7) | np.uint64(0x80))
+                ie += 1
+                x >>= _S7
+            big[ie] = np.uint8(x)
+            ie += 1
+    return small, big
+
+
+E_GAPCOUNT, E_GAPLEAVES, E_GAPOUT = 20, 21, 22
+
+
+@_jit
+def decode_gaps(small, big, count, length):
+    """(positions, error code, detail), with the checks of ``positions.decode_gaps``."""
+    out = np.empty(count, np.int64)
+    if small.size != count:
+        return out, E_GAPCOUNT, small.size
+    n_esc = 0
+    for s in small:
+        if s == 255:
+            n_esc += 1
+    bg = np.empty(n_esc, np.uint64)
+    e = _decode_varints(big, n_esc, bg)
+    if e != E_OK:
+        return out, e, n_esc
+    lim = np.uint64(max(length, 1))
+    for x in bg:
+        if x >= lim:
+            return out, E_GAPLEAVES, 0
+    p = -1
+    ib = 0
+    for k in range(count):
+        s = small[k]
+        if s == 255:
+            g = np.int64(bg[ib]) + 255
+            ib += 1
+        else:
+            g = np.int64(s)
+        p += g + 1
+        out[k] = p
+    if count and (p >= length or p < 0):
+        return out, E_GAPOUT, p
+    return out, E_OK, 0
+
+
+@_jit
+def encode_bitmap(rel, length):
+    out = np.zeros((length + 7) // 8, np.uint8)
+    for p in rel:
+        out[p >> 3] |= np.uint8(1 << (p & 7))
+    return out
+
+
+E_BMBYTES, E_BMPAST, E_BMCOUNT = 30, 31, 32
+
+
+@_jit
+def decode_bitmap(packed, count, length):
+    """(positions, error code, detail), with the checks of ``positions.decode_bitmap``."""
+    out = np.empty(count, np.int64)
+    if packed.size != (length + 7) // 8:
+        return out, E_BMBYTES, packed.size
+    if length & 7 and packed.size and packed[-1] >> np.uint8(length & 7):
+        return out, E_BMPAST, 0
+    k = 0
+    nbytes = packed.size
+    for w0 in range(0, nbytes, 8):
+        m = np.uint64(0)
+        for j in range(min(8, nbytes - w0)):
+            m |= np.uint64(packed[w0 + j]) << np.uint64(8 * j)
+        while m:
+            if k < count:
+                out[k] = w0 * 8 + np.int64(_cttz(m))
+            k += 1
+            m &= m - _U1
+    if k != count:
+        return out, E_BMCOUNT, k
+    return out, E_OK, 0
+
+
+# -- patching ------------------------------------------------------------------------------------
+
+@_jit
+def patch_words(words, positions, raw, values, per, table):
+    """Write each change into ``words`` in place (raw: the value; else old + step, wrapping).
+
+    Returns (old words for undo, fingerprint change from the old words and the words read back
+    after writing, index of the first out-of-range position or -1: nothing is written then)."""
+    count = positions.size
+    n = words.size
+    old = np.empty(count, words.dtype)
+    for k in range(count):
+        p = positions[k]
+        if p < 0 or p >= n:
+            return old, np.uint64(0), k
+    for k in range(count):
+        p = positions[k]
+        a = words[p]
+        old[k] = a
+        if raw[k]:
+            words[p] = values[k]
+        else:
+            words[p] = a + values[k]
+    lb = np.int64(-1)
+    lk = np.uint64(0)
+    fpd = np.uint64(0)
+    for k in range(count):  # read back: verify what landed, not what we meant
+        dd, lb, lk = _word_delta(positions[k], np.uint64(old[k]), np.uint64(words[positions[k]]), per, table, lb, lk)
+        fpd += dd
+    return old, fpd, -1
+
+
+@_jit
+def apply_changes(words, positions, raw, values):
+    """``values.apply_changes_np``: patch unsigned words in place (no fingerprint)."""
+    for k in range(positions.size):
+        p = positions[k]
+        if raw[k]:
+            words[p] = values[k]
+        else:
+            words[p] = words[p] + values[k]
+
+
+@_jit
+def copy_range_delta(dst, src, start, per, table):
+    """dst[:] = src with the fingerprint change of words [start, start+len) (dense chunks)."""
+    lb = np.int64(-1)
+    lk = np.uint64(0)
+    fpd = np.uint64(0)
+    for i in range(dst.size):
+        a = dst[i]
+        b = src[i]
+        if a != b:
+            dd, lb, lk = _word_delta(start + i, np.uint64(a), np.uint64(b), per, table, lb, lk)
+            fpd += dd
+            dst[i] = b
+    return fpd
