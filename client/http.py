@@ -22,7 +22,8 @@ class of the one error tree it names (``deltasync.errors.from_wire``).
 Every wait is bounded: ``Timeouts.connect`` for TCP connect, ``Timeouts.ttfb`` for the
 status line of a request (a source that accepts TCP and never answers costs that
 long, not ``read``), ``Timeouts.read`` for silence on a connection once it answered,
-``Timeouts.request`` for a whole request; a long-poll asks the server for at most
+``Timeouts.request`` for a whole request (with a single URL the status line gets
+``read`` if that is longer: there is nowhere else to go); a long-poll asks the server for at most
 ``Timeouts.poll`` seconds and waits that plus ``ttfb`` for its answer.
 
 Reads are hedged (``Timeouts.hedge_after``): when a URL has not begun to answer within
@@ -246,7 +247,8 @@ class HttpClient:
     async def _open(self, method: str, url: str, *, ttfb: float | None = None, **kw) -> aiohttp.ClientResponse:
         """Send a request and wait at most ``ttfb`` (default ``Timeouts.ttfb``) for its status line;
         tells a hedged loop the URL answered. Use the response as ``async with``."""
-        ttfb = self.timeouts.ttfb if ttfb is None else ttfb
+        if ttfb is None:  # with nowhere else to go, failing a slow but live server early gains nothing
+            ttfb = self.timeouts.ttfb if len(self.urls) > 1 else max(self.timeouts.ttfb, self.timeouts.read)
         self._requests += 1
         try:
             async with asyncio.timeout(ttfb):

@@ -132,7 +132,8 @@ class Upstream:
     @contextlib.asynccontextmanager
     async def request(self, method: str, url: str, **kw) -> AsyncIterator[aiohttp.ClientResponse]:
         """A request whose status line must come within ``Timeouts.ttfb`` (else UpstreamTimeout)."""
-        ttfb = self.timeouts.ttfb
+        t = self.timeouts
+        ttfb = t.ttfb if len(self.parents) > 1 else max(t.ttfb, t.read)  # one parent: nowhere else to go
         try:
             async with asyncio.timeout(ttfb):
                 resp = await self.session.request(method, url, **kw)

@@ -150,30 +150,35 @@ def _same(a, b) -> bool:
     return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
 
 
-def test_subscribe_once_behind_a_stalled_first_source_takes_seconds(cluster, published, stalled, tmp_path):
-    """The issue's 66 s: now bounded by the hedge (default 2 s) and the TTFB limit (default 10 s)."""
-    out = tmp_path / "out.safetensors"
+def _subscribe_once(cluster, sources: list[str], out, *extra: str) -> float:
+    """Seconds one ``subscribe --once`` process took (interpreter start included)."""
+    args = [a for src in sources for a in ("--from", src)]
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "deltasync.client.cli", "subscribe", "--from", stalled,
-                        "--from", cluster.origin, "--model", "hd", "--key-file", str(cluster.key_file),
-                        "--out", str(out), "--once", "--timeout", "120"], capture_output=True, text=True, timeout=180)
+    r = subprocess.run([sys.executable, "-m", "deltasync.client.cli", "subscribe", *args, "--model", "hd",
+                        "--key-file", str(cluster.key_file), "--out", str(out), "--once", "--timeout", "120", *extra],
+                       capture_output=True, text=True, timeout=180)
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stderr
+    return took
+
+
+def test_subscribe_once_behind_a_stalled_first_source_takes_seconds(cluster, published, stalled, tmp_path):
+    """The issue's 66 s (137 s on main on this loaded machine, against 17 s from the origin alone): now bounded
+    by the hedge (default 2 s). Compared with a run from the origin alone, in the same test (the machine's load
+    makes absolute times meaningless)."""
+    control = _subscribe_once(cluster, [cluster.origin], tmp_path / "control.safetensors")
+    out = tmp_path / "out.safetensors"
+    took = _subscribe_once(cluster, [stalled, cluster.origin], out)
     assert _same(read_state_file(out), published[-1])
-    assert took < 15, (took, r.stderr[-2000:])
+    assert took < control + 12, (took, control)
 
 
 def test_without_hedging_the_ttfb_limit_bounds_each_stall(cluster, published, stalled, tmp_path):
+    control = _subscribe_once(cluster, [cluster.origin], tmp_path / "control.safetensors")
     out = tmp_path / "out.safetensors"
-    t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "deltasync.client.cli", "subscribe", "--from", stalled,
-                        "--from", cluster.origin, "--model", "hd", "--key-file", str(cluster.key_file),
-                        "--out", str(out), "--once", "--timeout", "120", "--hedge-after", "0",
-                        "--ttfb-timeout", "2"], capture_output=True, text=True, timeout=180)
-    took = time.monotonic() - t0
-    assert r.returncode == 0, r.stderr
+    took = _subscribe_once(cluster, [stalled, cluster.origin], out, "--hedge-after", "0", "--ttfb-timeout", "2")
     assert _same(read_state_file(out), published[-1])
-    assert took < 12, (took, r.stderr[-2000:])
+    assert took < control + 12, (took, control)
 
 
 def test_a_following_subscriber_gets_new_versions_promptly_behind_a_stall(cluster, published, stalled):
