@@ -12,7 +12,7 @@
 
 The worker methods (called through ``collective_rpc``; names prefixed ``deltasync_`` so they never
 collide with a worker attribute such as ``rank``): ``deltasync_start(urls, model, key_hex=None,
-verify_key=None, **options)``, ``deltasync_apply()``, ``deltasync_wait(version, timeout)``,
+verify_key=None, **options)``, ``deltasync_apply()``, ``deltasync_wait(version, timeout, draft_version=None)``,
 ``deltasync_status()``, ``deltasync_stop()``, and ``deltasync_load_checkpoint(path)`` (vLLM's own
 loader reading an HF checkpoint into the live model: the reference the tests compare against, and a
 full-reload fallback). The driver-side helpers :func:`start`, :func:`apply_update`,
@@ -22,9 +22,11 @@ cached KV blocks were computed by the old weights; only the scheduler, not a wor
 Each rank builds its layout map from its own model (:func:`vllm_layout`: the engine's facts, read
 from the layer objects of vLLM 0.32.0 — ``QKVParallelLinear`` heads/KV heads/replicas,
 ``MergedColumnParallelLinear.output_sizes``, ``RowParallelLinear.input_size_per_partition``,
-``VocabParallelEmbedding.shard_indices`` — the arithmetic of their ``weight_loader`` methods in
-``vllm/model_executor/layers/linear.py`` and ``vocab_parallel_embedding.py``). A parameter the map
-does not recognise fails closed (:class:`~deltasync.errors.UnsupportedError` naming it).
+``VocabParallelEmbedding.shard_indices``, ``RoutedExperts`` ``w13_weight``/``w2_weight`` with its
+``expert_map_manager`` — the arithmetic of their ``weight_loader`` methods in
+``vllm/model_executor/layers/linear.py``, ``vocab_parallel_embedding.py`` and
+``fused_moe/routed_experts.py``). A parameter the map does not recognise fails closed
+(:class:`~deltasync.errors.UnsupportedError` naming it).
 
 Each rank patches its own shards through :class:`deltasync.client.sharded.ShardedApplier` over
 the rank's :class:`deltasync.layout.RankLayout` (built from the model's config and the rank's TP
@@ -43,7 +45,11 @@ CPU backend: vLLM repacks unquantized linear weights after loading
 this module in a worker (vLLM resolves ``worker_extension_cls`` before loading the model) wraps that
 function so it first keeps a reference to the unpacked weight (and the bias before its fp32 copy):
 those are what deltasync patches, and after an apply only the layers whose tensors changed are
-packed again. Cost: the unpacked weights stay resident (about 2x linear-weight host memory). The
+packed again. MoE experts likewise: ``CPUUnquantizedExperts.process_weights_after_loading`` prepacks
+``w13_weight``/``w2_weight`` in place of the loaded ones; the extension keeps a copy of the loaded
+weights and prepacks the changed layers again into the live parameters (:func:`install_cpu_moe_hook`;
+it also requests the AMX tile state vLLM's MoE kernel uses without asking, :func:`request_amx`).
+Cost: the unpacked weights stay resident (about 2x linear-weight host memory). The
 packed copy is baked into a compiled graph, so on CPU the extension requires ``enforce_eager=True``
 (refused otherwise). On CUDA the weights are used as they are and patched in place (CUDA graphs
 keep pointing at the same memory).
@@ -809,5 +815,6 @@ def status(llm) -> list[dict]:
     return llm.collective_rpc("deltasync_status")
 
 
-__all__ = ["EXTENSION", "DeltaSyncWorkerExtension", "Piece", "apply_update", "install_cpu_pack_hook", "repack",
-           "start", "status", "vllm_layout", "wait_update"]
+__all__ = ["EXTENSION", "DeltaSyncWorkerExtension", "Piece", "apply_update", "install_cpu_moe_hook",
+           "install_cpu_pack_hook", "repack", "repack_experts", "request_amx", "start", "status", "vllm_layout",
+           "wait_update"]
