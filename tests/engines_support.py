@@ -107,6 +107,9 @@ class TinyTrainer:
         torch.manual_seed(seed)
         cls = transformers.Qwen2MoeForCausalLM if arch == "qwen2_moe" else transformers.Qwen2ForCausalLM
         self.model = cls(ARCHS[arch](vocab=vocab)).float()
+        # config.save_pretrained (save_checkpoint) writes what the config says; without ``architectures`` vLLM
+        # resolves a qwen2_moe config to the pooling Qwen2MoeModel instead of the causal LM
+        self.model.config.architectures = [cls.__name__]
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
         g = torch.Generator().manual_seed(seed + 1)
