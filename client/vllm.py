@@ -545,8 +545,9 @@ class _RankSync:
         stacked = options.pop("stacked_experts", None)
         if stacked is None:
             stacked = _stacked_experts_in(checkpoint)
+        self.stacked_experts = bool(stacked)
         self.layout = _rank_layout(model, hf_config, dtype, rank, world, tied_copy=tied_copy,
-                                   stacked_experts=bool(stacked))
+                                   stacked_experts=self.stacked_experts)
         params = {n: l.tensor for n, l in self.live.items()}
         self.applier = ShardedApplier(self.layout, params, group=group if world > 1 else None)
         self.mode = "sharded"
@@ -747,8 +748,11 @@ class DeltaSyncWorkerExtension:
 
     def deltasync_layout(self) -> dict[str, list[dict]]:
         """Engine name -> the trainer pieces this rank holds (the layout map, as plain data)."""
+        sync = getattr(self, "_deltasync", None)
+        stacked = (sync.stacked_experts if sync is not None
+                   else _stacked_experts_in(self.vllm_config.model_config.model))
         out: dict[str, list[dict]] = {}
-        for ps in vllm_layout(self._deltasync_model()).values():
+        for ps in vllm_layout(self._deltasync_model(), stacked_experts=stacked).values():
             for p in ps:
                 out.setdefault(p.engine, []).append(asdict(p))
         return out
