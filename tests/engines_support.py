@@ -46,6 +46,41 @@ def tiny_qwen2_config(*, vocab: int = VOCAB):
     return cfg
 
 
+def tiny_qwen2_moe_config(*, vocab: int = VOCAB):
+    """Qwen2-MoE: 4 routed experts (top 2, intermediate 64: a multiple of the CPU MoE kernel's 32, so vLLM does
+    not pad it), a shared expert with its sigmoid gate, q/k/v biases; every layer sparse."""
+    from transformers import Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, moe_intermediate_size=64,
+        shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, max_position_embeddings=256, tie_word_embeddings=False, rope_theta=10000.0,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, use_sliding_window=False,
+    )
+    cfg.torch_dtype = DTYPE
+    cfg.dtype = DTYPE
+    return cfg
+
+
+def tiny_draft_config(*, vocab: int = VOCAB):
+    """A smaller Qwen2 (1 layer, hidden 64, 2 heads of 32 over 2 KV heads) with the target's vocabulary: a
+    speculative draft model with weights of its own."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, rope_theta=10000.0,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, use_sliding_window=False,
+    )
+    cfg.torch_dtype = DTYPE
+    cfg.dtype = DTYPE
+    return cfg
+
+
+ARCHS = {"qwen2": tiny_qwen2_config, "qwen2_moe": tiny_qwen2_moe_config, "draft": tiny_draft_config}
+
+
 def serving_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state the trainer publishes: its fp32 masters cast to the serving dtype, under HF names."""
     return {n: t.detach().to(DTYPE).contiguous() for n, t in model.state_dict().items()}
@@ -66,11 +101,15 @@ def save_checkpoint(model: torch.nn.Module, state: dict[str, torch.Tensor], path
 class TinyTrainer:
     """A tiny Qwen2 and its AdamW optimizer on fixed random token batches (deterministic)."""
 
-    def __init__(self, *, seed: int = 0, lr: float = 3e-3, vocab: int = VOCAB) -> None:
-        from transformers import Qwen2ForCausalLM
+    def __init__(self, *, seed: int = 0, lr: float = 3e-3, vocab: int = VOCAB, arch: str = "qwen2") -> None:
+        import transformers
 
         torch.manual_seed(seed)
-        self.model = Qwen2ForCausalLM(tiny_qwen2_config(vocab=vocab)).float()
+        cls = transformers.Qwen2MoeForCausalLM if arch == "qwen2_moe" else transformers.Qwen2ForCausalLM
+        self.model = cls(ARCHS[arch](vocab=vocab)).float()
+        # config.save_pretrained (save_checkpoint) writes what the config says; without ``architectures`` vLLM
+        # resolves a qwen2_moe config to the pooling Qwen2MoeModel instead of the causal LM
+        self.model.config.architectures = [cls.__name__]
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
         g = torch.Generator().manual_seed(seed + 1)
@@ -102,21 +141,41 @@ class TrainRun:
     checkpoints: dict[int, Path] = field(default_factory=dict)
     results: dict[int, PublishResult] = field(default_factory=dict)
     version: int = -1
+    prepared: list[dict[str, torch.Tensor]] = field(default_factory=list)  # trained ahead, not yet published
+    owns_server: bool = True
 
     @property
     def url(self) -> str:
         return self.server.url
 
-    def publish_step(self, *, train: bool = True, timeout: float = 60.0) -> int:
-        """Train one step (unless ``train=False``: version 0 is the initial weights), publish it as the
-        next version, wait for its commit, and save its checkpoint. Returns the version."""
-        if train:
+    def prepare(self, steps: int) -> list[Path]:
+        """Train ``steps`` steps ahead and save their checkpoints (versions ``version+1 ..``) without publishing
+        them: the next ``publish_step`` calls publish these states in order. Lets a reference engine load the
+        checkpoints of steps the live engine has not received yet. Returns the checkpoint directories."""
+        out = []
+        for _ in range(steps):
             self.trainer.step()
-        state = self.trainer.state()
+            state = self.trainer.state()
+            v = self.version + 1 + len(self.prepared)
+            self.checkpoints[v] = save_checkpoint(self.trainer.model, state, self.workdir / f"ckpt-v{v}")
+            self.prepared.append(state)
+            out.append(self.checkpoints[v])
+        return out
+
+    def publish_step(self, *, train: bool = True, timeout: float = 60.0) -> int:
+        """Train one step (unless ``train=False``: version 0 is the initial weights; or take the next state
+        :meth:`prepare` trained ahead), publish it as the next version, wait for its commit, and save its
+        checkpoint. Returns the version."""
         v = self.version + 1
+        if self.prepared:
+            state = self.prepared.pop(0)
+        else:
+            if train:
+                self.trainer.step()
+            state = self.trainer.state()
+            self.checkpoints[v] = save_checkpoint(self.trainer.model, state, self.workdir / f"ckpt-v{v}")
         result = self.publisher.publish(v, state).result(timeout)
         self.results[v] = result
-        self.checkpoints[v] = save_checkpoint(self.trainer.model, state, self.workdir / f"ckpt-v{v}")
         self.version = v
         return v
 
@@ -124,21 +183,27 @@ class TrainRun:
         try:
             self.publisher.close()
         finally:
-            self.server.stop()
+            if self.owns_server:
+                self.server.stop()
 
 
-def start_train_run(workdir: Path, *, model_name: str = "tiny-qwen2", seed: int = 0) -> TrainRun:
-    """An origin (signing key on) on 127.0.0.1 and a publisher over a fresh tiny trainer; version 0
-    (the initial weights, a keyframe) is published and checkpointed before it returns."""
+def start_train_run(workdir: Path, *, model_name: str = "tiny-qwen2", seed: int = 0, arch: str = "qwen2",
+                    server: ServerProc | None = None) -> TrainRun:
+    """An origin (signing key on) on 127.0.0.1 (or ``server``: a second stream on a run's origin) and a
+    publisher over a fresh tiny trainer of ``arch`` (see ARCHS); version 0 (the initial weights, a keyframe)
+    is published and checkpointed before it returns. Closing the run stops the server it started."""
     workdir.mkdir(parents=True, exist_ok=True)
-    server = origin(workdir, key=True).start().wait_ready()
+    own = server is None
+    if own:
+        server = origin(workdir, key=True).start().wait_ready()
     try:
-        trainer = TinyTrainer(seed=seed)
+        trainer = TinyTrainer(seed=seed, arch=arch)
         pub = Publisher(server.url, model_name, TOKEN, KEY, keyframe_every=0)
     except BaseException:
-        server.stop()
+        if own:
+            server.stop()
         raise
-    run = TrainRun(workdir=workdir, model_name=model_name, server=server, trainer=trainer, publisher=pub)
+    run = TrainRun(workdir=workdir, model_name=model_name, server=server, trainer=trainer, publisher=pub, owns_server=own)
     run.publish_step(train=False)
     return run
 

@@ -2,22 +2,25 @@
 
 A tiny Qwen2 (vocab 200: padded by vLLM to 256; 4 heads over 2 KV heads; q/k/v biases) is built
 locally, trained a few AdamW steps, and every step is published to a real origin on loopback. vLLM at
-TP=1 and TP=2 runs ``deltasync.client.vllm.DeltaSyncWorkerExtension``; after each apply:
+TP=1 and TP=2 runs ``deltasync.client.vllm.DeltaSyncWorkerExtension``; so does a tiny Qwen2-MoE
+(4 routed experts stacked as transformers 5 holds them, a shared expert) at TP=1, and a Qwen2 with
+a draft Qwen2 of its own (two streams, TP=1). After each apply:
 
+* greedy tokens and their logprobs equal those of a fresh vLLM (same TP size, no extension) loaded
+  from the trainer's checkpoint of that step, and
 * the engine's tensors (every rank, the unpacked copies the CPU backend packs from) are bit-identical
-  to what vLLM's own loader makes of that step's HF checkpoint (``deltasync_load_checkpoint`` into
-  the same engine, right after), and
-* greedy tokens and their logprobs equal those the same engine gives after that reload;
-* at the last step, a fresh vLLM started from the last checkpoint gives the same tokens and logprobs.
+  to what vLLM's own loader makes of that step's checkpoint (``deltasync_load_checkpoint`` into the
+  same engine, right after), and generation after that reload is unchanged too.
 
-(A fresh engine per step would cost ~17 s+ per start; the reload into the same engine is vLLM's
-own loader arithmetic over the step's checkpoint, independent of deltasync's layout map.)
-The apply pause per step (time inside ``deltasync_apply`` on the slowest rank) is printed.
+The steps are trained ahead (``TrainRun.prepare``) so their checkpoints exist before the live engine
+receives them: a helper process (``tests/vllm_reference.py``) starts the fresh reference engines one
+after another while the live engine starts and follows the stream, and caches their outputs per
+(step, TP) in the test's tmp dir. The apply pause per step (time inside ``deltasync_apply`` on the
+slowest rank) and the bytes each rank received are printed.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 
@@ -28,6 +31,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (it co
 
 from engines_support import start_train_run  # noqa: E402
 from server_fixtures import KEY_HEX  # noqa: E402
+from vllm_reference import engine_env, make_llm, shutdown, start_reference, stop_reference, wait_reference  # noqa: E402
 
 from deltasync.client import vllm as dsv  # noqa: E402
 
@@ -37,55 +41,41 @@ STEPS = 3
 PROMPTS = [[5, 6, 7, 8, 9], [17, 3, 99, 150, 42, 7], [199, 198, 4]]
 
 
-def _llm(path, tp: int, *, extension: bool):
-    from vllm import LLM
+def greedy(llm):
+    from vllm_reference import greedy as run_greedy
 
-    kw = dict(worker_extension_cls=dsv.EXTENSION) if extension else {}
-    return LLM(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
-               tensor_parallel_size=tp, seed=0, max_num_seqs=4, gpu_memory_utilization=0.05, **kw)
+    return run_greedy(llm, PROMPTS)
 
 
-def _shutdown(llm) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        del llm
-        gc.collect()
-
-
-def greedy(llm) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """Greedy tokens and the top-3 logprobs at every position, prefix cache dropped first."""
-    from vllm import SamplingParams
-
-    llm.reset_prefix_cache()
-    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
-            for o in outs]
-
-
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+@pytest.fixture(scope="module", params=[("qwen2", 1), ("qwen2", 2), ("qwen2_moe", 1)],
+                ids=["tp1", "tp2", "moe-tp1"])
 def engine(request, tmp_path_factory):
-    """(train run, LLM with the extension started on it) per TP size, shared by this module's tests."""
-    tp = request.param
+    """(train run, LLM with the extension started on it, fresh-reference process) per TP size, shared by this
+    module's tests. The STEPS checkpoints are trained ahead and the reference process starts on them first."""
+    arch, tp = request.param
     saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")}
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    if tp == 2:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    run = start_train_run(tmp_path_factory.mktemp(f"vllm-tp{tp}"), model_name=f"tiny-qwen2-tp{tp}")
-    llm = None
+    os.environ.update(engine_env(tp))
+    workdir = tmp_path_factory.mktemp(f"vllm-{arch}-tp{tp}")
+    run = start_train_run(workdir, model_name=f"tiny-{arch}-tp{tp}", arch=arch)
+    llm = ref = None
     try:
-        llm = _llm(run.checkpoints[0], tp, extension=True)
+        ref_dir = workdir / f"fresh-tp{tp}"
+        ref = (start_reference(run.prepare(STEPS), tp, ref_dir, PROMPTS, extension=arch == "qwen2_moe"), ref_dir)
+        llm = make_llm(run.checkpoints[0], tp, extension=dsv.EXTENSION)
         info = dsv.start(llm, [run.url], run.model_name, key_hex=KEY_HEX, version=0)
         assert [i["rank"] for i in info] == list(range(tp))
-        yield tp, run, llm
+        yield tp, run, llm, ref
     finally:
-        if llm is not None:
-            try:
-                llm.collective_rpc("deltasync_stop")
-            finally:
-                _shutdown(llm)
-        run.close()
+        try:
+            if ref is not None:
+                stop_reference(ref[0])
+            if llm is not None:
+                try:
+                    llm.collective_rpc("deltasync_stop")
+                finally:
+                    shutdown(llm)
+        finally:
+            run.close()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -94,7 +84,7 @@ def engine(request, tmp_path_factory):
 
 
 def test_follows_training_bit_identical(engine):
-    tp, run, llm = engine
+    tp, run, llm, (ref_proc, ref_dir) = engine
     assert dsv.wait_update(llm, 0, timeout=120) == 0
     first = greedy(llm)
     pauses = []
@@ -106,6 +96,8 @@ def test_follows_training_bit_identical(engine):
         assert all(s["engine_version"] == v and s["verify"] == "ok" for s in st), st
         pauses.append(max(s["last_apply_s"] for s in st))
         got = greedy(llm)
+        fresh = wait_reference(ref_proc, ref_dir, run.checkpoints[v], timeout=600)
+        assert got == fresh, f"TP={tp} v{v}: generation differs from a fresh vLLM loaded from step {v}'s checkpoint"
         live = llm.collective_rpc("deltasync_fingerprints")
         # vLLM's own loader over the same step's checkpoint, into the same engine: the reference
         llm.collective_rpc("deltasync_load_checkpoint", args=(str(run.checkpoints[v]),))
@@ -122,16 +114,10 @@ def test_follows_training_bit_identical(engine):
           f"bytes received per rank over {STEPS} deltas: {[s['bytes_received'] for s in st]} "
           f"(the deltas' blobs: {whole} bytes)")
 
-    fresh = _llm(run.checkpoints[run.version], tp, extension=False)
-    try:
-        assert greedy(fresh) == got, f"TP={tp}: a fresh vLLM on the last checkpoint generates differently"
-    finally:
-        _shutdown(fresh)
-
 
 def test_layout_map_is_the_engines_sharding(engine):
     """Each rank's map, read from its own layers: padded vocab split by rows, q/k/v by heads, o/down by columns."""
-    tp, run, llm = engine
+    tp, run, llm, _ = engine
     maps = llm.collective_rpc("deltasync_layout")
     for rank, m in enumerate(maps):
         pieces = {p["trainer"]: p for ps in m.values() for p in ps}
@@ -150,7 +136,7 @@ def test_one_rank_failing_rolls_every_rank_back(engine, tmp_path):
     """Rank 1's shard of lm_head is made to differ from what the stream says it holds (vLLM's own loader
     writes a tampered copy of the live checkpoint): the next delta fails verification on rank 1 only, and
     every rank rolls back — rank 0's tensors are left exactly as they were, both ranks stay at the old version."""
-    tp, run, llm = engine
+    tp, run, llm, _ = engine
     if tp == 1:
         pytest.skip("needs two ranks")
     import time
@@ -176,3 +162,78 @@ def test_one_rank_failing_rolls_every_rank_back(engine, tmp_path):
     assert all(s["engine_version"] == live_v for s in st), st
     after = llm.collective_rpc("deltasync_fingerprints")
     assert after == before, "a rank kept words of the failed version"
+
+
+# -- a speculative draft model with weights of its own: two streams, applied together --------------------------
+
+DRAFT_STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def spec_engine(tmp_path_factory):
+    """A target Qwen2 and a smaller draft Qwen2 trained side by side, each published as its own stream on one
+    origin; vLLM (TP=1) serves the target with the draft proposing (``method="draft_model"``), the extension
+    following both (``draft_model=``). The steps are trained ahead and a helper process starts a fresh engine
+    (target + draft of that step) per step."""
+    from vllm_reference import spec_config
+
+    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")}
+    os.environ.update(engine_env(1))
+    workdir = tmp_path_factory.mktemp("vllm-spec")
+    run = start_train_run(workdir, model_name="tiny-qwen2-spec")
+    drun = llm = ref = None
+    try:
+        drun = start_train_run(workdir / "draft", model_name="tiny-qwen2-spec-draft", arch="draft", seed=7,
+                               server=run.server)
+        ckpts, dckpts = run.prepare(DRAFT_STEPS), drun.prepare(DRAFT_STEPS)
+        ref_dir = workdir / "fresh-spec"
+        ref = (start_reference(ckpts, 1, ref_dir, PROMPTS, drafts=dckpts), ref_dir)
+        llm = make_llm(run.checkpoints[0], 1, extension=dsv.EXTENSION, speculative_config=spec_config(drun.checkpoints[0]))
+        info = dsv.start(llm, [run.url], run.model_name, key_hex=KEY_HEX, version=0, draft_model=drun.model_name)
+        assert [i["rank"] for i in info] == [0]
+        yield run, drun, llm, ref
+    finally:
+        try:
+            if ref is not None:
+                stop_reference(ref[0])
+            if llm is not None:
+                try:
+                    llm.collective_rpc("deltasync_stop")
+                finally:
+                    shutdown(llm)
+        finally:
+            if drun is not None:
+                drun.close()
+            run.close()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def test_draft_model_follows_its_own_stream(spec_engine):
+    """After each step (target and draft both published), the live engine's target and draft tensors are
+    bit-identical to a fresh vLLM's load of that step's two checkpoints, and greedy tokens and logprobs (with
+    the draft proposing) equal the fresh engine's."""
+    run, drun, llm, (ref_proc, ref_dir) = spec_engine
+    assert dsv.wait_update(llm, 0, timeout=120, draft_version=0) == 0
+    first_draft = llm.collective_rpc("deltasync_fingerprints", kwargs={"draft": True})
+    for _ in range(DRAFT_STEPS):
+        v, dv = run.publish_step(), drun.publish_step()
+        assert dsv.wait_update(llm, v, timeout=180, draft_version=dv) == v
+        st = dsv.status(llm)
+        assert all(s["engine_version"] == v and s["draft"]["engine_version"] == dv and s["draft"]["verify"] == "ok"
+                   for s in st), st
+        got = greedy(llm)
+        fresh = wait_reference(ref_proc, ref_dir, run.checkpoints[v], timeout=600)
+        live_t = llm.collective_rpc("deltasync_fingerprints")
+        live_d = llm.collective_rpc("deltasync_fingerprints", kwargs={"draft": True})
+        assert live_d == fresh["draft_fingerprints"], f"v{v}: the draft model differs from a fresh load of its checkpoint"
+        assert live_t == fresh["fingerprints"], f"v{v}: the target differs from a fresh load of its checkpoint"
+        assert got == fresh["outputs"], f"v{v}: generation (draft proposing) differs from a fresh engine's"
+    assert live_d != first_draft, "the draft's tensors never changed: the test would pass without the draft stream"
+    st = dsv.status(llm)
+    print(f"\nvLLM TP=1 + draft: apply pause (target, draft; last step, s): "
+          f"{st[0]['last_apply_s']:.4f}, {st[0]['draft']['last_apply_s']:.4f}; bytes received (target, draft): "
+          f"{st[0]['bytes_received']}, {st[0]['draft']['bytes_received']}")
