@@ -70,7 +70,10 @@ from .manifest import Manifest
 
 META_BUDGET = "deltasync.budget"
 META_RESIDUAL = "deltasync.residual"
-SIGNATURE_RESERVE = 80  # '"signature":"hmac-sha256:<64 hex>"' is 74 bytes longer than '"signature":null'
+# counted as if signed (manifest format 2): '"signature":"ed25519:<128 hex>"' is 134 bytes longer than
+# '"signature":null', and '"key_id":"ed25519:<16 hex>"' 22 longer than '"key_id":null' (HMAC: less)
+SIGNATURE_RESERVE = 160
+DIGEST_RESERVE = 72  # per blob: '"digest":"blake3:<64 hex>"' is 69 bytes longer than '"digest":null'
 META_RESERVE = 16  # room for a final max_rel written longer than the probe's (e.g. 1.234e-05)
 MAX_FIT_ROUNDS = 12
 _DIST_CAP = (1 << 45) - 1
@@ -160,6 +163,7 @@ def residual_of(manifest: Manifest) -> dict | None:
 def wire_bytes(manifest: Manifest) -> int:
     """Bytes a version costs on the wire: its canonical manifest (counted as if signed) and blobs."""
     extra = SIGNATURE_RESERVE if manifest.signature is None else 0
+    extra += DIGEST_RESERVE * sum(1 for b in manifest.blobs if b.digest is None)
     return len(manifest.to_json()) + extra + manifest.total_bytes
 
 
