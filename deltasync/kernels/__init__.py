@@ -43,7 +43,7 @@ import threading
 
 import numpy as np
 
-from ..errors import FormatError, ApplyError
+from ..errors import FormatError
 
 _MASK64 = (1 << 64) - 1
 _CHOICES = ("auto", "numba", "reference")
@@ -295,8 +295,8 @@ def patch_words(words: np.ndarray, changes, word_size: int):
         raise RuntimeError("patch_words needs the numba kernels")
     old, fpd, bad = k.patch_words(words, changes.positions, changes.raw,
                                   changes.values.astype(words.dtype, copy=False), _per(word_size), _table())
-    if bad >= 0:
-        raise ApplyError(f"change position {int(changes.positions[bad])} is outside a tensor of {words.size} words")
+    if bad >= 0:  # nothing was written; the apply loop turns this into an ApplyError and rolls back
+        raise IndexError(f"change position {int(changes.positions[bad])} is outside a tensor of {words.size} words")
     return old, int(fpd)
 
 
