@@ -32,6 +32,7 @@ from deltasync.tensorfile import MappedTensorFile, read_state_file, write_state_
 
 from .http import HttpClient, Timeouts
 from .publisher import Publisher
+from .filetarget import FileTarget, recover
 from .served import load_served, save_served
 from .sidecar import Sidecar, SidecarEvent
 from .subscriber import Subscriber, SyncEvent
@@ -175,23 +176,22 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_temp_files(out)  # a killed earlier run's; only one subscriber writes a file
+    rolled = recover(out)  # an apply cut short: F back to exactly the old version, before anything reads it
+    if rolled is not None:
+        _say(args, f"{out}: rolled back the unfinished v{rolled.get('to')} to v{rolled.get('from')} (undo journal)")
     timeouts = Timeouts(poll=args.poll)
-    version = None
-    target: dict[str, torch.Tensor] | None = None
+    target: FileTarget | None = None
     if out.exists():
         try:
-            with MappedTensorFile(out) as f:
-                meta = dict(f.metadata)
-                target = {n: t.clone() for n, t in f.tensors.items()}
-            if meta.get(META_MODEL) == args.model and (meta.get(META_VERSION) or "").isdigit():
-                version = int(meta[META_VERSION])
-                _say(args, f"{out}: holds {args.model} v{version}; resuming")
+            target = FileTarget(out, args.model, before_commit=on_applied)
+        except (DeltaSyncError, OSError) as e:
+            _say(args, f"{out}: unreadable ({e}); resyncing from a keyframe")
+        else:
+            if target.version is not None:
+                _say(args, f"{out}: holds {args.model} v{target.version}; resuming")
             else:
                 _say(args, f"{out}: not a {args.model} file written by deltasync subscribe; resyncing")
                 target = None
-        except DeltaSyncError as e:
-            _say(args, f"{out}: unreadable ({e}); resyncing from a keyframe")
-            target = None
     if target is None:
         # a head that does not parse or verify is that source's fault: the next --from is tried
         client = HttpClient(args.sources, timeouts=timeouts,
@@ -207,7 +207,10 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
         finally:
             await client.close()
         m = parse_manifest(head.body, verifier=verifier)
-        target = {t.name: torch.zeros(t.shape, dtype=dtype_info(t.dtype).torch_dtype) for t in m.tensors}
+        layout = {t.name: (t.dtype, tuple(t.shape)) for t in m.tensors}
+        # nothing is written until the first keyframe is complete and verified (then renamed into place)
+        target = FileTarget(out, args.model, layout=layout, before_commit=on_applied, open_existing=False)
+    version = target.version
 
     def on_event(ev: SyncEvent) -> None:
         if ev.kind in ("rollback", "refetch", "resync", "scrub", "error"):
@@ -230,12 +233,8 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
     deadline = time.monotonic() + args.timeout if (args.once or goal is not None) else None
     try:
         while not stop.is_set():
-            v = sub.apply_pending()
+            v = sub.apply_pending()  # patches the file in place (FileTarget), journaled
             if v is not None and v != written:
-                if on_applied is not None:
-                    on_applied(v)  # applied in memory, the file not yet replaced
-                sfp = state_fingerprint_of(target, sub.fps)
-                write_state_file(out, target, {META_MODEL: args.model, META_VERSION: str(v), META_STATE_FP: sfp})
                 written = v
                 st = sub.status
                 _say(args, f"{args.model} v{v} -> {out} (lag {st.lag}, {_mb(st.bytes_received)} received, verify {st.verify})")
@@ -253,11 +252,13 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
         return 0
     finally:
         await sub.close()
+        target.close()
 
 
 def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> int:
-    """``deltasync subscribe``. ``on_applied(version)``, for programs that embed the command, runs after
-    each version is applied in memory and before the file is replaced (tests use it to die there)."""
+    """``deltasync subscribe``. ``on_applied(version)``, for programs that embed the command, runs once
+    each version is written into the file's map (or a new file, for a keyframe) and before it becomes the
+    file's version (tests use it to die there: the file then recovers to the version before)."""
     _setup_logging(args)
     if args.once and args.until is not None:
         print("deltasync subscribe: error: --once and --until exclude each other", file=sys.stderr)
