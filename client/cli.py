@@ -24,7 +24,8 @@ from deltasync.atomic import remove_temp_files
 from deltasync.cli.keys import signer_from_file, verifier_from_file
 from deltasync.cli.run import run_command
 from deltasync.dtypes import dtype_info
-from deltasync.errors import DeltaSyncError, NotFoundError
+from deltasync.codec import state_layout
+from deltasync.errors import BaseMismatchError, DeltaSyncError, NotFoundError
 from deltasync.fingerprint import state_fingerprint_of
 from deltasync.manifest import parse_manifest
 from deltasync.signing import Verifier
@@ -118,6 +119,63 @@ def _served_base(args, budgeter):
     return None if got is None else (h.version, got[0], got[1])
 
 
+async def _publish_files(args, token: str, signer, verifier: Verifier | None, state) -> int | None:
+    """Publish from files, O(changed): a keyframe streamed shard by shard when the origin has no version
+    (or ``--base`` is not its head and ``--keyframe-on-mismatch`` says so), else a delta against ``--base``.
+    None: no ``--base`` and the origin has a head (the caller rebuilds the head state from the servers)."""
+    from .filepublish import check_base_file, publish_delta, publish_keyframe
+    from .streams import keyframe_stream
+
+    async with HttpClient([args.origin], token=token) as client:
+        try:
+            head = await client.get_head(args.model)
+        except DeltaSyncError as e:
+            raise DeltaSyncError(f"cannot read {args.model}'s head from {args.origin}: {e}") from e
+        if head is None and args.base:
+            _say(args, f"the origin has no version of {args.model}; publishing a keyframe (--base is not used)")
+        if head is not None and not args.base:
+            return None
+        step = args.step if args.step is not None else (0 if head is None else head.version + 1)
+        if head is not None and step <= head.version:
+            print(f"deltasync publish: error: step {step} is not after the origin's head v{head.version}", file=sys.stderr)
+            return 1
+        base_fps = None
+        if head is not None:
+            m = parse_manifest(head.body, verifier=verifier)
+            with MappedTensorFile(args.base) as bf:
+                base = bf.tensors
+                try:
+                    base_fps = check_base_file(base, m, where=f"--base {args.base}")
+                except BaseMismatchError as e:
+                    if not args.keyframe_on_mismatch:
+                        raise BaseMismatchError(f"{e}; pass the file v{head.version} was published from (e.g. the "
+                                                "last `subscribe --out` file), or --keyframe-on-mismatch to publish "
+                                                "a keyframe instead") from None
+                    _say(args, f"{e}; publishing a keyframe (--keyframe-on-mismatch)")
+                    base_fps = None
+                if base_fps is not None and state_layout(base) != state_layout(state):
+                    _say(args, f"{args.state} holds other tensors than v{head.version} (names, dtypes or shapes); "
+                               "publishing a keyframe")
+                    base_fps = None
+                if base_fps is not None:
+                    res = await publish_delta(client, model=args.model, version=step, parent=head.version, base=base,
+                                              state=state, base_fps=base_fps, signer=signer)
+                del base
+        if base_fps is None:
+            res = await publish_keyframe(client, model=args.model, version=step, state=state, signer=signer)
+            side = 0
+        else:
+            side = 0
+            if args.keyframe:
+                side = (await publish_keyframe(client, model=keyframe_stream(args.model), version=step, state=state,
+                                               signer=signer)).blob_bytes
+    pct = 100.0 * res.blob_bytes / max(res.raw_bytes, 1)
+    extra = f" + side keyframe {_mb(side)}" if side else ""
+    _say(args, f"published {args.model} v{step}: {res.manifest.kind}, {_mb(res.blob_bytes)} ({pct:.2f}% of "
+               f"{_mb(res.raw_bytes)}){extra}, {res.changed:,} words changed")
+    return 0
+
+
 def cmd_publish(args) -> int:
     _setup_logging(args)
     token = _read_token(args.token_file)
@@ -127,7 +185,20 @@ def cmd_publish(args) -> int:
     if policy is not None and not args.state_dir:
         print("deltasync publish: error: --budget needs --state-dir (where the served view is kept)", file=sys.stderr)
         return 2
+    if policy is not None and args.base:
+        print("deltasync publish: error: --base and --budget exclude each other (a budgeted stream's base is the "
+              "served view kept in --state-dir)", file=sys.stderr)
+        return 2
+    if args.keyframe_on_mismatch and not args.base:
+        print("deltasync publish: error: --keyframe-on-mismatch needs --base", file=sys.stderr)
+        return 2
     state = read_state_file(args.state)
+    if policy is None:
+        done = asyncio.run(asyncio.wait_for(_publish_files(args, token, signer, verifier, state), args.timeout))
+        if done is not None:
+            return done
+        log.info("no --base: rebuilding %s's head state from %s to diff against (pass --base to skip that)",
+                 args.model, args.origin)
     from deltasync.budget import Budgeter
     budgeter = Budgeter(policy) if policy is not None else None
     base = _served_base(args, budgeter)
@@ -326,6 +397,12 @@ def register(subparsers) -> None:
     p.add_argument("state", metavar="STATE.safetensors", help="the state to publish")
     p.add_argument("--step", type=int, metavar="N", help="version number (default: the origin's head + 1, or 0)")
     p.add_argument("--keyframe", action="store_true", help="also publish a keyframe of this state (side stream)")
+    p.add_argument("--base", metavar="PREV.safetensors",
+                   help="the state the origin's head holds (e.g. the previous checkpoint, or a `subscribe --out` "
+                        "file): the delta is diffed against it, mapped, without downloading the model; its state "
+                        "fingerprint must equal the head's")
+    p.add_argument("--keyframe-on-mismatch", action="store_true",
+                   help="with --base: when the base is not the origin's head, publish a keyframe instead of failing")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after S seconds (default 600)")
     _budget_options(p)
     p.add_argument("--state-dir", metavar="DIR", help="with --budget: where the served view and what it owes are kept")
