@@ -33,7 +33,7 @@ from deltasync.tensorfile import MappedTensorFile, read_state_file, write_state_
 
 from .http import HttpClient, Timeouts
 from .publisher import Publisher
-from .filetarget import FileTarget, recover
+from .filetarget import FileTarget, KeyframeWriter, recover
 from .served import load_served, save_served
 from .sidecar import Sidecar, SidecarEvent
 from .subscriber import Subscriber, SyncEvent
@@ -275,13 +275,14 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
                 head = await client.get_head(args.model)
             if head is None:
                 raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
+            m = parse_manifest(head.body, verifier=verifier)
+            layout = {t.name: (t.dtype, tuple(t.shape)) for t in m.tensors}
+            # nothing is written until the first keyframe is complete and verified (then renamed into place)
+            target = FileTarget(out, args.model, layout=layout, before_commit=on_applied, open_existing=False)
+            await _stream_keyframe(args, client, target, m, verifier)
         finally:
             await client.close()
-        m = parse_manifest(head.body, verifier=verifier)
-        layout = {t.name: (t.dtype, tuple(t.shape)) for t in m.tensors}
-        # nothing is written until the first keyframe is complete and verified (then renamed into place)
-        target = FileTarget(out, args.model, layout=layout, before_commit=on_applied, open_existing=False)
-    version = target.version
+    version = target.version  # None, or the keyframe just streamed in (the subscriber scans it once)
 
     def on_event(ev: SyncEvent) -> None:
         if ev.kind in ("rollback", "refetch", "resync", "scrub", "error"):
@@ -324,6 +325,42 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
     finally:
         await sub.close()
         target.close()
+
+
+async def _stream_keyframe(args, client: HttpClient, target: FileTarget, head, verifier: Verifier | None) -> None:
+    """The first version streamed into the file shard by shard, when the head is a keyframe or has a side
+    keyframe (``M.kf``, same state fingerprint): one shard in memory at a time. Otherwise (or on any
+    error: logged) the subscriber catches up the usual way, a keyframe then deltas."""
+    from .streams import keyframe_stream
+
+    kf = head if head.kind == "keyframe" else None
+    if kf is None:
+        try:
+            side = parse_manifest(await client.get_manifest(keyframe_stream(args.model), head.version), verifier=verifier)
+        except DeltaSyncError:
+            return
+        if side.kind != "keyframe" or side.state_fp != head.state_fp:
+            return
+        kf = side
+    loop = asyncio.get_running_loop()
+    try:
+        w = KeyframeWriter(target, kf, version=head.version)
+    except DeltaSyncError as e:
+        log.warning("cannot stream keyframe v%s into %s (%s); catching up the usual way", head.version, args.out, e)
+        return
+    try:
+        for ref in kf.blobs:
+            data = await client.get_blob(ref.id, ref.size)
+            await loop.run_in_executor(None, w.add_shard, data)
+            del data
+        await loop.run_in_executor(None, w.commit)
+    except BaseException as e:
+        w.abort()
+        if not isinstance(e, DeltaSyncError):
+            raise
+        log.warning("streaming keyframe v%s into %s failed (%s); catching up the usual way", head.version, args.out, e)
+        return
+    _say(args, f"{args.model} v{head.version} -> {args.out} (keyframe, streamed)")
 
 
 def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> int:

@@ -49,16 +49,16 @@ import xxhash
 from deltasync.apply import PreparedDelta, check_base, stage_prepared
 from deltasync.atomic import fsync_dir
 from deltasync.dtypes import dtype_info, word_view
-from deltasync.errors import BaseMismatchError, FormatError, StorageError
-from deltasync.fingerprint import state_fingerprint, tensor_fingerprint
+from deltasync.errors import BaseMismatchError, FormatError, IntegrityError, StorageError
+from deltasync.fingerprint import fp_hex, state_fingerprint, tensor_fingerprint
 from deltasync.keyframe import copy_state
-from deltasync.tensorfile import MappedTensorFile, build_header
+from deltasync.tensorfile import MappedTensorFile, build_header, load_shard
 
 from .appliers import TensorApplier
 
 log = logging.getLogger("deltasync.client.filetarget")
 
-__all__ = ["META_MODEL", "META_STATE_FP", "META_VERSION", "FileTarget", "journal_path", "recover"]
+__all__ = ["META_MODEL", "META_STATE_FP", "META_VERSION", "FileTarget", "KeyframeWriter", "journal_path", "recover"]
 
 META_VERSION = "deltasync.version"
 META_STATE_FP = "deltasync.state_fp"
@@ -255,6 +255,56 @@ class _NewFile:
             self._tmp.unlink()
         except FileNotFoundError:
             pass
+
+
+class KeyframeWriter:
+    """A keyframe streamed into a new file beside the target's, one shard at a time (the first version
+    of ``subscribe --out``): ``add_shard(bytes)`` per blob, in any order, each tensor's fingerprint
+    checked against the manifest as it lands; ``commit()`` checks the state fingerprint, fsyncs and
+    renames the file into place; ``abort()`` removes it. Memory: one shard (plus its parsed copy)."""
+
+    def __init__(self, target: FileTarget, manifest, *, version: int | None = None) -> None:
+        if manifest.kind != "keyframe":
+            raise FormatError(f"v{manifest.version} is a {manifest.kind}, not a keyframe")
+        self.target = target
+        self.manifest = manifest
+        self.version = manifest.version if version is None else version
+        self._records = {r.name: r for r in manifest.tensors}
+        layout = {r.name: (r.dtype, tuple(r.shape)) for r in manifest.tensors}
+        if target._layout is not None and layout != target._layout:
+            raise BaseMismatchError(f"keyframe v{manifest.version}'s tensors are not those of {target.path}")
+        self._tmp, self._file = target._new_file(layout, self.version, manifest.state_fp)
+        self.fps: dict[str, int] = {}
+
+    def add_shard(self, data) -> None:
+        shard = load_shard(data)
+        with torch.no_grad():
+            for name, t in shard.items():
+                rec = self._records.get(name)
+                if rec is None or dtype_info(t.dtype).name != rec.dtype or tuple(t.shape) != tuple(rec.shape):
+                    raise FormatError(f"keyframe v{self.manifest.version}: shard tensor {name} {t.dtype} "
+                                      f"{tuple(t.shape)} is not in the manifest as such")
+                dst = self._file.tensors[name]
+                dst.copy_(t)
+                fp = tensor_fingerprint(dst)  # read back from the map: what landed
+                if fp_hex(fp) != rec.fp_after:
+                    raise IntegrityError(f"{name}: fingerprint {fp_hex(fp)} in {self._tmp}, keyframe v"
+                                         f"{self.manifest.version} says {rec.fp_after}")
+                self.fps[name] = fp
+
+    def commit(self) -> None:
+        missing = sorted(set(self._records) - set(self.fps))
+        if missing:
+            raise IntegrityError(f"keyframe v{self.manifest.version}: no shard held {missing[:3]}")
+        sfp = state_fingerprint((n, r.dtype, tuple(r.shape), self.fps[n]) for n, r in self._records.items())
+        if sfp != self.manifest.state_fp:
+            raise IntegrityError(f"keyframe v{self.manifest.version}: state fingerprint {sfp}, the manifest says "
+                                 f"{self.manifest.state_fp}")
+        _NewFile(self.target, self._tmp, self._file, dict(self.fps), self.version).commit()
+
+    def abort(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
 
 
 class FileTarget(TensorApplier):

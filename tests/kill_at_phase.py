@@ -8,7 +8,8 @@
 * ``patched``: every word written and verified, the header not yet rewritten;
 * ``header-torn``: the first half of the new header written into the map;
 * ``header``: the new header written, the journal not yet removed;
-* ``keyframe``: a keyframe half copied into the new file beside F (not yet renamed).
+* ``keyframe``: a keyframe (streamed, or copied by the subscriber) partly written into the new file
+  beside F, not yet renamed.
 
 Fault injection lives here, not in the library (nothing reads an environment variable for it).
 """
@@ -66,6 +67,12 @@ def main(argv: list[str]) -> int:
             die()
         tensorfile.MappedTensorFile.write_header = header
     elif phase == "keyframe":
+        real_add = filetarget.KeyframeWriter.add_shard
+
+        def add_shard(self, data):  # the streamed first version: a shard written, not renamed into place
+            real_add(self, data)
+            die()
+        filetarget.KeyframeWriter.add_shard = add_shard
         def copy(tensors, state, fps, **k):
             names = sorted(state)
             for n in names[: len(names) // 2]:
