@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -47,13 +48,42 @@ def make_step(state: dict[str, torch.Tensor], frac: float, seed: int) -> dict[st
     return out
 
 
+def _status_kb(pid: int) -> dict[str, int]:
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k in ("RssAnon", "RssFile", "RssShmem"):
+                out[k] = int(v.split()[0])
+    except (OSError, ValueError):
+        pass
+    return out
+
+
 def timed(cmd: list[str], *, env: dict[str, str], cwd: str) -> dict[str, float]:
-    r = subprocess.run(["/usr/bin/time", "-f", "TIME %e %U %S %M", *cmd], env=env, cwd=cwd, capture_output=True,
-                       text=True, timeout=1800)
-    if r.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-    line = [x for x in r.stderr.splitlines() if x.startswith("TIME ")][-1].split()
-    return {"wall": float(line[1]), "user": float(line[2]), "sys": float(line[3]), "rss_mb": int(line[4]) / 1024}
+    """Wall/user/sys/peak RSS by /usr/bin/time; peak anonymous and file-backed RSS sampled every 20 ms from
+    /proc (the kernel keeps no peak of each)."""
+    p = subprocess.Popen(["/usr/bin/time", "-f", "TIME %e %U %S %M", *cmd], env=env, cwd=cwd,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    anon = file = 0
+    child = None
+    while p.poll() is None:
+        if child is None:
+            try:
+                child = int(Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()[0])
+            except (OSError, IndexError, ValueError):
+                pass
+        if child is not None:
+            st = _status_kb(child)
+            anon = max(anon, st.get("RssAnon", 0))
+            file = max(file, st.get("RssFile", 0) + st.get("RssShmem", 0))
+        time.sleep(0.02)
+    out, err = p.communicate()
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{out}\n{err}")
+    line = [x for x in err.splitlines() if x.startswith("TIME ")][-1].split()
+    return {"wall": float(line[1]), "user": float(line[2]), "sys": float(line[3]), "rss_mb": int(line[4]) / 1024,
+            "anon_mb": anon / 1024, "file_mb": file / 1024}
 
 
 def main() -> int:
@@ -92,7 +122,7 @@ def main() -> int:
                 m = timed(cmd(side), env=envs[side], cwd=str(root))
                 rows.append((phase, side, m))
                 print(f"{phase:24s} {side:6s} wall {m['wall']:6.2f} s  user {m['user']:6.2f} s  sys {m['sys']:6.2f} s  "
-                      f"peak RSS {m['rss_mb']:7.0f} MB", flush=True)
+                      f"peak RSS {m['rss_mb']:6.0f} MB (anon {m['anon_mb']:5.0f}, file {m['file_mb']:5.0f})", flush=True)
     ok = all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(
         *(dict(sorted(__import__("deltasync.tensorfile", fromlist=["x"]).read_state_file(p).items())).values()
           for p in (root / "out-after.safetensors", root / "s1.safetensors"))))

@@ -95,14 +95,15 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
-def parse_header(buf, *, where: str = "") -> TensorHeader:
+def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHeader:
     """Parse and check the header of a safetensors buffer (bytes, memoryview or mmap), the data
-    layout included: every MUST rule of the spec holds, or FormatError (prefixed by ``where``)."""
-    size = len(buf)
+    layout included: every MUST rule of the spec holds, or FormatError (prefixed by ``where``).
+    ``size``: the whole file's length when ``buf`` holds only its first bytes (the header)."""
+    size = len(buf) if size is None else size
     if size < 8:
         raise FormatError(f"{where}{size} bytes, too short for a safetensors header (truncated?)")
     (n,) = _LEN.unpack_from(buf, 0)
-    if n > MAX_HEADER_BYTES or 8 + n > size:
+    if n > MAX_HEADER_BYTES or 8 + n > size or 8 + n > len(buf):
         raise FormatError(f"{where}header of {n} bytes runs past the end of the {size}-byte data (truncated?)")
     try:
         header = json.loads(bytes(buf[8 : 8 + n]), object_pairs_hook=_no_duplicates)
@@ -252,7 +253,7 @@ class MappedTensorFile:
             raise FormatError(f"{self.path}: not mapped writable")
         if len(header) != self.header.data_start:
             raise FormatError(f"{self.path}: new header is {len(header)} bytes, the file's is {self.header.data_start}")
-        check = parse_header(memoryview(header + b"\0" * (self.size - len(header))), where=f"{self.path} (new header): ")
+        check = parse_header(header, where=f"{self.path} (new header): ", size=self.size)
         if check.entries != self.header.entries:
             raise FormatError(f"{self.path}: the new header describes other tensors than the file holds")
         self._mm[: len(header)] = header
