@@ -23,13 +23,11 @@ import torch
 from deltasync.atomic import remove_temp_files
 from deltasync.cli.keys import signer_from_file, verifier_from_file
 from deltasync.cli.run import run_command
-from deltasync.dtypes import dtype_info
 from deltasync.codec import state_layout
 from deltasync.errors import BaseMismatchError, DeltaSyncError, NotFoundError
-from deltasync.fingerprint import state_fingerprint_of
 from deltasync.manifest import parse_manifest
 from deltasync.signing import Verifier
-from deltasync.tensorfile import MappedTensorFile, read_state_file, write_state_file
+from deltasync.tensorfile import MappedTensorFile, read_state_file
 
 from .http import HttpClient, Timeouts
 from .publisher import Publisher
@@ -426,8 +424,9 @@ def _budget_options(p: argparse.ArgumentParser) -> None:
 def register(subparsers) -> None:
     """Add ``publish``, ``subscribe`` and ``sidecar`` to an argparse subparsers object."""
     p = subparsers.add_parser("publish", help="publish one state file to the origin (a delta when it can)",
-                              description="Publish one safetensors state as the next version: a delta against the "
-                                          "origin's head when its state can be rebuilt, else a keyframe.")
+                              description="Publish one safetensors state as the next version: a delta against "
+                                          "--base (a local file holding the origin's head), or against the head "
+                                          "rebuilt from the servers without --base; else a keyframe.")
     p.add_argument("--origin", required=True, metavar="URL", help="origin server URL")
     p.add_argument("--token-file", required=True, metavar="F", help="file holding the origin's bearer token")
     _sources(p)
@@ -447,7 +446,8 @@ def register(subparsers) -> None:
 
     s = subparsers.add_parser("subscribe", help="keep a safetensors file in sync with a model stream",
                               description="Follow a model stream through relays and keep a safetensors file at its "
-                                          "head (replaced atomically after each verified version).")
+                                          "head (patched in place behind an undo journal after each verified version: always one "
+                                          "published version, even after a kill; see docs/CLIENT.md).")
     s.add_argument("--from", dest="sources", required=True, action="append", metavar="URL",
                    help="relay or origin URL; repeat for fallbacks, nearest first")
     _sources(s)
