@@ -252,7 +252,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
     target: FileTarget | None = None
     if out.exists():
         try:
-            target = FileTarget(out, args.model, before_commit=on_applied)
+            target = FileTarget(out, args.model, before_write=on_applied)
         except (DeltaSyncError, OSError) as e:
             _say(args, f"{out}: unreadable ({e}); resyncing from a keyframe")
         else:
@@ -276,7 +276,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
             m = parse_manifest(head.body, verifier=verifier)
             layout = {t.name: (t.dtype, tuple(t.shape)) for t in m.tensors}
             # nothing is written until the first keyframe is complete and verified (then renamed into place)
-            target = FileTarget(out, args.model, layout=layout, before_commit=on_applied, open_existing=False)
+            target = FileTarget(out, args.model, layout=layout, before_write=on_applied, open_existing=False)
             await _stream_keyframe(args, client, target, m, verifier)
         finally:
             await client.close()
@@ -363,8 +363,8 @@ async def _stream_keyframe(args, client: HttpClient, target: FileTarget, head, v
 
 def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> int:
     """``deltasync subscribe``. ``on_applied(version)``, for programs that embed the command, runs once
-    each version is written into the file's map (or a new file, for a keyframe) and before it becomes the
-    file's version (tests use it to die there: the file then recovers to the version before)."""
+    each version is downloaded, decoded and checked, just before it is written into the file (tests use it
+    to die there: the file is then still the version before, untouched)."""
     _setup_logging(args)
     if args.once and args.until is not None:
         print("deltasync subscribe: error: --once and --until exclude each other", file=sys.stderr)

@@ -26,9 +26,10 @@ words cost, not a rewrite of the file. The scheme (docs/CLIENT.md, "The --out fi
   ``F`` (preallocated, filled through its map tensor by tensor, fingerprints checked, fsynced)
   and renamed over ``F``: again old or new, never a mix; ``F`` is never held twice in memory.
 
-``before_commit(version)`` (optional) runs once a version is written into the map (deltas) or the
-new file (keyframes) and before it becomes final: programs that embed ``subscribe`` (and the
-crash tests) use it.
+``before_write(version)`` (optional) runs when a verified, decoded version is about to be written
+(nothing of it is in the file yet); ``before_commit(version)`` once it is written into the map
+(deltas) or the new file (keyframes) and before it becomes final. Programs that embed
+``subscribe`` (and the crash tests) use them.
 """
 
 from __future__ import annotations
@@ -273,6 +274,8 @@ class KeyframeWriter:
         layout = {r.name: (r.dtype, tuple(r.shape)) for r in manifest.tensors}
         if target._layout is not None and layout != target._layout:
             raise BaseMismatchError(f"keyframe v{manifest.version}'s tensors are not those of {target.path}")
+        if target.before_write is not None:
+            target.before_write(self.version)
         self._tmp, self._file = target._new_file(layout, self.version, manifest.state_fp)
         self.fps: dict[str, int] = {}
 
@@ -319,11 +322,13 @@ class FileTarget(TensorApplier):
     """
 
     def __init__(self, path: str | os.PathLike, model: str, *, layout: Layout | None = None,
-                 before_commit: Callable[[int], None] | None = None, open_existing: bool = True) -> None:
+                 before_commit: Callable[[int], None] | None = None,
+                 before_write: Callable[[int], None] | None = None, open_existing: bool = True) -> None:
         # TensorApplier.__init__ is not called: the tensors are the map's, see tensors()
         self.path = Path(path)
         self.model = model
         self.before_commit = before_commit
+        self.before_write = before_write
         self.file: MappedTensorFile | None = None
         self.version: int | None = None
         self._layout = dict(layout) if layout is not None else None
@@ -435,6 +440,8 @@ class FileTarget(TensorApplier):
         m = prepared.manifest
         tensors = self.file.tensors
         check_base(m, tensors, fps)  # before any I/O
+        if self.before_write is not None:
+            self.before_write(m.version)
         regions: list[dict] = []
         payload: list[bytes | memoryview] = []
         starts = {e.name: e.start for e in self.file.header.entries}
@@ -474,6 +481,8 @@ class FileTarget(TensorApplier):
                 f"keyframe v{version} has tensors {sorted(set(have) - set(self._layout))[:5]} {self.path} lacks and "
                 f"lacks {sorted(set(self._layout) - set(have))[:5]} (or other shapes); is the file the same model?")
         v = -1 if version is None else version
+        if self.before_write is not None:
+            self.before_write(max(v, 0))
         sfp = state_fingerprint((n, d, s, fps[n]) for n, (d, s) in have.items())
         tmp, new = self._new_file(have, max(v, 0), sfp)
         try:

@@ -55,7 +55,12 @@ def main(argv: list[str]) -> int:
             return fp
         core_apply._patch_tensor = patch
     elif phase == "patched":
-        pass  # before_commit below
+        real_commit = filetarget._JournaledPatch.commit
+
+        def commit(self):  # every word written and verified; the header not yet rewritten
+            die()
+            real_commit(self)
+        filetarget._JournaledPatch.commit = commit
     elif phase in ("header-torn", "header"):
         real_header = tensorfile.MappedTensorFile.write_header
 
@@ -82,11 +87,7 @@ def main(argv: list[str]) -> int:
     else:
         raise SystemExit(f"kill_at_phase: unknown phase {phase!r}")
 
-    def before_commit(version: int) -> None:
-        if phase == "patched" and filetarget.journal_path(args.out).exists():  # a delta, not the first keyframe
-            die()
-
-    return cli.cmd_subscribe(args, on_applied=before_commit)
+    return cli.cmd_subscribe(args)
 
 
 if __name__ == "__main__":
