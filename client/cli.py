@@ -28,15 +28,15 @@ from deltasync.atomic import remove_temp_files
 from deltasync.cli.keys import signer_from_options, verifier_from_options
 from deltasync.cli.tls import client_ssl_context
 from deltasync.cli.run import run_command
-from deltasync.dtypes import dtype_info
-from deltasync.errors import DeltaSyncError, NotFoundError
-from deltasync.fingerprint import state_fingerprint_of
+from deltasync.codec import state_layout
+from deltasync.errors import BaseMismatchError, DeltaSyncError, NotFoundError
 from deltasync.manifest import parse_manifest
 from deltasync.signing import Verifier
-from deltasync.tensorfile import MappedTensorFile, read_state_file, write_state_file
+from deltasync.tensorfile import MappedTensorFile, read_state_file
 
 from .http import HttpClient, Timeouts
 from .publisher import Publisher
+from .filetarget import FileTarget, KeyframeWriter, recover
 from .served import load_served, save_served
 from .sidecar import Sidecar, SidecarEvent
 from .subscriber import Subscriber, SyncEvent
@@ -145,6 +145,63 @@ def _served_base(args, budgeter):
     return None if got is None else (h.version, got[0], got[1])
 
 
+async def _publish_files(args, token: str, signer, verifier: Verifier | None, state) -> int | None:
+    """Publish from files, O(changed): a keyframe streamed shard by shard when the origin has no version
+    (or ``--base`` is not its head and ``--keyframe-on-mismatch`` says so), else a delta against ``--base``.
+    None: no ``--base`` and the origin has a head (the caller rebuilds the head state from the servers)."""
+    from .filepublish import check_base_file, publish_delta, publish_keyframe
+    from .streams import keyframe_stream
+
+    async with HttpClient([args.origin], token=token) as client:
+        try:
+            head = await client.get_head(args.model)
+        except DeltaSyncError as e:
+            raise DeltaSyncError(f"cannot read {args.model}'s head from {args.origin}: {e}") from e
+        if head is None and args.base:
+            _say(args, f"the origin has no version of {args.model}; publishing a keyframe (--base is not used)")
+        if head is not None and not args.base:
+            return None
+        step = args.step if args.step is not None else (0 if head is None else head.version + 1)
+        if head is not None and step <= head.version:
+            print(f"deltasync publish: error: step {step} is not after the origin's head v{head.version}", file=sys.stderr)
+            return 1
+        base_fps = None
+        if head is not None:
+            m = parse_manifest(head.body, verifier=verifier)
+            with MappedTensorFile(args.base) as bf:
+                base = bf.tensors
+                try:
+                    base_fps = check_base_file(base, m, where=f"--base {args.base}")
+                except BaseMismatchError as e:
+                    if not args.keyframe_on_mismatch:
+                        raise BaseMismatchError(f"{e}; pass the file v{head.version} was published from (e.g. the "
+                                                "last `subscribe --out` file), or --keyframe-on-mismatch to publish "
+                                                "a keyframe instead") from None
+                    _say(args, f"{e}; publishing a keyframe (--keyframe-on-mismatch)")
+                    base_fps = None
+                if base_fps is not None and state_layout(base) != state_layout(state):
+                    _say(args, f"{args.state} holds other tensors than v{head.version} (names, dtypes or shapes); "
+                               "publishing a keyframe")
+                    base_fps = None
+                if base_fps is not None:
+                    res = await publish_delta(client, model=args.model, version=step, parent=head.version, base=base,
+                                              state=state, base_fps=base_fps, signer=signer)
+                del base
+        if base_fps is None:
+            res = await publish_keyframe(client, model=args.model, version=step, state=state, signer=signer)
+            side = 0
+        else:
+            side = 0
+            if args.keyframe:
+                side = (await publish_keyframe(client, model=keyframe_stream(args.model), version=step, state=state,
+                                               signer=signer)).blob_bytes
+    pct = 100.0 * res.blob_bytes / max(res.raw_bytes, 1)
+    extra = f" + side keyframe {_mb(side)}" if side else ""
+    _say(args, f"published {args.model} v{step}: {res.manifest.kind}, {_mb(res.blob_bytes)} ({pct:.2f}% of "
+               f"{_mb(res.raw_bytes)}){extra}, {res.changed:,} words changed")
+    return 0
+
+
 def cmd_publish(args) -> int:
     _setup_logging(args)
     token = _read_token(args.token_file)
@@ -154,7 +211,20 @@ def cmd_publish(args) -> int:
     if policy is not None and not args.state_dir:
         print("deltasync publish: error: --budget needs --state-dir (where the served view is kept)", file=sys.stderr)
         return 2
+    if policy is not None and args.base:
+        print("deltasync publish: error: --base and --budget exclude each other (a budgeted stream's base is the "
+              "served view kept in --state-dir)", file=sys.stderr)
+        return 2
+    if args.keyframe_on_mismatch and not args.base:
+        print("deltasync publish: error: --keyframe-on-mismatch needs --base", file=sys.stderr)
+        return 2
     state = read_state_file(args.state)
+    if policy is None:
+        done = asyncio.run(asyncio.wait_for(_publish_files(args, token, signer, verifier, state), args.timeout))
+        if done is not None:
+            return done
+        log.info("no --base: rebuilding %s's head state from %s to diff against (pass --base to skip that)",
+                 args.model, args.origin)
     from deltasync.budget import Budgeter
     budgeter = Budgeter(policy) if policy is not None else None
     base = _served_base(args, budgeter)
@@ -204,24 +274,23 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_temp_files(out)  # a killed earlier run's; only one subscriber writes a file
+    rolled = recover(out)  # an apply cut short: F back to exactly the old version, before anything reads it
+    if rolled is not None:
+        _say(args, f"{out}: rolled back the unfinished v{rolled.get('to')} to v{rolled.get('from')} (undo journal)")
     timeouts = Timeouts(poll=args.poll, connect=args.connect_timeout, ttfb=args.ttfb_timeout, read=args.read_timeout,
                         hedge_after=args.hedge_after or None)
-    version = None
-    target: dict[str, torch.Tensor] | None = None
+    target: FileTarget | None = None
     if out.exists():
         try:
-            with MappedTensorFile(out) as f:
-                meta = dict(f.metadata)
-                target = {n: t.clone() for n, t in f.tensors.items()}
-            if meta.get(META_MODEL) == args.model and (meta.get(META_VERSION) or "").isdigit():
-                version = int(meta[META_VERSION])
-                _say(args, f"{out}: holds {args.model} v{version}; resuming")
+            target = FileTarget(out, args.model, before_write=on_applied)
+        except (DeltaSyncError, OSError) as e:
+            _say(args, f"{out}: unreadable ({e}); resyncing from a keyframe")
+        else:
+            if target.version is not None:
+                _say(args, f"{out}: holds {args.model} v{target.version}; resuming")
             else:
                 _say(args, f"{out}: not a {args.model} file written by deltasync subscribe; resyncing")
                 target = None
-        except DeltaSyncError as e:
-            _say(args, f"{out}: unreadable ({e}); resyncing from a keyframe")
-            target = None
     if target is None:
         # a head that does not parse or verify is that source's fault: the next --from is tried
         client = HttpClient(args.sources, timeouts=timeouts, ssl=_ssl(args), read_token=_read_token_of(args),
@@ -234,10 +303,14 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
                 head = await client.get_head(args.model)
             if head is None:
                 raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
+            m = parse_manifest(head.body, verifier=verifier)
+            layout = {t.name: (t.dtype, tuple(t.shape)) for t in m.tensors}
+            # nothing is written until the first keyframe is complete and verified (then renamed into place)
+            target = FileTarget(out, args.model, layout=layout, before_write=on_applied, open_existing=False)
+            await _stream_keyframe(args, client, target, m, verifier)
         finally:
             await client.close()
-        m = parse_manifest(head.body, verifier=verifier)
-        target = {t.name: torch.zeros(t.shape, dtype=dtype_info(t.dtype).torch_dtype) for t in m.tensors}
+    version = target.version  # None, or the keyframe just streamed in (the subscriber scans it once)
 
     def on_event(ev: SyncEvent) -> None:
         if ev.kind in ("rollback", "refetch", "resync", "scrub", "error"):
@@ -261,12 +334,8 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
     deadline = time.monotonic() + args.timeout if (args.once or goal is not None) else None
     try:
         while not stop.is_set():
-            v = sub.apply_pending()
+            v = sub.apply_pending()  # patches the file in place (FileTarget), journaled
             if v is not None and v != written:
-                if on_applied is not None:
-                    on_applied(v)  # applied in memory, the file not yet replaced
-                sfp = state_fingerprint_of(target, sub.fps)
-                write_state_file(out, target, {META_MODEL: args.model, META_VERSION: str(v), META_STATE_FP: sfp})
                 written = v
                 st = sub.status
                 _say(args, f"{args.model} v{v} -> {out} (lag {st.lag}, {_mb(st.bytes_received)} received, verify {st.verify})")
@@ -284,11 +353,49 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
         return 0
     finally:
         await sub.close()
+        target.close()
+
+
+async def _stream_keyframe(args, client: HttpClient, target: FileTarget, head, verifier: Verifier | None) -> None:
+    """The first version streamed into the file shard by shard, when the head is a keyframe or has a side
+    keyframe (``M.kf``, same state fingerprint): one shard in memory at a time. Otherwise (or on any
+    error: logged) the subscriber catches up the usual way, a keyframe then deltas."""
+    from .streams import keyframe_stream
+
+    kf = head if head.kind == "keyframe" else None
+    if kf is None:
+        try:
+            side = parse_manifest(await client.get_manifest(keyframe_stream(args.model), head.version), verifier=verifier)
+        except DeltaSyncError:
+            return
+        if side.kind != "keyframe" or side.state_fp != head.state_fp:
+            return
+        kf = side
+    loop = asyncio.get_running_loop()
+    try:
+        w = KeyframeWriter(target, kf, version=head.version)
+    except DeltaSyncError as e:
+        log.warning("cannot stream keyframe v%s into %s (%s); catching up the usual way", head.version, args.out, e)
+        return
+    try:
+        for ref in kf.blobs:
+            data = await client.get_blob(ref.id, ref.size)
+            await loop.run_in_executor(None, w.add_shard, data)
+            del data
+        await loop.run_in_executor(None, w.commit)
+    except BaseException as e:
+        w.abort()
+        if not isinstance(e, DeltaSyncError):
+            raise
+        log.warning("streaming keyframe v%s into %s failed (%s); catching up the usual way", head.version, args.out, e)
+        return
+    _say(args, f"{args.model} v{head.version} -> {args.out} (keyframe, streamed)")
 
 
 def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> int:
-    """``deltasync subscribe``. ``on_applied(version)``, for programs that embed the command, runs after
-    each version is applied in memory and before the file is replaced (tests use it to die there)."""
+    """``deltasync subscribe``. ``on_applied(version)``, for programs that embed the command, runs once
+    each version is downloaded, decoded and checked, just before it is written into the file (tests use it
+    to die there: the file is then still the version before, untouched)."""
     _setup_logging(args)
     if args.once and args.until is not None:
         print("deltasync subscribe: error: --once and --until exclude each other", file=sys.stderr)
@@ -358,14 +465,21 @@ def _budget_options(p: argparse.ArgumentParser) -> None:
 def register(subparsers) -> None:
     """Add ``publish``, ``subscribe`` and ``sidecar`` to an argparse subparsers object."""
     p = subparsers.add_parser("publish", help="publish one state file to the origin (a delta when it can)",
-                              description="Publish one safetensors state as the next version: a delta against the "
-                                          "origin's head when its state can be rebuilt, else a keyframe.")
+                              description="Publish one safetensors state as the next version: a delta against "
+                                          "--base (a local file holding the origin's head), or against the head "
+                                          "rebuilt from the servers without --base; else a keyframe.")
     p.add_argument("--origin", required=True, metavar="URL", help="origin server URL")
     p.add_argument("--token-file", required=True, metavar="F", help="file holding the origin's bearer token")
     _sources(p)
     p.add_argument("state", metavar="STATE.safetensors", help="the state to publish")
     p.add_argument("--step", type=int, metavar="N", help="version number (default: the origin's head + 1, or 0)")
     p.add_argument("--keyframe", action="store_true", help="also publish a keyframe of this state (side stream)")
+    p.add_argument("--base", metavar="PREV.safetensors",
+                   help="the state the origin's head holds (e.g. the previous checkpoint, or a `subscribe --out` "
+                        "file): the delta is diffed against it, mapped, without downloading the model; its state "
+                        "fingerprint must equal the head's")
+    p.add_argument("--keyframe-on-mismatch", action="store_true",
+                   help="with --base: when the base is not the origin's head, publish a keyframe instead of failing")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after S seconds (default 600)")
     _budget_options(p)
     p.add_argument("--state-dir", metavar="DIR", help="with --budget: where the served view and what it owes are kept")
@@ -373,7 +487,8 @@ def register(subparsers) -> None:
 
     s = subparsers.add_parser("subscribe", help="keep a safetensors file in sync with a model stream",
                               description="Follow a model stream through relays and keep a safetensors file at its "
-                                          "head (replaced atomically after each verified version).")
+                                          "head (patched in place behind an undo journal after each verified version: always one "
+                                          "published version, even after a kill; see docs/CLIENT.md).")
     s.add_argument("--from", dest="sources", required=True, action="append", metavar="URL",
                    help="relay or origin URL; repeat for fallbacks, nearest first")
     _sources(s)

@@ -21,6 +21,12 @@ restore them, other tools see bytes.
 * :class:`MappedTensorFile`: a file through ``mmap`` (copy-on-write), its tensors views
   of the mapped pages: nothing is read until used, nothing is copied.
 * :func:`read_state_file` / :func:`write_state_file`: whole states on disk (atomic writes).
+* :func:`build_header` / :func:`shard_bytes`: a header laid out here (metadata first, in the caller's
+  order; data start aligned; a fixed length on request, padded with spaces as the spec allows), and
+  shard bytes built with one copy of the data (publishing from mapped files).
+* ``MappedTensorFile(path, writable=True)``: a shared writable map (``MAP_SHARED``): tensors are the
+  file's pages, so patching them patches the file (``flush()`` is ``msync``; ``write_header()``
+  rewrites the header in place).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from .errors import FormatError
 
 __all__ = [
     "DTYPE_META_PREFIX", "MAX_HEADER_BYTES", "MappedTensorFile", "ST_DTYPES", "TensorEntry", "TensorHeader",
-    "load_shard", "parse_header", "read_state_file", "save_shard", "tensors_of",
+    "build_header", "load_shard", "parse_header", "read_state_file", "save_shard", "shard_bytes", "tensors_of",
     "write_state_file",
 ]
 
@@ -89,14 +95,15 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
-def parse_header(buf, *, where: str = "") -> TensorHeader:
+def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHeader:
     """Parse and check the header of a safetensors buffer (bytes, memoryview or mmap), the data
-    layout included: every MUST rule of the spec holds, or FormatError (prefixed by ``where``)."""
-    size = len(buf)
+    layout included: every MUST rule of the spec holds, or FormatError (prefixed by ``where``).
+    ``size``: the whole file's length when ``buf`` holds only its first bytes (the header)."""
+    size = len(buf) if size is None else size
     if size < 8:
         raise FormatError(f"{where}{size} bytes, too short for a safetensors header (truncated?)")
     (n,) = _LEN.unpack_from(buf, 0)
-    if n > MAX_HEADER_BYTES or 8 + n > size:
+    if n > MAX_HEADER_BYTES or 8 + n > size or 8 + n > len(buf):
         raise FormatError(f"{where}header of {n} bytes runs past the end of the {size}-byte data (truncated?)")
     try:
         header = json.loads(bytes(buf[8 : 8 + n]), object_pairs_hook=_no_duplicates)
@@ -197,7 +204,10 @@ def load_shard(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
 class MappedTensorFile:
     """A safetensors file through ``mmap``: ``tensors`` are views of its pages, ``metadata`` its header's.
 
-    The map is copy-on-write (``MAP_PRIVATE``): writing to a tensor never changes the file.
+    By default the map is copy-on-write (``MAP_PRIVATE``): writing to a tensor never changes the file.
+    ``writable=True`` maps it shared (``MAP_SHARED``): writes to the tensors are writes to the file
+    (durable after :meth:`flush`), and every tensor must be a view (a misaligned tensor, which a
+    read-only map would copy, raises FormatError).
     ``close()`` (or ``with``) releases the map once nothing uses the tensors; tensors still
     referenced keep it alive. Opening checks the whole header against the file's size, so a
     truncated or garbled file raises FormatError before any tensor is read. Replace such files
@@ -205,24 +215,51 @@ class MappedTensorFile:
     makes reads of the lost pages fault.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, writable: bool = False) -> None:
         self.path = Path(path)
-        fd = os.open(self.path, os.O_RDONLY)  # OSError (FileNotFoundError, ...) as is
+        self.writable = writable
+        fd = os.open(self.path, os.O_RDWR if writable else os.O_RDONLY)  # OSError (FileNotFoundError, ...) as is
         try:
             size = os.fstat(fd).st_size
             if size < 8:
                 raise FormatError(f"{self.path}: {size} bytes, too short for a safetensors header (truncated?)")
-            self._mm: mmap.mmap | None = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            self._mm: mmap.mmap | None = mmap.mmap(fd, 0, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)
         finally:
             os.close(fd)
         self.size = size
         try:
             self.header = parse_header(self._mm, where=f"{self.path}: ")
+            if writable:
+                for e in self.header.entries:
+                    if e.stop > e.start and e.start % dtype_info(e.dtype).element_size:
+                        raise FormatError(f"{self.path}: {e.name} starts at byte {e.start}, not aligned to its "
+                                          f"{e.dtype} elements; it cannot be patched in place (rewrite the file)")
             self.tensors: dict[str, torch.Tensor] = tensors_of(torch.frombuffer(self._mm, dtype=torch.uint8), self.header)
         except BaseException:
             self.close()
             raise
         self.metadata: dict[str, str] = self.header.metadata
+
+    def flush(self) -> None:
+        """``msync`` the map: every write to the tensors (and the header) is on disk when this returns."""
+        if self._mm is not None and self.writable:
+            self._mm.flush()
+
+    def write_header(self, header: bytes) -> None:
+        """Writable maps: replace the header in place by ``header`` of exactly the same length (the
+        8-byte length included, see :func:`build_header`'s ``length``), then ``msync``; the new header
+        must describe the same data (checked: same entries)."""
+        if self._mm is None or not self.writable:
+            raise FormatError(f"{self.path}: not mapped writable")
+        if len(header) != self.header.data_start:
+            raise FormatError(f"{self.path}: new header is {len(header)} bytes, the file's is {self.header.data_start}")
+        check = parse_header(header, where=f"{self.path} (new header): ", size=self.size)
+        if check.entries != self.header.entries:
+            raise FormatError(f"{self.path}: the new header describes other tensors than the file holds")
+        self._mm[: len(header)] = header
+        self._mm.flush()
+        self.header = check
+        self.metadata = check.metadata
 
     def close(self) -> None:
         self.tensors = {}
@@ -252,3 +289,66 @@ def write_state_file(path: str | os.PathLike, state: Mapping[str, torch.Tensor],
     data = save_shard(state, metadata)
     write_atomic(path, data)
     return len(data)
+
+
+# -- headers laid out here -------------------------------------------------------------------------
+
+def _entry_of(name: str, dtype: str, shape: tuple[int, ...], meta: dict[str, str]) -> tuple[str, list[int], int]:
+    """(tag, stored shape, bytes) of a tensor as stored here; exotic dtypes become tagged ``U8``."""
+    info = dtype_info(dtype)
+    numel = 1
+    for s in shape:
+        numel *= s
+    if info.name in _NATIVE:
+        tag = next(t for t, n in ST_DTYPES.items() if n == info.name)
+        return tag, list(shape), numel * info.element_size
+    meta[DTYPE_META_PREFIX + name] = info.name
+    return "U8", [*shape, info.element_size], numel * info.element_size
+
+
+def build_header(layout: Mapping[str, tuple[str, tuple[int, ...]]], metadata: Mapping[str, str] | None = None, *,
+                 align: int = 8, length: int | None = None, reserve: int = 0) -> tuple[bytes, dict[str, int]]:
+    """A safetensors header for ``layout`` (name -> (dtype name, shape)) and the data offset of each
+    tensor (from the start of the file). Returns ``(header, offsets)``; ``header`` includes the 8-byte
+    length, and ``len(header)`` is where the data starts.
+
+    The JSON starts with ``__metadata__``, its keys in the caller's order (so a caller can keep the
+    bytes that change between versions at the very start of the file). Tensors are laid out by
+    element size, largest first, so each starts aligned to its elements when the data start is a
+    multiple of ``align`` (the header is padded with spaces, which the spec allows). ``length``: pad
+    to exactly this many bytes (FormatError if the header does not fit); else the smallest aligned
+    length with at least ``reserve`` spare bytes (room to rewrite the header in place later)."""
+    meta = dict(metadata or {})
+    order = sorted(layout, key=lambda n: (-dtype_info(layout[n][0]).element_size, n))
+    entries: dict[str, dict] = {}
+    at = 0
+    for name in order:
+        dtype, shape = layout[name]
+        tag, stored, nbytes = _entry_of(name, dtype, tuple(shape), meta)
+        entries[name] = {"dtype": tag, "shape": stored, "data_offsets": [at, at + nbytes]}
+        at += nbytes
+    body = json.dumps({"__metadata__": meta, **entries} if meta else entries, separators=(",", ":")).encode()
+    if length is None:
+        length = -(-(8 + len(body) + reserve) // align) * align
+    if 8 + len(body) > length:
+        raise FormatError(f"a header of {8 + len(body)} bytes does not fit the {length} reserved for it")
+    header = _LEN.pack(length - 8) + body + b" " * (length - 8 - len(body))
+    return header, {name: length + e["data_offsets"][0] for name, e in entries.items()}
+
+
+def shard_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytearray:
+    """Safetensors bytes of ``tensors`` (CPU, e.g. views of a mapped file), built with one copy of the data
+    (no intermediate buffers): what :func:`save_shard` returns, laid out by :func:`build_header`."""
+    layout = {n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in tensors.items()}
+    header, offsets = build_header(layout, metadata)
+    total = len(header) + sum(t.numel() * t.element_size() for t in tensors.values())
+    out = bytearray(total)
+    out[: len(header)] = header
+    whole = torch.frombuffer(out, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+    with torch.no_grad():
+        for name, t in tensors.items():
+            n = t.numel() * t.element_size()
+            if n:
+                src = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                whole[offsets[name] : offsets[name] + n].copy_(src)
+    return out

@@ -1,0 +1,146 @@
+"""One version published from files (``deltasync publish``), in memory O(changed).
+
+The two files are memory maps (:class:`~deltasync.tensorfile.MappedTensorFile`): what is read
+is page cache, not anonymous memory, and nothing is copied whole.
+
+* :func:`publish_delta`: the state diffed tensor by tensor, chunk by chunk against a local base
+  that holds the origin's head (the caller checks that with :func:`check_base_file`), never
+  touching either file (``diff_states(update_old=False)``); only the sparse changes and the
+  encoded blobs live in memory.
+* :func:`publish_keyframe`: the state streamed as safetensors shards of at most
+  ``shard_bytes`` (a tensor larger than that gets its own shard): each shard is built with one
+  copy of its tensors (:func:`~deltasync.tensorfile.shard_bytes`), hashed, uploaded and dropped
+  before the next but one is built.
+
+The manifest goes last, signed by the caller's signer, as ``Publisher`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from deltasync.blob import blob_id
+from deltasync.codec import EncodeOptions, diff_states, encode_diff, state_layout
+from deltasync.dtypes import dtype_info
+from deltasync.errors import BaseMismatchError
+from deltasync.fingerprint import fingerprint_state, fp_hex, state_fingerprint, state_fingerprint_of, tensor_fingerprint
+from deltasync.manifest import BlobRef, ChunkRef, Manifest, TensorRecord
+from deltasync.signing import Signer
+from deltasync.tensorfile import shard_bytes
+
+from .http import HttpClient
+from .upload import commit_manifest, upload_blobs
+
+__all__ = ["FILE_SHARD_BYTES", "Published", "check_base_file", "publish_delta", "publish_keyframe"]
+
+FILE_SHARD_BYTES = 64 << 20  # keyframe shards from files: peak memory is about two of them
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Published:
+    manifest: Manifest  # as committed (signed)
+    blob_bytes: int
+    raw_bytes: int
+    changed: int
+
+
+def _raw(state: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def check_base_file(base: Mapping[str, torch.Tensor], head: Manifest, *, where: str) -> dict[str, int]:
+    """The base's fingerprints when it is exactly ``head``'s state; BaseMismatchError naming both
+    state fingerprints otherwise (one full read of the base, on the page cache)."""
+    fps = fingerprint_state(base)
+    have = state_fingerprint_of(base, fps)
+    if have != head.state_fp:
+        raise BaseMismatchError(
+            f"{where} has state fingerprint {have}, the origin's head {head.model} v{head.version} has "
+            f"{head.state_fp}: it is not the state the head was published from")
+    return fps
+
+
+async def publish_delta(client: HttpClient, *, model: str, version: int, parent: int,
+                        base: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], base_fps: Mapping[str, int],
+                        signer: Signer | None, options: EncodeOptions | None = None,
+                        meta: Mapping[str, str] | None = None, concurrency: int = 4) -> Published:
+    """Diff ``state`` against ``base`` (v``parent``, fingerprints ``base_fps``) and publish it as v``version``."""
+    if state_layout(base) != state_layout(state):
+        raise BaseMismatchError("the state's tensors differ from the base's (names, dtypes or shapes): publish a keyframe")
+    options = options or EncodeOptions()
+    loop = asyncio.get_running_loop()
+    diff = await loop.run_in_executor(None, lambda: diff_states(base, state, base_fps=base_fps,
+                                                                chunk_words=options.chunk_words, update_old=False))
+    enc = await loop.run_in_executor(None, lambda: encode_diff(diff, model=model, version=version, parent=parent,
+                                                               options=options, meta=dict(meta or {})))
+    del diff
+    await upload_blobs(client, enc.blobs, concurrency=concurrency)
+    signed = await commit_manifest(client, enc.manifest, key=signer)
+    return Published(manifest=signed, blob_bytes=enc.manifest.total_bytes, raw_bytes=_raw(state),
+                     changed=enc.manifest.changed_words)
+
+
+def _groups(state: Mapping[str, torch.Tensor], shard_bytes_: int) -> list[list[str]]:
+    shards: list[list[str]] = []
+    size = 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if not shards or (size + nbytes > shard_bytes_ and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+async def publish_keyframe(client: HttpClient, *, model: str, version: int, state: Mapping[str, torch.Tensor],
+                           signer: Signer | None, fps: Mapping[str, int] | None = None,
+                           shard_bytes_: int = FILE_SHARD_BYTES, meta: Mapping[str, str] | None = None,
+                           commit: bool = True) -> Published:
+    """Publish ``state`` as keyframe v``version`` of ``model``, one shard in memory at a time (plus the
+    one uploading). ``commit=False``: upload the blobs only (the caller commits ``manifest``, unsigned)."""
+    loop = asyncio.get_running_loop()
+    fps = dict(fps) if fps is not None else {}
+    where: dict[str, str] = {}
+    refs: list[BlobRef] = []
+
+    def build(group: list[str]) -> tuple[str, bytearray]:
+        for n in group:
+            if n not in fps:
+                fps[n] = tensor_fingerprint(state[n])
+        data = shard_bytes({n: state[n] for n in group})
+        return blob_id(data), data
+
+    uploading: asyncio.Task | None = None
+    try:
+        for group in _groups(state, shard_bytes_):
+            bid, data = await loop.run_in_executor(None, build, group)  # overlaps the previous shard's upload
+            if uploading is not None:
+                await uploading
+            uploading = asyncio.ensure_future(client.put_blob(bid, data))
+            refs.append(BlobRef(id=bid, size=len(data)))
+            for n in group:
+                where[n] = bid
+            del data
+        if uploading is not None:
+            await uploading
+    finally:
+        if uploading is not None and not uploading.done():
+            uploading.cancel()
+    names = sorted(state)
+    tensors = tuple(
+        TensorRecord(name=n, dtype=dtype_info(state[n].dtype).name, shape=tuple(state[n].shape), fp_before=None,
+                     fp_after=fp_hex(fps[n]), changed=state[n].numel() * dtype_info(state[n].dtype).words_per_element,
+                     chunks=(ChunkRef(blob=where[n], key=n),))
+        for n in names)
+    manifest = Manifest(model=model, version=version, parent=None, kind="keyframe", tensors=tensors, blobs=tuple(refs),
+                        state_fp=state_fingerprint((t.name, t.dtype, t.shape, fps[t.name]) for t in tensors),
+                        meta=dict(meta or {}))
+    if commit:
+        manifest = await commit_manifest(client, manifest, key=signer)
+    return Published(manifest=manifest, blob_bytes=manifest.total_bytes, raw_bytes=_raw(state),
+                     changed=manifest.changed_words)

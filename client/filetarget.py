@@ -1,0 +1,512 @@
+"""A safetensors file as a subscriber's target, patched in place and crash-safe (``subscribe --out F``).
+
+:class:`FileTarget` is an :class:`~deltasync.client.appliers.Applier` whose tensors are a shared
+writable memory map of ``F``'s data (``MappedTensorFile(writable=True)``): a delta is applied by
+the core's ``stage_prepared`` straight into the file's pages, so a version costs what its changed
+words cost, not a rewrite of the file. The scheme (docs/CLIENT.md, "The --out file"):
+
+* **Layout.** ``F`` is a plain safetensors file laid out by :func:`deltasync.tensorfile.build_header`:
+  its ``__metadata__`` comes first and begins with ``deltasync.version``, ``deltasync.state_fp``
+  and a space pad sized so that everything after it stays put whatever the version's digits;
+  the header is padded to a multiple of 4096 bytes with room to spare, and tensors are ordered
+  by element size so every tensor is aligned in the map. Rewriting the version therefore
+  changes bytes of the file's first 512-byte sector only, in place.
+* **A delta**: (1) the undo journal ``F.journal`` is written and fsynced: the old bytes of every
+  region about to change (word positions + old words, whole ranges for dense chunks) and the
+  old header, closed by an xxh3-128 digest of all of it; (2) the words are patched in the map
+  and verified (the core's incremental fingerprints, then the signed state fingerprint); (3) the
+  map is ``msync``-ed; (4) the header is rewritten in place with the new version and ``msync``-ed;
+  (5) the journal is removed and the directory fsynced: that removal is the commit point.
+* **Recovery** (:func:`recover`, run before anything else opens ``F``): a journal whose digest
+  checks is rolled back (old bytes written back, header included, fsync, journal removed): ``F``
+  is exactly the old version again. A journal that does not check was cut while being written,
+  before ``F`` was touched: it is removed. So a kill at any instant leaves ``F`` one published
+  version, never a mix, even if the header write itself were torn (it is journaled too).
+* **A keyframe** (the first version, a resync, a layout change) is written into a new file beside
+  ``F`` (preallocated, filled through its map tensor by tensor, fingerprints checked, fsynced)
+  and renamed over ``F``: again old or new, never a mix; ``F`` is never held twice in memory.
+
+``before_write(version)`` (optional) runs when a verified, decoded version is about to be written
+(nothing of it is in the file yet); ``before_commit(version)`` once it is written into the map
+(deltas) or the new file (keyframes) and before it becomes final. Programs that embed
+``subscribe`` (and the crash tests) use them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+from deltasync.apply import PreparedDelta, check_base, stage_prepared
+from deltasync.atomic import fsync_dir
+from deltasync.dtypes import dtype_info, word_view
+from deltasync.errors import BaseMismatchError, FormatError, IntegrityError, StorageError
+from deltasync.fingerprint import fp_hex, state_fingerprint, tensor_fingerprint
+from deltasync.keyframe import copy_state
+from deltasync.tensorfile import MappedTensorFile, build_header, load_shard
+
+from .appliers import TensorApplier
+
+log = logging.getLogger("deltasync.client.filetarget")
+
+__all__ = ["META_MODEL", "META_STATE_FP", "META_VERSION", "FileTarget", "KeyframeWriter", "journal_path", "recover"]
+
+META_VERSION = "deltasync.version"
+META_STATE_FP = "deltasync.state_fp"
+META_PAD = "deltasync.pad"
+META_MODEL = "deltasync.model"
+ALIGN = 4096  # data start: a page, so every tensor of the map is aligned
+RESERVE = 256  # spare header bytes beyond the pad (other metadata may grow by this much)
+PAD_WIDTH = 96  # len(version) + len(state_fp) + len(pad) == PAD_WIDTH
+MAGIC = b"deltasync-jrnl01"
+_U64 = struct.Struct("<Q")
+
+Layout = dict[str, tuple[str, tuple[int, ...]]]
+
+
+def journal_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".journal")
+
+
+def _meta(model: str, version: int, state_fp: str) -> dict[str, str]:
+    pad = PAD_WIDTH - len(str(version)) - len(state_fp)
+    if pad < 0:
+        raise FormatError(f"version {version} / state fingerprint {state_fp!r} too long for the file header")
+    # order matters: the bytes that change per version come first (see the module docstring)
+    return {META_VERSION: str(version), META_STATE_FP: state_fp, META_PAD: " " * pad, META_MODEL: model}
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- the journal -----------------------------------------------------------------------------------
+
+def _write_journal(path: Path, info: dict, regions: list[dict], payload: list[bytes | memoryview]) -> None:
+    head = json.dumps({**info, "regions": regions}, separators=(",", ":")).encode()
+    h = xxhash.xxh3_128()
+    try:
+        with open(path, "wb") as f:
+            for part in (MAGIC, _U64.pack(len(head)), head, *payload):
+                f.write(part)
+                h.update(part)
+            f.write(h.digest())
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(path.parent)
+    except OSError as e:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        raise StorageError(f"cannot write the undo journal {path} ({e.strerror or e}); the file is untouched") from e
+
+
+def _read_journal(path: Path) -> tuple[dict, memoryview] | None:
+    """(header, payload) of a complete journal; None when it was cut while being written."""
+    data = path.read_bytes()
+    if len(data) < len(MAGIC) + 8 + 16 or not data.startswith(MAGIC):
+        return None
+    if xxhash.xxh3_128_digest(data[:-16]) != data[-16:]:
+        return None
+    (n,) = _U64.unpack_from(data, len(MAGIC))
+    at = len(MAGIC) + 8
+    try:
+        info = json.loads(data[at : at + n])
+    except ValueError:
+        return None
+    return info, memoryview(data)[at + n : -16]
+
+
+def recover(path: str | os.PathLike) -> dict | None:
+    """Roll ``path`` back to the version it held before an unfinished apply, if a journal says so.
+
+    Returns the journal's header (``{"from": v, "to": v, ...}``) when a rollback happened, else None
+    (no journal, or one cut before the file was touched: removed). Run it before opening the file."""
+    path = Path(path)
+    jpath = journal_path(path)
+    if not jpath.exists():
+        return None
+    got = _read_journal(jpath)
+    if got is None:
+        log.warning("%s: incomplete undo journal (cut while being written, before %s changed); removed", jpath, path)
+        jpath.unlink()
+        fsync_dir(jpath.parent)
+        return None
+    info, payload = got
+    size = os.stat(path).st_size
+    if size != info["size"]:
+        raise StorageError(f"{path}: {size} bytes, its undo journal {jpath} was written for {info['size']}; "
+                           f"the file was replaced behind the journal's back: remove both and resync")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_WRITE)
+        try:
+            for r, at in reversed(_layout_payload(info["regions"])):
+                if r["kind"] == "bytes":
+                    mm[r["offset"] : r["offset"] + r["length"]] = payload[at : at + r["length"]]
+                else:
+                    w, n = r["word"], r["count"]
+                    pos = np.frombuffer(payload, dtype="<i8", count=n, offset=at)
+                    old = np.frombuffer(payload, dtype=f"<u{w}", count=n, offset=at + 8 * n)
+                    words = np.frombuffer(mm, dtype=f"<u{w}", count=r["words"], offset=r["offset"])
+                    words[pos] = old
+                    del words
+            mm.flush()
+        finally:
+            mm.close()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    jpath.unlink()
+    fsync_dir(jpath.parent)
+    log.warning("%s: rolled back the unfinished v%s to v%s (undo journal)", path, info.get("to"), info.get("from"))
+    return info
+
+
+def _layout_payload(regions: list[dict]) -> list[tuple[dict, int]]:
+    """Each region with the offset of its bytes in the payload (regions are stored in order)."""
+    out = []
+    at = 0
+    for r in regions:
+        out.append((r, at))
+        at += r["length"] if r["kind"] == "bytes" else r["count"] * (8 + r["word"])
+    return out
+
+
+# -- the target ------------------------------------------------------------------------------------
+
+class _JournaledPatch:
+    """A delta written into the file's map, its undo journal on disk (see the module docstring)."""
+
+    __slots__ = ("fps", "_target", "_inner", "_version", "_state_fp")
+
+    def __init__(self, target: FileTarget, inner, version: int, state_fp: str) -> None:
+        self.fps = inner.fps
+        self._target = target
+        self._inner = inner
+        self._version = version
+        self._state_fp = state_fp
+
+    def commit(self) -> None:
+        t = self._target
+        if t.before_commit is not None:
+            t.before_commit(self._version)
+        try:
+            t.file.flush()
+            header, _ = build_header(t.layout(), _meta(t.model, self._version, self._state_fp),
+                                     length=t.file.header.data_start)
+            t.file.write_header(header)
+        except (OSError, ValueError, FormatError) as e:
+            self._inner.rollback()
+            t.file.flush()
+            recover(t.path)  # the header too, if it was written
+            raise StorageError(f"{t.path}: committing v{self._version} failed ({e}); rolled back") from e
+        self._inner.commit()
+        t.end_journal()
+
+    def rollback(self) -> None:
+        self._inner.rollback()
+        self._target.file.flush()
+        self._target.end_journal()
+
+
+class _NewFile:
+    """A keyframe written into a new file beside the target's; ``commit()`` renames it into place."""
+
+    __slots__ = ("fps", "_target", "_tmp", "_file", "_version")
+
+    def __init__(self, target: FileTarget, tmp: Path, file: MappedTensorFile, fps: dict[str, int], version: int) -> None:
+        self.fps = fps
+        self._target, self._tmp, self._file, self._version = target, tmp, file, version
+
+    def commit(self) -> None:
+        t = self._target
+        if t.before_commit is not None:
+            t.before_commit(self._version)
+        try:
+            self._file.flush()
+            _fsync_path(self._tmp)
+            os.replace(self._tmp, t.path)
+            fsync_dir(t.path.parent)
+        except OSError as e:
+            self.rollback()
+            raise StorageError(f"{t.path}: writing keyframe v{self._version} failed ({e.strerror or e}); "
+                               "the previous file is untouched") from e
+        t.swap(self._file)
+
+    def rollback(self) -> None:
+        self._file.close()
+        try:
+            self._tmp.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class KeyframeWriter:
+    """A keyframe streamed into a new file beside the target's, one shard at a time (the first version
+    of ``subscribe --out``): ``add_shard(bytes)`` per blob, in any order, each tensor's fingerprint
+    checked against the manifest as it lands; ``commit()`` checks the state fingerprint, fsyncs and
+    renames the file into place; ``abort()`` removes it. Memory: one shard (plus its parsed copy)."""
+
+    def __init__(self, target: FileTarget, manifest, *, version: int | None = None) -> None:
+        if manifest.kind != "keyframe":
+            raise FormatError(f"v{manifest.version} is a {manifest.kind}, not a keyframe")
+        self.target = target
+        self.manifest = manifest
+        self.version = manifest.version if version is None else version
+        self._records = {r.name: r for r in manifest.tensors}
+        layout = {r.name: (r.dtype, tuple(r.shape)) for r in manifest.tensors}
+        if target._layout is not None and layout != target._layout:
+            raise BaseMismatchError(f"keyframe v{manifest.version}'s tensors are not those of {target.path}")
+        if target.before_write is not None:
+            target.before_write(self.version)
+        self._tmp, self._file = target._new_file(layout, self.version, manifest.state_fp)
+        self.fps: dict[str, int] = {}
+
+    def add_shard(self, data) -> None:
+        shard = load_shard(data)
+        with torch.no_grad():
+            for name, t in shard.items():
+                rec = self._records.get(name)
+                if rec is None or dtype_info(t.dtype).name != rec.dtype or tuple(t.shape) != tuple(rec.shape):
+                    raise FormatError(f"keyframe v{self.manifest.version}: shard tensor {name} {t.dtype} "
+                                      f"{tuple(t.shape)} is not in the manifest as such")
+                dst = self._file.tensors[name]
+                dst.copy_(t)
+                fp = tensor_fingerprint(dst)  # read back from the map: what landed
+                if fp_hex(fp) != rec.fp_after:
+                    raise IntegrityError(f"{name}: fingerprint {fp_hex(fp)} in {self._tmp}, keyframe v"
+                                         f"{self.manifest.version} says {rec.fp_after}")
+                self.fps[name] = fp
+
+    def commit(self) -> None:
+        missing = sorted(set(self._records) - set(self.fps))
+        if missing:
+            raise IntegrityError(f"keyframe v{self.manifest.version}: no shard held {missing[:3]}")
+        sfp = state_fingerprint((n, r.dtype, tuple(r.shape), self.fps[n]) for n, r in self._records.items())
+        if sfp != self.manifest.state_fp:
+            raise IntegrityError(f"keyframe v{self.manifest.version}: state fingerprint {sfp}, the manifest says "
+                                 f"{self.manifest.state_fp}")
+        _NewFile(self.target, self._tmp, self._file, dict(self.fps), self.version).commit()
+
+    def abort(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+
+class FileTarget(TensorApplier):
+    """The Applier over a safetensors file (see the module docstring): a ``TensorApplier`` whose
+    tensors are the file's map (so ``LiveState`` hands it a keyframe's version, for the header).
+
+    ``FileTarget(path, model, layout=...)``: ``path`` need not exist yet (its first version is a
+    keyframe; ``layout`` is the stream's, from its head manifest). An existing file is opened
+    writable; one not laid out for in-place writes (written by another tool) is rewritten once.
+    ``open_existing=False``: ignore what is at ``path`` (it holds no usable version; the first keyframe
+    replaces it). Call :func:`recover` first. ``version``: what the file's header claims (None: not ours).
+    """
+
+    def __init__(self, path: str | os.PathLike, model: str, *, layout: Layout | None = None,
+                 before_commit: Callable[[int], None] | None = None,
+                 before_write: Callable[[int], None] | None = None, open_existing: bool = True) -> None:
+        # TensorApplier.__init__ is not called: the tensors are the map's, see tensors()
+        self.path = Path(path)
+        self.model = model
+        self.before_commit = before_commit
+        self.before_write = before_write
+        self.file: MappedTensorFile | None = None
+        self.version: int | None = None
+        self._layout = dict(layout) if layout is not None else None
+        if open_existing and self.path.exists():
+            self._open_existing()
+        elif self._layout is None:
+            raise FormatError(f"{self.path} does not exist and no layout was given to create it")
+
+    # -- opening ---------------------------------------------------------------------------------
+    def _open_existing(self) -> None:
+        try:
+            f = MappedTensorFile(self.path, writable=True)
+        except FormatError as e:
+            if "cannot be patched in place" not in str(e):
+                raise
+            f = None
+        if f is not None and self._ours(f):
+            self._adopt_file(f)
+            return
+        if f is not None:
+            f.close()
+        # another layout (another tool's file, an older subscribe's): rewritten once, renamed into place
+        with MappedTensorFile(self.path) as src:
+            meta = src.metadata
+            layout = {n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in src.tensors.items()}
+            version, sfp = meta.get(META_VERSION) or "", meta.get(META_STATE_FP) or ""
+            if meta.get(META_MODEL) != self.model or not version.isdigit() or len(version) + len(sfp) > PAD_WIDTH:
+                if self._layout is None:  # not a version of this stream: its tensors are a layout only
+                    self._layout = layout
+                return
+            tmp, new = self._new_file(layout, int(version), sfp)
+            try:
+                with torch.no_grad():
+                    for n, t in src.tensors.items():
+                        new.tensors[n].copy_(t)
+                new.flush()
+                _fsync_path(tmp)
+            except BaseException:
+                new.close()
+                tmp.unlink(missing_ok=True)
+                raise
+        os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)
+        log.info("%s: rewritten once in the in-place layout", self.path)
+        self._adopt_file(new)
+
+    def _ours(self, f: MappedTensorFile) -> bool:
+        meta = f.metadata
+        return (meta.get(META_MODEL) == self.model and (meta.get(META_VERSION) or "").isdigit()
+                and META_PAD in meta and f.header.data_start % ALIGN == 0)
+
+    def _adopt_file(self, f: MappedTensorFile) -> None:
+        self.file = f
+        self._layout = {n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in f.tensors.items()}
+        self.version = int(f.metadata[META_VERSION])
+
+    def _new_file(self, layout: Layout, version: int, state_fp: str) -> tuple[Path, MappedTensorFile]:
+        """A preallocated file beside ``path`` (a temp name ``remove_temp_files`` knows), mapped writable."""
+        header, offsets = build_header(layout, _meta(self.model, version, state_fp), align=ALIGN, reserve=RESERVE)
+        size = len(header) + sum(dtype_info(d).element_size * _numel(s) for d, s in layout.values())
+        fd, name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        tmp = Path(name)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except (AttributeError, OSError):
+                os.ftruncate(fd, size)
+            os.pwrite(fd, header, 0)
+        except OSError as e:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise StorageError(f"cannot create {tmp} ({size:,} bytes) beside {self.path}: {e.strerror or e}") from e
+        os.close(fd)
+        return tmp, MappedTensorFile(tmp, writable=True)
+
+    def swap(self, f: MappedTensorFile) -> None:
+        """The file renamed into place becomes the target's map."""
+        old, self.file = self.file, f
+        self.version = int(f.metadata[META_VERSION])
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    # -- the Applier protocol ------------------------------------------------------------------------
+    @property
+    def target(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return self.tensors()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {} if self.file is None else self.file.tensors
+
+    def layout(self) -> Layout:
+        assert self._layout is not None
+        return dict(self._layout)
+
+    def scan(self) -> dict[str, int]:
+        return {n: tensor_fingerprint(t) for n, t in self.tensors().items()}
+
+    def needed_blobs(self, manifest) -> set[str] | None:
+        return None
+
+    def stage_delta(self, prepared: PreparedDelta, fps: Mapping[str, int], *, verify: str) -> _JournaledPatch:
+        if self.file is None:
+            raise BaseMismatchError(f"{self.path} holds no version yet; a delta cannot be its first")
+        m = prepared.manifest
+        tensors = self.file.tensors
+        check_base(m, tensors, fps)  # before any I/O
+        if self.before_write is not None:
+            self.before_write(m.version)
+        regions: list[dict] = []
+        payload: list[bytes | memoryview] = []
+        starts = {e.name: e.start for e in self.file.header.entries}
+        for name, chunks in prepared.patches.items():
+            t = tensors[name]
+            w = dtype_info(t.dtype).word_size
+            words = word_view(t).numpy()
+            for c in chunks:
+                if c.dense is not None:
+                    regions.append({"kind": "bytes", "offset": starts[name] + c.start * w, "length": (c.stop - c.start) * w})
+                    payload.append(words[c.start : c.stop].tobytes())
+                else:
+                    pos = np.ascontiguousarray(c.changes.positions, dtype="<i8")
+                    regions.append({"kind": "words", "offset": starts[name], "words": words.size, "word": w,
+                                    "count": int(pos.size)})
+                    payload.append(pos.tobytes())
+                    payload.append(words[pos].tobytes())
+        hdr = self.file.header.data_start
+        with open(self.path, "rb") as f:
+            regions.append({"kind": "bytes", "offset": 0, "length": hdr})
+            payload.append(f.read(hdr))
+        _write_journal(journal_path(self.path), {"from": self.version, "to": m.version, "size": self.file.size},
+                       regions, payload)
+        try:
+            inner = stage_prepared(tensors, prepared, fps, verify=verify)
+        except BaseException:
+            self.file.flush()  # the core restored every word; make that durable before dropping the journal
+            self.end_journal()
+            raise
+        return _JournaledPatch(self, inner, m.version, m.state_fp)
+
+    def stage_keyframe(self, state: Mapping[str, torch.Tensor], fps: Mapping[str, int], *,
+                       version: int | None = None) -> _NewFile:
+        have = {n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in state.items()}
+        if self._layout is not None and have != self._layout:
+            raise BaseMismatchError(
+                f"keyframe v{version} has tensors {sorted(set(have) - set(self._layout))[:5]} {self.path} lacks and "
+                f"lacks {sorted(set(self._layout) - set(have))[:5]} (or other shapes); is the file the same model?")
+        v = -1 if version is None else version
+        if self.before_write is not None:
+            self.before_write(max(v, 0))
+        sfp = state_fingerprint((n, d, s, fps[n]) for n, (d, s) in have.items())
+        tmp, new = self._new_file(have, max(v, 0), sfp)
+        try:
+            got = copy_state(new.tensors, dict(state), dict(fps), version="?" if version is None else version)
+        except BaseException:
+            new.close()
+            tmp.unlink(missing_ok=True)
+            raise
+        return _NewFile(self, tmp, new, got, max(v, 0))
+
+    def end_journal(self) -> None:
+        """Remove the journal (the commit point, or the end of a rollback) and make that durable."""
+        try:
+            journal_path(self.path).unlink()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise StorageError(f"cannot remove the undo journal beside {self.path}: {e.strerror or e}") from e
+        fsync_dir(self.path.parent)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
