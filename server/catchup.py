@@ -16,6 +16,7 @@ the key serves it unsigned (see docs/PROTOCOL.md).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import time
 
@@ -116,10 +117,13 @@ class CatchupBuilder:
         chain = await self.chain(model, start, end)
         if len(chain) == 1:
             return await self.catalog.manifest_bytes(model, end)
+        # The first squash imports the codec (numpy, torch: seconds): in a worker thread, never on the
+        # loop, which would stall every transfer, event and prefetch of this server meanwhile.
         try:
-            from deltasync.squash import SquashBudget, squash_chain
+            squash = await asyncio.to_thread(importlib.import_module, "deltasync.squash")
         except ImportError:
             raise UnavailableError("this build has no deltasync.squash; fetch the chain instead") from None
+        SquashBudget, squash_chain = squash.SquashBudget, squash.squash_chain
         ids = sorted({b.id for m in chain for b in m.blobs})
         self.store.lease(ids)
         try:
