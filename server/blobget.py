@@ -68,6 +68,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._on_body: Callable[[memoryview], None] | None = None
         self._error: BaseException | None = None
         self._paused = False
+        self._overflow = False
         self.reusable = False
 
     # -- protocol callbacks ------------------------------------------------------------------
@@ -75,13 +76,17 @@ class _Conn(asyncio.BufferedProtocol):
         self.transport = transport
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._fill >= len(self._buf):  # a head longer than the buffer: refused in buffer_updated
-            return self._view[:1]
+        if self._fill >= len(self._buf):  # cannot happen (reading pauses first); never overwrite held bytes
+            self._overflow = True
+            return memoryview(bytearray(1))
         return self._view[self._fill:]
 
     def buffer_updated(self, n: int) -> None:
         self.last_activity = self._loop.time()
         self.received += n
+        if self._overflow:
+            self._abort(UpstreamError("receive buffer overflow"))
+            return
         self._fill += n
         try:
             if self._head is not None and not self._head.done():

@@ -3,8 +3,8 @@
 The chain is found by walking parent links back from B to A (manifests pulled
 through from parents on a relay), every blob of it is made complete on disk
 (fetched on a relay) and leased so eviction cannot take it mid-build, and
-``deltasync.squash.squash_chain`` runs in a worker process (started at the first squash,
-so the server itself never loads numpy or torch; one build at a time;
+``deltasync.squash.squash_chain`` runs in a worker process (started at the first squash:
+the server itself never loads numpy or torch; one build at a time;
 concurrent requests for the same A→B share one build), bounded by a
 :class:`~deltasync.squash.SquashBudget` (words, bytes, seconds): a chain over it is a
 413 and a chain whose blobs disagree with their manifests a 422, answered at once, so one
@@ -50,9 +50,9 @@ class CatchupBuilder:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
 
     def _worker(self) -> concurrent.futures.ProcessPoolExecutor:
-        """The squash worker process, started at the first squash. The codec (numpy, torch) is loaded
-        there, never in the server: loading torch holds the GIL for seconds (its shared libraries),
-        which in the server's process froze every transfer, event stream and prefetch meanwhile."""
+        """The squash worker process. The codec (numpy, torch) is loaded there, never in the server:
+        loading torch holds the GIL for seconds (its shared libraries), which in the server's process
+        froze every transfer, event stream and prefetch meanwhile."""
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         return self._pool
