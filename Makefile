@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean venv-vllm test-engines gpu-check
+.PHONY: demo test bench venv clean venv-vllm test-engines gpu-check venv-shardcast
 
 venv: $(STAMP)
 
@@ -51,5 +51,16 @@ $(VLLM_STAMP): pyproject.toml
 test-engines: $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -m engine tests/test_vllm_engine.py tests/test_hf_transformers.py
 
+# shardcast 0.3.2, the peer benchmarks/bench_shardcast.py runs side by side (its own venv; the
+# benchmark builds it too when missing).
+SHARDCAST_VENV := .venv-shardcast
+
+venv-shardcast: $(SHARDCAST_VENV)/.installed
+
+$(SHARDCAST_VENV)/.installed:
+	@test -x $(SHARDCAST_VENV)/bin/python || $(PY) -m venv $(SHARDCAST_VENV)
+	$(SHARDCAST_VENV)/bin/pip install -q shardcast==0.3.2
+	@touch $@
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SHARDCAST_VENV) build *.egg-info

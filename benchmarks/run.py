@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["bench_codec", "bench_relay", "bench_e2e", "bench_engines", "bench_budget"]
+ORDER = ["bench_codec", "bench_relay", "bench_e2e", "bench_engines", "bench_budget", "bench_shardcast"]
 
 
 def machine() -> str:

@@ -138,6 +138,9 @@ class SubView:
     sample: str = ""
     versions_applied: int = 0
     events: list[str] = field(default_factory=list)
+    max_lag: int = 0  # most versions behind the trainer's last committed version, once it holds one
+    first_version_s: float | None = None  # seconds from its start to its first applied version
+    started_at: float = 0.0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -208,6 +211,35 @@ class View:
             wire = sum(s.sub.status.bytes_received for s in subs if s.sub)
             print(f"step {tr.step:3d} loss {tr.loss:6.3f} blocked {tr.blocking_ms:5.1f}ms | {' '.join(parts)} | "
                   f"wire {wire / 1e6:.2f} MB", flush=True)
+
+
+# -- lag: versions behind the trainer -------------------------------------------------------------------------
+
+MAX_LAG = 2  # the bound the demo is held to (issue 10): never more than 2 versions behind
+
+
+def sample_lag(pub: Publisher | None, subs: list[SubView]) -> None:
+    """Record, per subscriber holding a version, how many versions it is behind the last committed one."""
+    results = pub.results if pub is not None else None
+    if not results:
+        return
+    committed = results[-1].version
+    for s in subs:
+        version = s.sub.version if s.sub is not None else None
+        if version is None:
+            continue
+        if s.first_version_s is None:
+            s.first_version_s = time.perf_counter() - s.started_at
+            continue  # its catch-up is reported apart; lag counts from its first version on
+        s.max_lag = max(s.max_lag, committed - version)
+
+
+def lag_line(subs: list[SubView]) -> str:
+    worst = max((s.max_lag for s in subs), default=0)
+    per = ", ".join(f"{s.name} {s.max_lag}" for s in subs)
+    joins = ", ".join(f"{s.name} {s.first_version_s:.1f} s" for s in subs if s.first_version_s is not None)
+    return (f"max lag seen: {worst} version(s) behind the trainer's last commit ({per}; sampled every 50 ms; "
+            f"bound {MAX_LAG}: {'kept' if worst <= MAX_LAG else 'EXCEEDED'}); first version after start: {joins}")
 
 
 # -- the run ---------------------------------------------------------------------------------------------------
@@ -287,6 +319,7 @@ def run(*, steps: int = 40, subscribers: int = 4, late_step: int | None = None, 
                 elif ev.kind != "scrub":
                     s.events.append(f"{ev.kind} v{ev.version}: {ev.detail}")
 
+            s.started_at = time.perf_counter()
             s.sub = ThreadedSubscriber(urls, MODEL, local, key=key, scrub_every=10, on_event=on_event)
             s.sub.start()
 
@@ -316,9 +349,16 @@ def run(*, steps: int = 40, subscribers: int = 4, late_step: int | None = None, 
                     view.render(tr, subs)
                 stop.wait(0.25)
 
+        def watch_lag() -> None:  # how far behind the trainer each subscriber is, every 50 ms
+            while not stop.is_set():
+                sample_lag(pub, subs)
+                stop.wait(0.05)
+
         painter = threading.Thread(target=redraw, name="view", daemon=True)
         if view.tty:
             painter.start()
+        watcher = threading.Thread(target=watch_lag, name="lag", daemon=True)
+        watcher.start()
         g = torch.Generator().manual_seed(seed)
         for step in range(steps):
             t0 = time.perf_counter()
@@ -369,6 +409,8 @@ def run(*, steps: int = 40, subscribers: int = 4, late_step: int | None = None, 
             for s in subs:
                 for e in s.events[-3:]:
                     print(f"  {s.name}: {e}")
+        print(lag_line(subs), flush=True)
+        if not quiet:
             sample = subs[0].sample if subs else ""
             print(f"\nafter {steps} steps a subscriber writes: {sample!r}")
         if bad:

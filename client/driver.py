@@ -42,6 +42,13 @@ __all__ = ["SyncDriver"]
 
 log = logging.getLogger("deltasync.client.driver")
 
+#: How long a squashed catch-up delta is waited for: this plus this per version it spans, at most
+#: ``squash_timeout``. A chain of small deltas is fetched in well under that.
+SQUASH_WAIT_BASE = 0.5
+SQUASH_WAIT_PER_VERSION = 0.1
+#: After a squash was not ready in time, this many seconds of chain walking before asking again.
+SQUASH_PAUSE = 10.0
+
 
 class SyncDriver:
     """Runs one machine for one model stream. Create, ``await start()``, ``await close()``; all on one loop."""
@@ -62,6 +69,7 @@ class SyncDriver:
         self._events: asyncio.Queue | None = None
         self._main: asyncio.Task | None = None
         self._work: asyncio.Task | None = None
+        self._squash_not_before = 0.0  # loop time before which no squash is asked for (one was not ready)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     async def start(self, trusted: int | None) -> None:
@@ -201,9 +209,23 @@ class SyncDriver:
 
     async def _squashed(self, a: sm.FetchSquashed) -> sm.SquashFetched:
         model = self.machine.config.model
+        # A server builds a squash on demand, and its first build loads the codec (seconds). Waiting is
+        # only worth what the chain it saves would cost: a short gap walks the chain soon instead (the
+        # build goes on, for next time). The wait is cancelled, not timed out per server, so no server
+        # is put in a failover cool-down for being slow to squash.
+        budget = min(self.squash_timeout, SQUASH_WAIT_BASE + SQUASH_WAIT_PER_VERSION * (a.end - a.start))
+        now = asyncio.get_running_loop().time()
+        if now < self._squash_not_before:  # the last one was not ready: follow the chain for a while
+            return sm.SquashFetched(ticket=a.ticket, manifest=None, detail="the last squash was not ready in time")
         try:
-            body = await self.client.get_squashed(model, a.start, a.end, timeout=self.squash_timeout)
+            body = await asyncio.wait_for(self.client.get_squashed(model, a.start, a.end, timeout=self.squash_timeout),
+                                          budget)
             m = parse_manifest(body, key=self.key)
+        except asyncio.TimeoutError:
+            log.info("%s: squashed delta v%d→v%d not ready within %.1f s; walking the chain", model, a.start, a.end,
+                     budget)
+            self._squash_not_before = asyncio.get_running_loop().time() + SQUASH_PAUSE
+            return sm.SquashFetched(ticket=a.ticket, manifest=None, detail=f"not ready within {budget:.1f} s")
         except SignatureError as e:
             log.info("%s: squashed delta v%d→v%d is not signed with our key (%s); walking the chain", model, a.start, a.end, e)
             return sm.SquashFetched(ticket=a.ticket, manifest=None, detail=str(e))

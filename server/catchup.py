@@ -3,7 +3,8 @@
 The chain is found by walking parent links back from B to A (manifests pulled
 through from parents on a relay), every blob of it is made complete on disk
 (fetched on a relay) and leased so eviction cannot take it mid-build, and
-``deltasync.squash.squash_chain`` runs in a worker thread (one build at a time;
+``deltasync.squash.squash_chain`` runs in a worker process (started at the first squash:
+the server itself never loads numpy or torch; one build at a time;
 concurrent requests for the same A→B share one build), bounded by a
 :class:`~deltasync.squash.SquashBudget` (words, bytes, seconds): a chain over it is a
 413 and a chain whose blobs disagree with their manifests a 422, answered at once, so one
@@ -16,7 +17,9 @@ the key serves it unsigned (see docs/PROTOCOL.md).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import multiprocessing
 import time
 
 from deltasync.errors import BaseMismatchError, ChainError, FormatError, NotFoundError, UnavailableError
@@ -44,6 +47,20 @@ class CatchupBuilder:
         self.budget = budget  # a deltasync.squash.SquashBudget; None: its defaults
         self._builds: dict[tuple[str, int, int], asyncio.Future[bytes]] = {}
         self._cpu = asyncio.Semaphore(1)
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def _worker(self) -> concurrent.futures.ProcessPoolExecutor:
+        """The squash worker process. The codec (numpy, torch) is loaded there, never in the server:
+        loading torch holds the GIL for seconds (its shared libraries), which in the server's process
+        froze every transfer, event stream and prefetch meanwhile."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     async def delta(self, model: str, start: int, end: int) -> bytes:
         """The manifest (JSON bytes) of one delta taking ``model`` from ``start`` to ``end``."""
@@ -103,23 +120,10 @@ class CatchupBuilder:
                 raise BaseMismatchError(f"{model}: v{m.version} does not start from the state of v{prev.version}")
         return out
 
-    def _blob_reader(self):
-        """A blocking ``read_blob(id)`` for the worker thread that asks the store on this loop, one blob
-        at a time (the store's calls are coroutines: it may be remote)."""
-        loop = asyncio.get_running_loop()
-
-        def read_blob(blob_id: str) -> bytes:
-            return asyncio.run_coroutine_threadsafe(self.store.get_blob(blob_id), loop).result(self.fetch_timeout)
-        return read_blob
-
     async def _build(self, model: str, start: int, end: int) -> bytes:
         chain = await self.chain(model, start, end)
         if len(chain) == 1:
             return await self.catalog.manifest_bytes(model, end)
-        try:
-            from deltasync.squash import SquashBudget, squash_chain
-        except ImportError:
-            raise UnavailableError("this build has no deltasync.squash; fetch the chain instead") from None
         ids = sorted({b.id for m in chain for b in m.blobs})
         self.store.lease(ids)
         try:
@@ -129,15 +133,20 @@ class CatchupBuilder:
                         raise ChainError(f"blob {bid} of the chain is missing from the store")
                     await self.fetcher.ensure(bid, timeout=self.fetch_timeout)
             async with self._cpu:
+                blobs = {bid: await self.store.get_blob(bid) for bid in ids}
                 t0 = time.monotonic()
-                encoded = await asyncio.to_thread(squash_chain, chain, self._blob_reader(),
-                                                  budget=self.budget or SquashBudget())
+                budget = self.budget
+                limits = None if budget is None else (budget.chain_bytes, budget.words, budget.output_bytes,
+                                                      budget.seconds)
+                manifest_json, out_blobs = await asyncio.get_running_loop().run_in_executor(
+                    self._worker(), squash_in_worker, [m.to_json() for m in chain], blobs, limits)
+                del blobs
                 took = time.monotonic() - t0
         finally:
             self.store.unlease(ids)
-        for bid, data in encoded.blobs.items():
+        for bid, data in out_blobs.items():
             await self.store.put_blob_bytes(bid, data)
-        m = encoded.manifest
+        m = parse_manifest(manifest_json)
         if self.key is not None:
             m = m.sign(self.key)
         data = m.to_json()
@@ -146,3 +155,17 @@ class CatchupBuilder:
         log.info("squashed %s v%d→v%d (%d deltas, %d bytes → %d bytes) in %.2f s", model, start, end, len(chain),
                  sum(x.total_bytes for x in chain), m.total_bytes, took)
         return data
+
+
+def squash_in_worker(manifests: list[bytes], blobs: dict[str, bytes], limits: tuple | None) -> tuple[bytes, dict[str, bytes]]:
+    """Runs in the squash worker process: manifests as canonical JSON (already verified by the server),
+    the chain's blobs by id; returns the squashed manifest's JSON (unsigned) and its blobs."""
+    try:
+        from deltasync.squash import SquashBudget, squash_chain
+    except ImportError:
+        raise UnavailableError("this build has no deltasync.squash; fetch the chain instead") from None
+    budget = SquashBudget() if limits is None else SquashBudget(chain_bytes=limits[0], words=limits[1],
+                                                                output_bytes=limits[2], seconds=limits[3])
+    chain = [parse_manifest(m) for m in manifests]
+    encoded = squash_chain(chain, blobs.__getitem__, budget=budget)
+    return encoded.manifest.to_json(), encoded.blobs

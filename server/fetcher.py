@@ -4,7 +4,9 @@
 none is running. The fetch writes into a temp file that readers follow (cut-through,
 see inflight.py), resumes with ``Range`` on the next parent when one dies mid-blob,
 checks the hash when the last byte is in, and only then lets readers finish and
-moves the file into the store. A blob whose bytes fail the hash is discarded and
+moves the file into the store. Plain-HTTP parents are read with ``BlobGetter`` (blobget.py:
+the body received into one reused buffer, hashed and written from there); others
+through the upstream's aiohttp session. A blob whose bytes fail the hash is discarded and
 fetched again (starting with another parent); after ``attempts`` bad copies or
 rounds of dead parents the fetch gives up and readers get the error. The rounds go
 through the one retry helper (``deltasync.retry.retry``, its back-off table), each
@@ -39,11 +41,12 @@ from deltasync.errors import (
 )
 from deltasync.retry import RETRY_BACKOFF, describe, retry
 
+from .blobget import BlobGetter
 from .config import Timeouts
 from .inflight import InflightBlob
 from .metrics import Metrics
 from .store import DiskStore
-from .upstream import Upstream
+from .upstream import USER_AGENT, Upstream
 
 log = logging.getLogger("deltasync.server.fetcher")
 
@@ -67,6 +70,10 @@ class BlobFetcher:
         self._missing: OrderedDict[str, float] = OrderedDict()  # blob id -> when the negative entry expires
         #: why the last fetch could not be stored (our disk full), until a blob is stored again; /healthz shows it
         self.storage_error: str | None = None
+        t = timeouts
+        ttfb = t.ttfb if len(upstream.parents) > 1 else max(t.ttfb, t.read)  # as Upstream.request: one parent, no hurry
+        self._getter = BlobGetter(connect_timeout=t.connect, read_timeout=t.read, user_agent=USER_AGENT,
+                                  head_timeout=ttfb, read_token=upstream.read_token)
 
     def inflight(self, blob_id: str) -> InflightBlob | None:
         return self._inflight.get(blob_id)
@@ -127,6 +134,7 @@ class BlobFetcher:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._getter.close()
 
     # -- the fetch -----------------------------------------------------------------------
     async def _run(self, blob: InflightBlob) -> None:
@@ -202,20 +210,10 @@ class BlobFetcher:
         self.metrics.inc("upstream_requests")
         if offset:
             self.metrics.inc("upstream_resumes")
+        if self._getter.supports(parent):
+            return await self._download_direct(fetch, parent, offset)
         async with self.upstream.blob_request(parent, blob.id, offset) as resp:
-            if resp.status == 404:
-                raise NotFoundError(f"{parent} has no blob {blob.id}")
-            start, total = _body_range(resp, offset)
-            if blob.size is None:
-                self.store.reserve(total)
-                fetch.reserved = total
-                if hasattr(blob.part, "preallocate"):  # our disk must hold it before any reader hears a size
-                    await asyncio.to_thread(blob.part.preallocate, total)
-                blob.set_size(total)
-            elif total != blob.size:
-                raise UpstreamError(f"{parent} says blob {blob.id} has {total} bytes, another parent said "
-                                    f"{blob.size}")
-            skip = offset - start  # a parent that ignored our Range sends from 0
+            sink = self._sink(fetch, parent, resp, offset)
             content = resp.content
             while True:
                 # readchunk hands over each buffered piece as received; readany would join
@@ -225,20 +223,61 @@ class BlobFetcher:
                     if boundary:
                         continue  # a chunked-encoding boundary
                     break
-                if skip:
-                    if len(chunk) <= skip:
-                        skip -= len(chunk)
-                        continue
-                    chunk = chunk[skip:]
-                    skip = 0
-                if blob.part.written + len(chunk) > total:
-                    raise UpstreamError(f"{parent} sent more than the {total} bytes of blob {blob.id}")
-                blob.part.write(chunk)
-                self.metrics.inc("bytes_in", len(chunk))
-                blob.progress()
-            if blob.part.written < total:
-                raise UpstreamError(f"{parent} ended blob {blob.id} at byte {blob.part.written} of {total}")
+                sink(chunk)
+            self._check_complete(blob, parent)
         return parent
+
+    async def _download_direct(self, fetch: _Fetch, parent: str, offset: int) -> str:
+        """The same through ``BlobGetter``: body pieces go from its receive buffer to the file (no copies)."""
+        blob = fetch.blob
+        sink = None
+
+        def on_head(resp) -> bool:
+            nonlocal sink
+            sink = self._sink(fetch, parent, resp, offset)
+            return True
+
+        await self._getter.get(parent, blob.id, offset, on_head=on_head, on_body=lambda piece: sink(piece))
+        self._check_complete(blob, parent)
+        return parent
+
+    def _sink(self, fetch: _Fetch, parent: str, resp, offset: int):
+        """Check an answer's head (status, size, range); returns the function that takes its body pieces."""
+        blob = fetch.blob
+        if resp.status == 404:
+            raise NotFoundError(f"{parent} has no blob {blob.id}")
+        start, total = _body_range(resp, offset)
+        if blob.size is None:
+            self.store.reserve(total)
+            fetch.reserved = total
+            if hasattr(blob.part, "preallocate"):  # our disk must hold it before any reader hears a size
+                blob.part.preallocate(total)  # posix_fallocate: quick, and the size is not announced before it
+            blob.set_size(total)
+        elif total != blob.size:
+            raise UpstreamError(f"{parent} says blob {blob.id} has {total} bytes, another parent said "
+                                f"{blob.size}")
+        skip = offset - start  # a parent that ignored our Range sends from 0
+        part, metrics = blob.part, self.metrics
+
+        def take(chunk) -> None:
+            nonlocal skip
+            if skip:
+                if len(chunk) <= skip:
+                    skip -= len(chunk)
+                    return
+                chunk = chunk[skip:]
+                skip = 0
+            if part.written + len(chunk) > total:
+                raise UpstreamError(f"{parent} sent more than the {total} bytes of blob {blob.id}")
+            part.write(chunk)
+            metrics.inc("bytes_in", len(chunk))
+            blob.progress()
+        return take
+
+    @staticmethod
+    def _check_complete(blob: InflightBlob, parent: str) -> None:
+        if blob.part.written < blob.size:
+            raise UpstreamError(f"{parent} ended blob {blob.id} at byte {blob.part.written} of {blob.size}")
 
 
 class _Fetch:

@@ -117,6 +117,7 @@ async def close_services(svc: Services) -> None:
         await svc.fetcher.close()
     if svc.upstream is not None:
         await svc.upstream.close()
+    svc.catchup.close()  # the squash worker process, if one was started
     if hasattr(svc.store, "close"):
         await svc.store.close()
 

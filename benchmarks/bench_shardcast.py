@@ -1,0 +1,252 @@
+"""Shardcast's own scenario, side by side: shardcast 0.3.2 itself against deltasync's CLI.
+
+One state (512 MiB of bf16 tensors, a safetensors file; 64 MiB in quick mode) on tmpfs
+(/dev/shm), origin → 2 relays → 4 clients, each client on one relay, every node its own
+process on this machine.
+
+- shardcast: installed from the registry into its own venv (``.venv-shardcast``, built here if
+  missing: ``make venv-shardcast``), driven by benchmarks/shardcast_nodes.py inside a private
+  network namespace (``unshare -n``, ``lo`` brought up: shardcast binds 0.0.0.0). Timed from
+  ``broadcast()`` until all 4 clients reassembled and checksummed the file.
+- deltasync: ``deltasync.cli.cluster`` starts the origin and 2 relays (``--no-fsync``, stores on
+  tmpfs); 4 ``deltasync subscribe --out F --until V`` processes are started and idle before the
+  clock starts; then ``deltasync publish`` (with ``--base PREV`` when this build's CLI has it).
+  Timed from the publish command's start until every subscriber exited holding the version
+  (verified). Full copy (v0, a keyframe), then a step with ~1% of the bf16 elements changed.
+
+Peak RSS of every process comes from ``wait4`` (subscribers, publish, shardcast clients) or
+VmHWM (servers).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from deltasync.cli.cluster import LocalCluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from relay_procs import cpu_seconds, max_rss_mb  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+VENV = ROOT / ".venv-shardcast"
+SHARDCAST = "shardcast==0.3.2"
+MODEL = "sc"
+MiB = 1 << 20
+CHANGED = 0.01
+
+
+def _shardcast_python() -> Path:
+    py = VENV / "bin" / "python"
+    if not py.exists() or subprocess.run([str(py), "-c", "import shardcast"], capture_output=True).returncode:
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        subprocess.run([str(VENV / "bin" / "pip"), "install", "-q", SHARDCAST], check=True)
+    return py
+
+
+def _netns_ok() -> str | None:
+    """None if ``unshare -n`` with a working loopback is allowed here, else why not."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "unshare or ip is not installed"
+    if shutil.which("wget") is None:
+        return "wget (which shardcast's downloader runs) is not installed"
+    r = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True, text=True)
+    return None if r.returncode == 0 else f"unshare -n failed: {r.stderr.strip()[:200]}"
+
+
+def make_state(path: Path, size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """bf16 tensors of trained-looking magnitudes, ``size`` bytes in all, in 8 tensors."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    n = size // 2 // 8
+    state = {f"layer{i}.weight": (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16) for i in range(8)}
+    save_file(state, str(path))
+    return state
+
+
+def step_state(state: dict[str, torch.Tensor], path: Path, frac: float, seed: int = 1) -> None:
+    """The next step: ``frac`` of the elements moved by one or two ULPs."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        w = t.view(torch.int16).clone()
+        idx = torch.randint(0, w.numel(), (int(w.numel() * frac),), generator=g)
+        w[idx] += torch.randint(1, 3, (idx.numel(),), generator=g, dtype=torch.int16)
+        out[name] = w.view(torch.bfloat16)
+    save_file(out, str(path))
+
+
+class _Child:
+    """A CLI process reaped with wait4: exit time and peak RSS."""
+
+    def __init__(self, cmd: list[str], log: Path) -> None:
+        self.log = open(log, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.ended: float | None = None
+        self.rss_mb = 0.0
+        self.code: int | None = None
+        self._t = threading.Thread(target=self._reap, daemon=True)
+        self._t.start()
+
+    def _reap(self) -> None:
+        _, status, ru = os.wait4(self.proc.pid, 0)
+        self.ended = time.perf_counter()
+        self.code = os.waitstatus_to_exitcode(status)
+        self.proc.returncode = self.code
+        self.rss_mb = ru.ru_maxrss / 1024
+
+    def wait(self, timeout: float) -> None:
+        self._t.join(timeout)
+        if self.code is None:
+            self.proc.kill()
+            self._t.join(5)
+            raise TimeoutError(f"{self.proc.args[:4]} did not finish within {timeout:.0f} s")
+        if self.code != 0:
+            raise RuntimeError(f"{' '.join(map(str, self.proc.args[:6]))} exited {self.code}: "
+                               f"{Path(self.log.name).read_text(errors='replace')[-1500:]}")
+
+
+def _idle(children: list[_Child], timeout: float = 120.0) -> None:
+    """Wait until every child is up and idle (its CPU time stops growing: imports done, long-polling)."""
+    deadline = time.monotonic() + timeout
+    last = {c: -1.0 for c in children}
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        quiet = True
+        for c in children:
+            now = cpu_seconds(c.proc.pid)
+            if now - last[c] > 0.02:
+                quiet = False
+            last[c] = now
+        if quiet:
+            return
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "deltasync.cli.main", *args]
+
+
+def _has_base() -> bool:
+    r = subprocess.run(_cli("publish", "--help"), capture_output=True, text=True)
+    return "--base" in r.stdout
+
+
+def _deltasync(work: Path, state: Path, step: Path) -> dict:
+    key = os.urandom(32)
+    cluster = LocalCluster(work / "servers", key=key)
+    base_flag = _has_base()
+    try:
+        cluster.start_tree({"r1": ["origin"], "r2": ["origin"]})
+        outs = [work / f"sub{i}.safetensors" for i in range(4)]
+        common = ["--model", MODEL, "--key-file", str(cluster.key_file)]
+        pub_common = ["--origin", cluster.origin, "--token-file", str(cluster.token_file), *common, "--quiet"]
+        rows = {}
+        for label, version, path, extra in (("full", 0, state, []),
+                                            ("step", 1, step, ["--base", str(state)] if base_flag else [])):
+            subs = [_Child(_cli("subscribe", "--from", cluster.url(f"r{1 + i % 2}"), *common, "--out", str(out),
+                                "--until", str(version), "--timeout", "600", "--quiet"), work / f"sub{i}-{label}.log")
+                    for i, out in enumerate(outs)]
+            _idle(subs)
+            t0 = time.perf_counter()
+            pub = _Child(_cli("publish", *pub_common, *extra, str(path)), work / f"publish-{label}.log")
+            pub.wait(600)
+            for s in subs:
+                s.wait(600)
+            rows[label] = {"seconds": max(s.ended for s in subs) - t0, "publish_s": pub.ended - t0,
+                           "publish_rss": pub.rss_mb, "sub_rss": [s.rss_mb for s in subs]}
+        rows["servers_rss"] = {n: max_rss_mb(p.pid) for n, p in
+                               ((n, cluster.servers[n].proc) for n in ("origin", "r1", "r2"))}
+        rows["base"] = base_flag
+        return rows
+    finally:
+        cluster.close()
+
+
+def _shardcast(work: Path, state: Path) -> dict | str:
+    why = _netns_ok()
+    if why is not None:
+        return why
+    py = _shardcast_python()
+    d = work / "shardcast"
+    d.mkdir()
+    r = subprocess.run(["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', str(py),
+                        str(HERE / "shardcast_nodes.py"), str(state), str(d)],
+                       capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(f"shardcast run failed: {r.stderr[-2000:]}")
+    import json
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run(quick: bool = False) -> str:
+    size = (64 if quick else 512) * MiB
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    work = Path(tempfile.mkdtemp(prefix="deltasync-bench-shardcast-", dir=base))
+    try:
+        state, step = work / "state.safetensors", work / "step.safetensors"
+        tensors = make_state(state, size)
+        step_state(tensors, step, CHANGED)
+        del tensors
+        load0 = os.getloadavg()[0]
+        sc = _shardcast(work, state)
+        ds = _deltasync(work, state, step)
+        return _report(sc, ds, size, quick, (load0, os.getloadavg()[0]), work)
+    finally:
+        if os.environ.get("DELTASYNC_BENCH_KEEP") is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _report(sc, ds: dict, size: int, quick: bool, load: tuple[float, float], work: Path) -> str:
+    out = ["## Shardcast's scenario, side by side (bench_shardcast)", ""]
+    out.append(
+        f"A {size / MiB:.0f} MiB bf16 state (safetensors, 8 tensors) on tmpfs, origin → 2 relays → 4 clients, each "
+        "client on one relay, every node its own process on this machine. shardcast 0.3.2 from the registry in its "
+        "own venv, run by benchmarks/shardcast_nodes.py in a private network namespace (middle nodes polling their "
+        "upstream every 1 s, its minimum; 50 MB shards, its default; clients fetch with wget as it ships), timed from "
+        "broadcast() until every client has reassembled and checksummed the file. deltasync: the CLI (`publish`"
+        + (" --base PREV" if ds["base"] else "; this build has no `publish --base`, so the step's publish rebuilt "
+           "the head from the origin") + "; 4 `subscribe --out F --until V` processes already running and idle), "
+        "servers with --no-fsync, timed from the publish command's start until all 4 subscribers exited with the "
+        f"version verified and written. Load average {load[0]:.1f} before and {load[1]:.1f} after: absolute times "
+        "are noisy, the ratios are from this one run." + (" **Quick mode: small state.**" if quick else ""))
+    out.append("")
+    out += ["| run | seconds to all 4 | shardcast full copy time / this time | publisher peak RSS MiB | client peak RSS MiB (max of 4) |",
+            "|---|---:|---:|---:|---:|"]
+    if isinstance(sc, str):
+        out.append(f"| shardcast full copy | not run: {sc} | | | |")
+        t_sc = None
+    else:
+        t_sc = sc["seconds"]
+        out.append(f"| shardcast: full copy | {t_sc:.2f} | 1.00 | {sc['origin_rss_mb']:.0f} (origin) | "
+                   f"{max(sc['client_rss_mb']):.0f} (python; wget not counted) |")
+    for label, name, target in (("full", "deltasync: full copy (keyframe)", 2.0),
+                                ("step", f"deltasync: ~{CHANGED:.0%}-changed step", 5.0)):
+        r = ds[label]
+        ratio = ""
+        if t_sc:
+            x = t_sc / r["seconds"]
+            ratio = f"{x:.2f}x (target {target:.0f}x: {'met' if x >= target else 'not met'})"
+        out.append(f"| {name} | {r['seconds']:.2f} | {ratio} | {r['publish_rss']:.0f} | {max(r['sub_rss']):.0f} |")
+    out.append("")
+    srv = ds["servers_rss"]
+    out.append(f"deltasync publish command alone: {ds['full']['publish_s']:.2f} s (full), {ds['step']['publish_s']:.2f} s "
+               f"(step). Server peak RSS: origin {srv['origin']:.0f}, relays {srv['r1']:.0f} / {srv['r2']:.0f} MiB"
+               + ("" if isinstance(sc, str) else
+                  f"; shardcast middle nodes {', '.join(f'{x:.0f}' for x in sc['middle_rss_mb'])} MiB, its sharding "
+                  f"step {sc['shard_s']:.2f} s") + ". Targets (issue 10): full copy ≥ 2x faster than shardcast, "
+               "the 1% step ≥ 5x faster than shardcast's full copy.")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(run(quick="--quick" in sys.argv))
