@@ -224,6 +224,7 @@ class Env:
         self.ledger = Ledger()
         self.publish_hangs = 0
         self.notes: list[str] = []
+        self.setup_verdicts: list[Verdict] = []
         self._n = 0
 
     # -- processes ---------------------------------------------------------------------------------

@@ -73,6 +73,11 @@ def run_scenario(cls, reps: int, workdir: Path, *, verbose: bool = True) -> Row:
         except Skip as e:
             row.skipped = str(e)
             return row
+        for vd in env.setup_verdicts:  # followers that never synced their first version
+            row.lost, row.wrong, row.hangs = row.lost + vd.lost, row.wrong + vd.wrong, row.hangs + vd.hangs
+            row.unclear, row.stopped = row.unclear + vd.unclear, row.stopped + vd.stopped
+            if not vd.ok:
+                row.notes += ["setup: " + n for n in vd.notes]
         for i in range(reps):
             try:
                 vd = sc.rep(env, i)
