@@ -23,6 +23,7 @@ def _params():
         yield pytest.param(name, marks=marks, id=name)
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", list(_params()))
 def test_fault_scenario_once(name, tmp_path):
