@@ -394,7 +394,8 @@ class Env:
         got = read_state_file(out)
         return v, any(exact(got, s) for s in self.ledger.offered.get(model, {}).get(v, []))
 
-    def verdict(self, *, origin: str | None, fault_cleared: float | None = None) -> Verdict:
+    def verdict(self, *, origin: str | None, fault_cleared: float | None = None,
+                bound: float = FOLLOW_BOUND) -> Verdict:
         """Wait for every subscriber (up to its bound) and check everything the module docstring lists."""
         vd = Verdict(hangs=self.publish_hangs, notes=list(self.notes))
         ends = []
@@ -419,7 +420,7 @@ class Env:
                 else:
                     vd.unclear += 1
                     vd.notes.append(f"{p.name} stopped (rc {rc}, v{v}) without a clear error:\n{log[-2000:]}")
-        deadline = time.monotonic() + FOLLOW_BOUND
+        deadline = time.monotonic() + bound
         for f, goal in self.expected:
             reached, v, ok = None, None, True
             while True:
@@ -443,7 +444,7 @@ class Env:
             log = f.proc.log()
             if rc is None:
                 vd.hangs += 1
-                vd.notes.append(f"{f.name} still at v{v} after {FOLLOW_BOUND:.0f}s (wanted v{goal}): "
+                vd.notes.append(f"{f.name} still at v{v} after {bound:.0f}s (wanted v{goal}): "
                                 f"{_last_line(log)}")
             elif "Traceback" not in log and "error" in log.lower():
                 vd.stopped += 1
