@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltasync.cli.cluster import LocalCluster
+from deltasync.cli.cluster import LocalCluster, start_server
 from deltasync.client.publisher import Publisher
 from deltasync.client.subscriber import ThreadedSubscriber
 from deltasync.tensorfile import read_state_file
@@ -51,6 +51,15 @@ http {{
     include {d}/deltasync-cache.conf;
 }}
 """
+
+
+class _Cluster(LocalCluster):
+    """LocalCluster whose origin may take up to 120 s to start (a loaded 2-core machine)."""
+
+    def start_origin(self, name: str = "origin", *, port: int = 0):
+        args = [*self._common(f"127.0.0.1:{port}"), "--store", str(self.root / name), "--token-file", str(self.token_file)]
+        self.servers[name] = start_server("origin", name, self.root, args, timeout=120)
+        return self.servers[name]
 
 
 def _free_port() -> int:
@@ -96,7 +105,7 @@ class Nginx:
 @pytest.fixture(scope="module")
 def tier(tmp_path_factory):
     root = tmp_path_factory.mktemp("nginx-tier")
-    c = LocalCluster(root / "tree", key=KEY)
+    c = _Cluster(root / "tree", key=KEY)
     try:
         c.start_tree({})
         ngx = Nginx(root / "nginx", c.origin.removeprefix("http://"))
