@@ -11,7 +11,8 @@ version at the end), wrong states (compared bit-exactly).
 back to back, while subscribers join (one every ``--join-every`` versions, on either relay) and leave
 (the oldest once more than 4 are following); each leaving subscriber and every one left at the end
 is compared bit-exactly with the state of the version it holds. Disk: the relays run with
-``--cache-size``, which their caches must stay within (plus one version's bytes of slack).
+``--cache-size``, which their blob caches must stay within (plus one version's bytes of slack);
+manifests are reported beside them.
 
 The figures go between the load/soak markers of ``--out``.
 """
@@ -230,12 +231,13 @@ def run_soak(env: Env, versions: int, join_every: int, cache_size: str) -> dict:
             wrong += 1
         s.close()
     took = time.monotonic() - t0
-    disk = {"origin": du(env.root / "origin"), "tier1": du(env.root / "tier1"), "tier2": du(env.root / "tier2")}
+    disk = {"origin": du(env.root / "origin"), "tier1": du(env.root / "tier1"), "tier2": du(env.root / "tier2"),
+            "tier1_blobs": du(env.root / "tier1" / "blobs"), "tier2_blobs": du(env.root / "tier2" / "blobs")}
     env.close()
     from deltasync.server.cli import parse_size
     budget = parse_size(cache_size) + max_version_bytes
     return {"versions": versions, "joined": joined, "verified": verified, "wrong": wrong, "seconds": took,
-            "disk": disk, "budget": budget, "within_budget": disk["tier1"] <= budget and disk["tier2"] <= budget}
+            "disk": disk, "budget": budget, "within_budget": disk["tier1_blobs"] <= budget and disk["tier2_blobs"] <= budget}
 
 
 def report(load: dict | None, soak: dict | None) -> str:
@@ -253,7 +255,8 @@ def report(load: dict | None, soak: dict | None) -> str:
         lines += ["", f"**Soak**: {soak['versions']} versions through origin → relay → relay in {soak['seconds']:.0f} s; "
                   f"{soak['joined']} subscribers joined and left, {soak['verified']} bit-exact checks, "
                   f"{soak['wrong']} wrong. Disk at the end: origin {d['origin'] / 1e6:.1f} MB, relays "
-                  f"{d['tier1'] / 1e6:.1f} / {d['tier2'] / 1e6:.1f} MB (budget {soak['budget'] / 1e6:.1f} MB each: "
+                  f"{d['tier1'] / 1e6:.1f} / {d['tier2'] / 1e6:.1f} MB, of which blobs {d['tier1_blobs'] / 1e6:.1f} / "
+                  f"{d['tier2_blobs'] / 1e6:.1f} MB (blob budget {soak['budget'] / 1e6:.1f} MB each: "
                   f"{'within' if soak['within_budget'] else 'OVER'})."]
     return "\n".join(lines)
 
