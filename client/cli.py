@@ -26,7 +26,7 @@ import torch
 
 from deltasync.atomic import remove_temp_files
 from deltasync.cli.keys import signer_from_options, verifier_from_options
-from deltasync.cli.tls import client_ssl_context
+from deltasync.tls import client_ssl_context
 from deltasync.cli.run import run_command
 from deltasync.codec import state_layout
 from deltasync.errors import BaseMismatchError, DeltaSyncError, NotFoundError

@@ -326,7 +326,7 @@ async def _serve_app(config: ServerConfig, *, shown_parents: tuple[str, ...]) ->
         return 1
     ssl_context = None
     if config.tls_cert is not None:
-        from deltasync.cli.tls import server_ssl_context
+        from deltasync.tls import server_ssl_context
         try:
             ssl_context = server_ssl_context(config.tls_cert, config.tls_key)
         except DeltaSyncError as e:

@@ -91,7 +91,7 @@ def _squash_budget(config: ServerConfig):
 def _client_ssl(config: ServerConfig):
     if config.ca_file is None:
         return None
-    from deltasync.cli.tls import client_ssl_context
+    from deltasync.tls import client_ssl_context
     return client_ssl_context(config.ca_file)
 
 
