@@ -144,6 +144,8 @@ def _chunk_raw_bytes(rec: dict) -> int:
     length = rec["stop"] - rec["start"]
     if rec["mode"] == "dense":
         return length * w
+    if rec["mode"] == "ans":  # format 2: one rANS message (16-bit words) + raw words per chunk
+        return 2 * rec["na"] + rec["nr"] * w
     pos = (length + 7) // 8 if rec["mode"] == "bitmap" else rec["ng"] + rec["ngx"]
     return pos + (rec["count"] + 3) // 4 + rec["nt"] + rec["ne"] + rec["nr"] * w
 

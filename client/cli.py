@@ -152,7 +152,7 @@ async def _publish_files(args, token: str, signer, verifier: Verifier | None, st
     from .filepublish import check_base_file, publish_delta, publish_keyframe
     from .streams import keyframe_stream
 
-    async with HttpClient([args.origin], token=token) as client:
+    async with HttpClient([args.origin], token=token, ssl=_ssl(args), read_token=token) as client:
         try:
             head = await client.get_head(args.model)
         except DeltaSyncError as e:
@@ -379,7 +379,7 @@ async def _stream_keyframe(args, client: HttpClient, target: FileTarget, head, v
         return
     try:
         for ref in kf.blobs:
-            data = await client.get_blob(ref.id, ref.size)
+            data = await client.get_blob(ref.id, ref.size, digest=ref.digest)
             await loop.run_in_executor(None, w.add_shard, data)
             del data
         await loop.run_in_executor(None, w.commit)

@@ -25,6 +25,7 @@ import torch
 
 from deltasync.blob import blob_id
 from deltasync.codec import EncodeOptions, diff_states, encode_diff, state_layout
+from deltasync.digest import blob_digest
 from deltasync.dtypes import dtype_info
 from deltasync.errors import BaseMismatchError
 from deltasync.fingerprint import fingerprint_state, fp_hex, state_fingerprint, state_fingerprint_of, tensor_fingerprint
@@ -78,8 +79,9 @@ async def publish_delta(client: HttpClient, *, model: str, version: int, parent:
     enc = await loop.run_in_executor(None, lambda: encode_diff(diff, model=model, version=version, parent=parent,
                                                                options=options, meta=dict(meta or {})))
     del diff
+    manifest = enc.manifest.with_digests(enc.blobs) if signer is not None else enc.manifest  # signed: every digest
     await upload_blobs(client, enc.blobs, concurrency=concurrency)
-    signed = await commit_manifest(client, enc.manifest, key=signer)
+    signed = await commit_manifest(client, manifest, key=signer)
     return Published(manifest=signed, blob_bytes=enc.manifest.total_bytes, raw_bytes=_raw(state),
                      changed=enc.manifest.changed_words)
 
@@ -108,21 +110,21 @@ async def publish_keyframe(client: HttpClient, *, model: str, version: int, stat
     where: dict[str, str] = {}
     refs: list[BlobRef] = []
 
-    def build(group: list[str]) -> tuple[str, bytearray]:
+    def build(group: list[str]) -> tuple[str, bytearray, str | None]:
         for n in group:
             if n not in fps:
                 fps[n] = tensor_fingerprint(state[n])
         data = shard_bytes({n: state[n] for n in group})
-        return blob_id(data), data
+        return blob_id(data), data, (blob_digest(data) if signer is not None and commit else None)
 
     uploading: asyncio.Task | None = None
     try:
         for group in _groups(state, shard_bytes_):
-            bid, data = await loop.run_in_executor(None, build, group)  # overlaps the previous shard's upload
+            bid, data, digest = await loop.run_in_executor(None, build, group)  # overlaps the previous upload
             if uploading is not None:
                 await uploading
             uploading = asyncio.ensure_future(client.put_blob(bid, data))
-            refs.append(BlobRef(id=bid, size=len(data)))
+            refs.append(BlobRef(id=bid, size=len(data), digest=digest))
             for n in group:
                 where[n] = bid
             del data
