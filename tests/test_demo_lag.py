@@ -14,12 +14,16 @@ import threading
 import time
 import urllib.request
 
+import pytest
 import torch
 
 from deltasync.cli.cluster import LocalCluster
 from deltasync.client.publisher import Publisher
 from deltasync.client.subscriber import ThreadedSubscriber
 from deltasync.server.metrics import parse_metrics
+
+# long: real CLI processes, many runs; `make test-long` (which .ci/run also runs), not `make test`
+pytestmark = pytest.mark.long
 
 TREE = {"eu": ["origin"], "us": ["origin"], "eu-a": ["eu", "us"], "us-a": ["us", "eu"]}
 KEY = bytes(range(32))

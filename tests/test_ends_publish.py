@@ -13,6 +13,9 @@ from deltasync.cli.cluster import LocalCluster
 from deltasync.tensorfile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 
+# long: real CLI processes, many runs; `make test-long` (which .ci/run also runs), not `make test`
+pytestmark = pytest.mark.long
+
 KEY = bytes(range(9, 41))
 SHAPE = ModelShape(vocab=256, hidden=32, layers=1, ffn=64)
 

@@ -24,6 +24,9 @@ from deltasync.client.publisher import Publisher
 from deltasync.tensorfile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 
+# long: real CLI processes, many runs; `make test-long` (which .ci/run also runs), not `make test`
+pytestmark = pytest.mark.long
+
 KEY = bytes(range(3, 35))
 SHAPE = ModelShape(vocab=256, hidden=32, layers=2, ffn=64)
 LAUNCHER = str(Path(__file__).with_name("kill_at_phase.py"))

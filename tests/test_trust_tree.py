@@ -26,6 +26,9 @@ from deltasync.cli.cluster import start_server
 from deltasync.tensorfile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 
+# long: real CLI processes, many runs; `make test-long` (which .ci/run also runs), not `make test`
+pytestmark = pytest.mark.long
+
 SHAPE = ModelShape(vocab=256, hidden=32, layers=1, ffn=64)
 PUBLISH_TOKEN = "pub-token-6f1d2c3b4a5e"
 ORIGIN_READ_TOKEN = "origin-read-9a8b7c6d5e4f"
