@@ -119,9 +119,8 @@ class Prefetcher:
                         log.info("leaving %s for a more preferred parent", parent)
                         return
                 chunk = await resp.content.readany()
-                if not chunk:
-                    log.warning("event stream of %s ended", parent)
-                    return
+                if not chunk:  # a parent's stream never ends while it runs: a cut one is that parent's fault
+                    raise UpstreamError(f"the event stream of {parent} ended")
                 for ev in decoder.feed(chunk):
                     if ev.event in ("head", "version"):
                         data = ev.json()
