@@ -225,10 +225,10 @@ SAMPLE_TOKENS, SAMPLE_BATCH, SAMPLE_EVERY = 32, 8, 1.0
 def sample_lag(pub: Publisher | None, subs: list[SubView]) -> None:
     """Record, per subscriber holding a version, how many versions it is behind the last committed one.
 
-    A subscriber's lag counts once it has caught up: from when it holds the version that was the
-    trainer's last commit when it joined (for those that start with the run, their first version).
-    A late joiner's catch-up before that is bounded by its keyframe and catch-up download, and is
-    reported apart (``caught_up_s``)."""
+    A subscriber's lag counts once it has caught up: from the first sample at which it holds the
+    version that was the trainer's last commit when it joined (for those that start with the run:
+    any) and is within ``MAX_LAG`` of the last commit. A late joiner's catch-up before that is
+    bounded by its keyframe and squashed-delta download, and is reported apart (``caught_up_s``)."""
     results = pub.results if pub is not None else None
     if not results:
         return
@@ -241,7 +241,7 @@ def sample_lag(pub: Publisher | None, subs: list[SubView]) -> None:
         if s.first_version_s is None:
             s.first_version_s = now
         if s.caught_up_s is None:
-            if version < s.join_head:
+            if version < s.join_head or committed - version > MAX_LAG:
                 continue  # still catching up
             s.caught_up_s = now
         s.max_lag = max(s.max_lag, committed - version)

@@ -227,7 +227,7 @@ class BlobFetcher:
             log.error("blob %s from %s failed its check (%s); discarded, refetching", blob.id, ", ".join(senders), e)
             for p in senders:
                 self.upstream.mark_failed(p, "sent bytes that fail their hash")
-            self._start_over(fetch, provisional_size=True)
+            self._start_over(fetch)
             fetch.rotate += 1
             raise
         return parent
@@ -240,15 +240,15 @@ class BlobFetcher:
         if fetch.provisional and blob.size is not None and (fetch.size_suspect or blob.part.written >= blob.size):
             log.warning("blob %s: %s announced %d bytes and then failed (%d in); starting over", blob.id,
                         parent, blob.size, blob.part.written)
-            self._start_over(fetch, provisional_size=True)
+            self._start_over(fetch)
 
-    def _start_over(self, fetch: _Fetch, *, provisional_size: bool) -> None:
-        """Discard the copy; also its size when that was a parent's word only (``provisional_size``)."""
+    def _start_over(self, fetch: _Fetch) -> None:
+        """Discard the copy; also its size when that was only a parent's word (no manifest in hand)."""
         blob = fetch.blob
         fetch.senders.clear()
         fetch.size_suspect = False
         fetch.new_digest()
-        if provisional_size and fetch.provisional:
+        if fetch.provisional:
             self.store.release(fetch.reserved)
             fetch.reserved = 0
             blob.restart()
@@ -262,7 +262,7 @@ class BlobFetcher:
             return await self._download_from(fetch, parent)
         except _SizeConflict as e:
             log.warning("blob %s: %s; starting over from that parent", fetch.blob.id, e)
-            self._start_over(fetch, provisional_size=True)
+            self._start_over(fetch)
             return await self._download_from(fetch, parent)
 
     async def _download_from(self, fetch: _Fetch, parent: str) -> str:
