@@ -33,13 +33,13 @@ from relay_procs import cpu_seconds, origin, relay, start, stop  # noqa: E402
 KEY_HEX = bytes(range(32)).hex()
 
 
-async def _run(size: int, runs: int, key: bool, pyspy: str | None) -> dict:
+async def _run(size: int, runs: int, key: bool, pyspy: str | None, relay_args: tuple[str, ...] = ()) -> dict:
     work = Path(tempfile.mkdtemp(prefix="deltasync-coldcpu-"))
     try:
-        extra: list[str] = []
+        extra: list[str] = list(relay_args)
         if key:
             (work / "key").write_text(KEY_HEX + "\n")
-            extra = ["--key-file", str(work / "key")]
+            extra += ["--key-file", str(work / "key")]
         o = origin(work, TOKEN)
         start(o)
         r = relay(work, "relay", [o.url], *extra)
@@ -98,15 +98,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--key", action="store_true")
     p.add_argument("--perf", dest="pyspy", metavar="FILE")
+    p.add_argument("--no-fsync", action="store_true", help="the relay without fsync (to see what it costs)")
     a = p.parse_args(argv)
     try:
         import uvloop
-        res = uvloop.run(_run(a.size_mib << 20, a.runs, a.key, a.pyspy))
+        res = uvloop.run(_run(a.size_mib << 20, a.runs, a.key, a.pyspy, ("--no-fsync",) if a.no_fsync else ()))
     except ImportError:
-        res = asyncio.run(_run(a.size_mib << 20, a.runs, a.key, a.pyspy))
+        res = asyncio.run(_run(a.size_mib << 20, a.runs, a.key, a.pyspy, ("--no-fsync",) if a.no_fsync else ()))
     ru, rk = res["relay"]
     fu, fk = res["floor"]
     what = "prefetch with BLAKE3 digest check (key)" if a.key else "cold GET through the relay (no key)"
+    what += ", no fsync" if a.no_fsync else ""
     print(f"{what}: relay {ru + rk:.3f} CPU-s/GB (user {ru:.3f}, sys {rk:.3f}); floor {fu + fk:.3f} "
           f"(user {fu:.3f}, sys {fk:.3f}); ratio {(ru + rk) / (fu + fk):.2f}x; {res['size'] >> 20} MiB, best of "
           f"{res['runs']}, load {res['load']:.1f}")
