@@ -119,9 +119,8 @@ class Prefetcher:
                         log.info("leaving %s for a more preferred parent", parent)
                         return
                 chunk = await resp.content.readany()
-                if not chunk:
-                    log.warning("event stream of %s ended", parent)
-                    return
+                if not chunk:  # a parent's stream never ends while it runs: a cut one is that parent's fault
+                    raise UpstreamError(f"the event stream of {parent} ended")
                 for ev in decoder.feed(chunk):
                     if ev.event in ("head", "version"):
                         data = ev.json()
@@ -210,6 +209,7 @@ class Prefetcher:
 
     async def _make_servable(self, m: Manifest) -> None:
         """Return once every blob of ``m`` is on disk or being fetched (fetches continue in the background)."""
+        self.fetcher.expect(m.blobs)  # sizes (and, verified, digests) a parent's answer must match
         waits = []
         for b in m.blobs:
             if self.store.has_blob(b.id):
