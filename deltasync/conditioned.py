@@ -9,7 +9,7 @@ mode (:mod:`deltasync.rans`). On real AdamW traces that is ~30% fewer bytes than
 
 The price: **decoding needs the base**. A decoded chunk is a *pending* patch
 (:class:`PendingChanges`) until it is given the chunk's old words; the decoder reads every old word of
-the chunk twice (a histogram of contexts, then a merge pass that stops at the last change): O(chunk),
+the chunk twice (a histogram of contexts, then a merge pass that turns ranks into positions): O(chunk),
 not O(changed). Relays cannot squash such chains without the model (:mod:`deltasync.squash` refuses);
 the stream says so in its manifest (``meta["deltasync.coding"]``), so subscribers walk the chain.
 
@@ -220,17 +220,36 @@ def _encode(order, grp, gaps, bkt, vsym, bigneg, bigmag, bigidx, cnt, gf, gc, vf
     return out[at:].copy()
 
 
+Q = 4  # the decoder walks a chunk's base as Q interleaved quarters: independent counter chains, ~3x faster
+
+
 @numba.njit(cache=True, nogil=True)
 def _decode(words, base, count, shift, mask, gf, gc, glut, vf, vc, vlut):
-    """-> (positions, value symbols, BIG signs, BIG magnitudes (per change, natural order), error)."""
+    """-> (positions, value symbols, BIG signs, BIG magnitudes (per change, natural order), error).
+
+    Two passes over ``base`` (a histogram of contexts per quarter of the chunk, then the merge that turns
+    each group's ranks into positions), each over the Q quarters side by side, so that the counters of
+    consecutive words (often of one context) do not form one long chain of dependent increments."""
     n = base.size
     pos = np.empty(count, dtype=np.int64)
     vsym_n = np.empty(count, dtype=np.uint8)
     bneg_n = np.zeros(count, dtype=np.bool_)
     bmag_n = np.zeros(count, dtype=np.uint64)
+    bq = np.empty(Q + 1, dtype=np.int64)
+    for q in range(Q + 1):
+        bq[q] = n * q // Q
+    short = n // Q  # every quarter has at least this many words (and at most one more)
+    cntq = np.zeros((Q, N_CTX), dtype=np.int64)
+    for j in range(short):
+        for q in range(Q):
+            cntq[q, (np.int64(base[bq[q] + j]) >> shift) & mask] += 1
+    for q in range(Q):
+        for i in range(bq[q] + short, bq[q + 1]):
+            cntq[q, (np.int64(base[i]) >> shift) & mask] += 1
     cnt = np.zeros(N_CTX, dtype=np.int64)
-    for i in range(n):
-        cnt[(np.int64(base[i]) >> shift) & mask] += 1
+    for q in range(Q):
+        for e in range(N_CTX):
+            cnt[e] += cntq[q, e]
     grank = np.empty(count, dtype=np.int64)
     vsym = np.empty(count, dtype=np.uint8)
     bneg = np.zeros(count, dtype=np.bool_)
@@ -300,12 +319,12 @@ def _decode(words, base, count, shift, mask, gf, gc, glut, vf, vc, vlut):
                     if at < nw:
                         x |= np.int64(words[at])
                     at += 1
-                q = v8 >> 1
-                if q > 64:
+                q8 = v8 >> 1
+                if q8 > 64:
                     return pos, vsym_n, bneg_n, bmag_n, rans.E_SYMBOL
                 m = np.uint64(0)
-                if q >= 1:
-                    k = q - 1
+                if q8 >= 1:
+                    k = q8 - 1
                     sh = 0
                     while k > 0:
                         kk = k if k < rans.PREC else rans.PREC
@@ -318,7 +337,7 @@ def _decode(words, base, count, shift, mask, gf, gc, glut, vf, vc, vlut):
                             at += 1
                         sh += kk
                         k -= kk
-                    m |= np.uint64(1) << np.uint64(q - 1)
+                    m |= np.uint64(1) << np.uint64(q8 - 1)
                 bneg[kk_] = (v8 & 1) == 1
                 bmag[kk_] = m
             kk_ += 1
@@ -329,25 +348,54 @@ def _decode(words, base, count, shift, mask, gf, gc, glut, vf, vc, vlut):
         return pos, vsym_n, bneg_n, bmag_n, rans.E_END
     if kk_ != count:
         return pos, vsym_n, bneg_n, bmag_n, rans.E_GAP
-    # merge: walk the base in order; the next change of group e is its next decoded rank
-    ptr = gstart[:N_CTX].copy()
-    seen = np.zeros(N_CTX, dtype=np.int64)
-    out = 0
-    for i in range(n):
-        if out == count:
-            break
-        e = (np.int64(base[i]) >> shift) & mask
-        p = ptr[e]
-        if p < gstart[e + 1] and grank[p] == seen[e]:
-            pos[out] = i
-            vsym_n[out] = vsym[p]
-            bneg_n[out] = bneg[p]
-            bmag_n[out] = bmag[p]
-            ptr[e] = p + 1
-            out += 1
-        seen[e] += 1
-    if out != count:
-        return pos, vsym_n, bneg_n, bmag_n, rans.E_GAP
+    # merge, per quarter: its first change of group e is the first decoded rank at or past the words of
+    # group e in the quarters before it; the changes of quarter q follow those of the quarters before it
+    ptr = np.empty((Q, N_CTX), dtype=np.int64)
+    end = np.empty((Q, N_CTX), dtype=np.int64)
+    nxt = np.full((Q, N_CTX), -1, dtype=np.int64)
+    seen = np.empty((Q, N_CTX), dtype=np.int64)
+    outq = np.zeros(Q + 1, dtype=np.int64)
+    for e in range(N_CTX):
+        lo = gstart[e]
+        hi = gstart[e + 1]
+        pre = 0
+        p = lo
+        for q in range(Q):
+            seen[q, e] = pre
+            while p < hi and grank[p] < pre:
+                p += 1
+            ptr[q, e] = p
+            pre += cntq[q, e]
+        for q in range(Q):
+            end[q, e] = ptr[q + 1, e] if q + 1 < Q else hi
+            if ptr[q, e] < end[q, e]:
+                nxt[q, e] = grank[ptr[q, e]]
+            outq[q + 1] += end[q, e] - ptr[q, e]
+    for q in range(Q):
+        outq[q + 1] += outq[q]
+    out = outq[:Q].copy()
+    for j in range(short + 1):
+        for q in range(Q):
+            i = bq[q] + j
+            if j == short and i >= bq[q + 1]:  # the quarters one word longer than the rest
+                continue
+            e = (np.int64(base[i]) >> shift) & mask
+            c = seen[q, e]
+            seen[q, e] = c + 1
+            if c == nxt[q, e]:
+                p = ptr[q, e]
+                o = out[q]
+                pos[o] = i
+                vsym_n[o] = vsym[p]
+                bneg_n[o] = bneg[p]
+                bmag_n[o] = bmag[p]
+                out[q] = o + 1
+                p += 1
+                ptr[q, e] = p
+                nxt[q, e] = grank[p] if p < end[q, e] else -1
+    for q in range(Q):
+        if out[q] != outq[q + 1]:
+            return pos, vsym_n, bneg_n, bmag_n, rans.E_GAP
     return pos, vsym_n, bneg_n, bmag_n, rans.OK
 
 
