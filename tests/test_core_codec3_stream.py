@@ -5,6 +5,8 @@ unsupported, before reading a blob), and the subscriber walks the chain to the h
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -16,7 +18,11 @@ from deltasync.client.publisher import Publisher
 from deltasync.client.subscriber import SyncEvent, ThreadedSubscriber
 from deltasync.codec import EncodeOptions
 from deltasync.manifest import parse_manifest
+from deltasync.tensorfile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
+
+# long: real server and CLI processes; `make test-long` (which .ci/run also runs), not `make test`
+pytestmark = pytest.mark.long
 
 KEY = bytes(range(1, 33))
 SHAPE = ModelShape(vocab=256, hidden=32, layers=2, ffn=64)
@@ -62,3 +68,36 @@ def test_a_late_subscriber_walks_a_base_conditioned_chain_the_relay_will_not_squ
     assert _same(target, states[-1])
     applied = [ev.version for ev in events if ev.kind == "applied"]
     assert applied[-1] == 5 and len(applied) >= 2, applied
+
+
+def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deltasync.client.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_publish_base_conditioned_and_subscribe_out_patches_the_file(cluster, tmp_path):
+    """``publish --base --coding base-conditioned`` and ``subscribe --out`` (the file target decodes each
+    chunk against the file's own words, under its journal)."""
+    trace = RLTrace(SHAPE, lr=1e-4, seed=22)
+    key, token = cluster.key_file, cluster.token_file
+    pub = ["publish", "--origin", cluster.origin, "--model", "condcli", "--token-file", str(token),
+           "--key-file", str(key), "--coding", "base-conditioned"]
+    out = tmp_path / "out.safetensors"
+    sub = ["subscribe", "--from", cluster.url("relay"), "--model", "condcli", "--key-file", str(key), "--out", str(out),
+           "--once", "--timeout", "120"]
+    s = [trace.step() for _ in range(3)]
+    for i, st in enumerate(s):
+        write_state_file(tmp_path / f"s{i}.safetensors", st)
+    p = lambda i: str(tmp_path / f"s{i}.safetensors")  # noqa: E731
+    r = _cli(*pub, "--base", p(0), p(0))
+    assert r.returncode == 0 and "keyframe" in r.stdout, r.stdout + r.stderr
+    r = _cli(*sub)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for i in (1, 2):
+        r = _cli(*pub, "--base", p(i - 1), p(i))
+        assert r.returncode == 0 and f"v{i}: delta" in r.stdout, r.stdout + r.stderr
+    m = parse_manifest(urllib.request.urlopen(f"{cluster.origin}/v1/models/condcli/versions/2", timeout=10).read())
+    assert m.coding == "base-conditioned"
+    r = _cli(*sub)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _same(read_state_file(out), s[2])
