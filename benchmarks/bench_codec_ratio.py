@@ -10,16 +10,23 @@ learning rates (~0.3%, ~0.8%, ~2% of elements changed; ``benchmarks/traces.py``,
 * ideal (format 2 symbols): the empirical entropy of the symbols format 2 codes (gap buckets and value
   symbols, one static model each per state, as the encoder uses) plus their raw bits and raw words: the
   entropy-coder reference for this coding, without any table cost;
-* exp-conditioned: positions grouped by the old word's exponent (gaps within each exponent group,
-  an end symbol per group) and steps modelled per exponent, coded with the same rANS kernel (real coded
-  bytes, tables included) — this coding needs the *base* to decode positions, so relays could not squash
-  it without the model; it is measured here, not a blob mode (see docs/FORMAT.md §4.3);
+* ours, format 3 (base-conditioned): the blobs of ``encode_delta`` with
+  ``EncodeOptions(coding="base-conditioned")`` (docs/FORMAT.md §4.4): positions grouped by the old word's
+  exponent (gaps between ranks inside each group, an END symbol per group) and steps modelled per
+  exponent, same rANS; decoding needs the base, so relays do not squash it;
+* ideal (format 3 symbols): the empirical entropy of those symbols under one static model per exponent
+  per state (no tables), plus raw bits and raw words;
 * ratio = XOR bytes / ours (blobs only; the target is >= 2.5x).
+
+A second table times decode + apply (prepare_delta + apply_prepared, one thread, incremental verify) of
+both codings on the synthetic 99%-unchanged pair, in the same run: the base-conditioned decoder reads
+every old word of each changed chunk (a histogram, then a merge pass), so it is O(chunk), not O(changed).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +34,9 @@ import torch
 import zstandard
 
 from deltasync import rans
-from deltasync.codec import EncodeOptions, decode_blob, encode_delta
+from deltasync.apply import apply_delta, prepare_delta, stage_prepared
+from deltasync.codec import EncodeOptions, encode_delta
+from deltasync.fingerprint import tensor_fingerprint
 from deltasync.values import Changes, changes_from_words, step_symbols
 from deltasync.varint import encode_varints
 
@@ -60,10 +69,13 @@ def _value_extra_bits(sym: np.ndarray, bigmag: np.ndarray, word_bits: int) -> fl
     return float(np.maximum(q - 1, 0).sum() + 8 * bigmag.size + word_bits * int((sym == rans.RAW).sum()))
 
 
-def ideal_format2(a, b) -> float:
-    """Bytes: empirical entropy of format 2's symbols + raw bits + raw words (no tables, no headers)."""
+def ideal_format2(a, b) -> tuple[float, float]:
+    """Bytes: empirical entropy of format 2's symbols + raw bits + raw words (no tables, no headers); and the
+    same with only the value symbols modelled per exponent of the old word (the O(changed) variant: a decoder
+    reads the old words at the changed positions only, which apply reads anyway)."""
     gcount = np.zeros(rans.N_GAP, np.int64)
     vcount = np.zeros(rans.N_VAL, np.int64)
+    vcount_e = np.zeros((256, rans.N_VAL), np.int64)
     extra = 0.0
     for k in a:
         o = a[k].view(torch.int16).reshape(-1).numpy().view(np.uint16)
@@ -78,15 +90,19 @@ def ideal_format2(a, b) -> float:
         extra += float(np.maximum(gb - 1, 0).sum())
         sym, _, bigmag, _ = step_symbols(ch, rans.SMALL, rans.BIG, rans.RAW)
         vcount += np.bincount(sym, minlength=rans.N_VAL)
+        np.add.at(vcount_e, (((o[pos] >> 7) & 0xFF).astype(np.int64), sym.astype(np.int64)), 1)
         extra += _value_extra_bits(sym, bigmag, 16)
-    return (_entropy_bits(gcount) + _entropy_bits(vcount) + extra) / 8
+    steps_e = sum(_entropy_bits(vcount_e[e]) for e in range(256))
+    return ((_entropy_bits(gcount) + _entropy_bits(vcount) + extra) / 8,
+            (_entropy_bits(gcount) + steps_e + extra) / 8)
 
 
 END = rans.N_GAP  # the exponent-grouped coding's end-of-group symbol
 
 
 def exp_conditioned(a, b, cctx) -> tuple[int, float]:
-    """(coded bytes with tables, ideal bytes) of the exponent-grouped coding (bf16 exponent = bits 7..14)."""
+    """(coded bytes with tables, ideal bytes) of the exponent-grouped coding (bf16 exponent = bits 7..14),
+    the numpy prototype of format 3 (kept as its cross-check: per tensor, no chunking)."""
     per_tensor = []
     gcount = np.zeros((256, rans.N_GAP + 1), np.int64)
     vcount = np.zeros((256, rans.N_VAL), np.int64)
@@ -162,16 +178,39 @@ def exp_conditioned(a, b, cctx) -> tuple[int, float]:
 def measure(pair, cctx) -> dict:
     a, b = pair.old, pair.new
     row = {"label": pair.label, "changed": pair.changed_fraction, "xor": dense_xor(a, b, cctx)}
-    for f in (1, 2):
-        enc = encode_delta(a, b, model="m", version=1, parent=0, options=EncodeOptions(format=f))
+    for f, opts in ((1, EncodeOptions(format=1)), (2, EncodeOptions()), (3, EncodeOptions(coding="base-conditioned"))):
+        enc = encode_delta(a, b, model="m", version=1, parent=0, options=opts)
         row[f"f{f}"] = sum(len(v) for v in enc.blobs.values())
         row[f"m{f}"] = len(cctx.compress(enc.manifest.to_json()))
-        if f == 2:  # decodes back to the same changes
-            assert sum(len(p.as_changes()) for blob in enc.blobs.values() for p in decode_blob(blob)) == \
-                sum(t.changed for t in enc.manifest.tensors)
-    row["ideal"] = ideal_format2(a, b)
+        if f >= 2:  # applies back to the new state, bit for bit
+            target = {k: v.clone() for k, v in a.items()}
+            apply_delta(target, enc.manifest, enc.blobs)
+            assert all(torch.equal(target[k].view(torch.int16), b[k].view(torch.int16)) for k in b)
+    row["ideal"], row["ideal_steps"] = ideal_format2(a, b)
     row["exp"], row["exp_ideal"] = exp_conditioned(a, b, cctx)
     return row
+
+
+def decode_apply_times(pair, repeat: int = 3) -> dict[str, float]:
+    """Best-of seconds of prepare_delta + apply_prepared (one thread) per coding on one pair."""
+    a, b = pair.old, pair.new
+    out = {}
+    for name, opts in (("base-free", EncodeOptions()), ("base-conditioned", EncodeOptions(coding="base-conditioned"))):
+        enc = encode_delta(a, b, model="m", version=1, parent=0, options=opts)
+        fps = {k: tensor_fingerprint(v) for k, v in a.items()}
+        target = {k: v.clone() for k, v in a.items()}
+        best = float("inf")
+        for _ in range(repeat + 1):  # the first run compiles / warms
+            t0 = time.perf_counter()
+            prep = prepare_delta(enc.manifest, enc.blobs)
+            staged = stage_prepared(target, prep, fps)
+            dt = time.perf_counter() - t0
+            staged.rollback()
+            best = min(best, dt)
+        out[name] = best
+        out[name + " bytes"] = sum(len(v) for v in enc.blobs.values())
+    out["state bytes"] = sum(v.numel() * v.element_size() for v in a.values())
+    return out
 
 
 def run(quick: bool = False) -> str:
@@ -182,26 +221,46 @@ def run(quick: bool = False) -> str:
                              "(`pip install -e '.[trace]'`).*\n")
     pairs.append(traces.synthetic_pair(params=5_000_000 if quick else 20_000_000))
     rows = [measure(p, cctx) for p in pairs]
-    out = ["## Codec size on real AdamW traces (issue 10): format 2 against dense XOR + zstd-1\n",
-           "Bytes per step (one pair each). *ours* = the delta's blobs; [+ manifest, zstd-1]. *ideal* = empirical "
-           "entropy of format 2's symbols + their raw bits (the entropy-coder reference, no tables). "
-           "*exp-conditioned* = positions grouped and steps modelled by the old word's exponent, coded with the "
-           "same rANS (needs the base to decode: not squashable by relays; measured, not a blob mode). "
-           "Ratios = XOR bytes / bytes.\n", note,
-           "| pair | changed | dense XOR+zstd-1 | ours format 1 | ours format 2 | ideal (format 2 symbols) | "
-           "exp-conditioned (ideal) | format 1 vs XOR | **format 2 vs XOR** | format 2 / ideal | exp-cond. vs XOR |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    times = decode_apply_times(pairs[-1])
+    out = ["## Codec size on real AdamW traces (issue 10): formats 2 and 3 against dense XOR + zstd-1\n",
+           "Bytes per step (one pair each). *ours* = the delta's blobs; [+ manifest, zstd-1]. *format 2* = the "
+           "base-free coding (relays squash it; the default); *format 3* = the base-conditioned coding "
+           "(`--coding base-conditioned`: positions grouped and steps modelled by the old word's exponent; decoding "
+           "needs the base, relays do not squash it). *ideal* = empirical entropy of that format's symbols + raw "
+           "bits (static models per state, no tables): the entropy-coder reference. Ratios = XOR bytes / bytes.\n",
+           note,
+           "| pair | changed | dense XOR+zstd-1 | format 1 | format 2 | ideal f2 | format 3 | ideal f3 (prototype) | "
+           "f1 vs XOR | **f2 vs XOR** | **f3 vs XOR** | f2 / ideal | f3 / ideal |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(
-            f"| {r['label']} | {r['changed']:.2%} | {r['xor'] / 1e3:.1f} kB | {r['f1'] / 1e3:.1f} [{(r['f1'] + r['m1']) / 1e3:.1f}] kB | "
+            f"| {r['label']} | {r['changed']:.2%} | {r['xor'] / 1e3:.1f} kB | {r['f1'] / 1e3:.1f} kB | "
             f"{r['f2'] / 1e3:.1f} [{(r['f2'] + r['m2']) / 1e3:.1f}] kB | {r['ideal'] / 1e3:.1f} kB | "
-            f"{r['exp'] / 1e3:.1f} ({r['exp_ideal'] / 1e3:.1f}) kB | {r['xor'] / r['f1']:.2f}x | **{r['xor'] / r['f2']:.2f}x** | "
-            f"{r['f2'] / r['ideal']:.3f} | {r['xor'] / r['exp']:.2f}x |")
-    out += ["", "Target: >= 2.5x dense XOR + zstd-1 at every density from 0.3% to 2%. Without the base, changed "
+            f"{r['f3'] / 1e3:.1f} [{(r['f3'] + r['m3']) / 1e3:.1f}] kB | {r['exp_ideal'] / 1e3:.1f} "
+            f"({r['exp'] / 1e3:.1f}) kB | {r['xor'] / r['f1']:.2f}x | **{r['xor'] / r['f2']:.2f}x** | "
+            f"**{r['xor'] / r['f3']:.2f}x** | {r['f2'] / r['ideal']:.3f} | {r['f3'] / r['exp_ideal']:.3f} |")
+    gb = times["state bytes"] / 1e9
+    out += ["", "*ideal f3 (prototype)*: the per-tensor numpy prototype's entropy (and, in brackets, its own coded "
+            "bytes with tables), the reference for format 3.", "",
+            "The O(changed) alternative — positions base-free as format 2, only the step symbols modelled per "
+            "exponent of the old word (a decoder reads just the old words at the changed positions) — at its "
+            "entropy, no tables (not a blob mode: the bound on what it could reach):", "",
+            "| pair | ideal f2 | ideal, steps conditioned only | XOR / that (upper bound) |", "|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['label']} | {r['ideal'] / 1e3:.1f} kB | {r['ideal_steps'] / 1e3:.1f} kB | "
+                   f"{r['xor'] / r['ideal_steps']:.2f}x |")
+    out += ["",
+            f"Decode + apply (prepare_delta + stage, one thread, best of 3) on {pairs[-1].label} "
+            f"({pairs[-1].changed_fraction:.2%} changed, {times['state bytes'] / 1e6:.0f} MB state), same run:", "",
+            "| coding | blob bytes | seconds | GB/s of state |", "|---|---|---|---|"]
+    for name in ("base-free", "base-conditioned"):
+        out.append(f"| {name} | {times[name + ' bytes'] / 1e3:.1f} kB | {times[name]:.4f} | {gb / times[name]:.2f} |")
+    out += ["", f"base-conditioned / base-free decode+apply time: {times['base-conditioned'] / times['base-free']:.2f}x.",
+            "", "Target: >= 2.5x dense XOR + zstd-1 at every density from 0.3% to 2%. Without the base, changed "
             "positions of a real AdamW step are close to uniformly random within a tensor (gap coding costs what "
             "log2 C(n, k) does), so no base-free coding of positions gets much below format 2; the old word's "
             "exponent predicts both whether a word changes (a bf16 word moves when the update crosses a rounding "
-            "boundary: more often for small |w|) and its step, which is what exp-conditioned coding uses."]
+            "boundary: more often for small |w|) and its step, which is what format 3 uses."]
     return "\n".join(out) + "\n"
 
 

@@ -77,7 +77,7 @@ async def publish_delta(client: HttpClient, *, model: str, version: int, parent:
     diff = await loop.run_in_executor(None, lambda: diff_states(base, state, base_fps=base_fps,
                                                                 chunk_words=options.chunk_words, update_old=False))
     enc = await loop.run_in_executor(None, lambda: encode_diff(diff, model=model, version=version, parent=parent,
-                                                               options=options, meta=dict(meta or {})))
+                                                               options=options, meta=dict(meta or {}), base=base))
     del diff
     manifest = enc.manifest.with_digests(enc.blobs) if signer is not None else enc.manifest  # signed: every digest
     await upload_blobs(client, enc.blobs, concurrency=concurrency)

@@ -449,7 +449,9 @@ class FileTarget(TensorApplier):
             t = tensors[name]
             w = dtype_info(t.dtype).word_size
             words = word_view(t).numpy()
-            for c in chunks:
+            for k, c in enumerate(chunks):
+                if c.pending is not None:  # base-conditioned coding: decode against the file's words, once
+                    c = chunks[k] = c.resolve(words[c.start : c.stop].view(f"<u{w}"))
                 if c.dense is not None:
                     regions.append({"kind": "bytes", "offset": starts[name] + c.start * w, "length": (c.stop - c.start) * w})
                     payload.append(words[c.start : c.stop].tobytes())

@@ -74,7 +74,7 @@ import torch
 
 from deltasync.apply import live_tensors
 from deltasync.budget import Budgeter, BudgetPolicy, ResidualReport
-from deltasync.codec import EncodeOptions, Encoded
+from deltasync.codec import EncodeOptions, Encoded, RankTable, diff_ranks
 from deltasync.errors import ChainError, DeltaSyncError, PublishError
 from deltasync.fingerprint import state_fingerprint
 from deltasync.keyframe import DEFAULT_SHARD_BYTES, encode_keyframe
@@ -204,6 +204,7 @@ class _Job:
     raw_bytes: int
     meta: dict[str, str]
     budgeted: bool = False  # a budgeted delta: the worker plans it and patches the served view
+    ranks: RankTable | None = None  # base-conditioned coding: what it needs of the base, taken at diff time
 
 
 class Publisher:
@@ -233,6 +234,9 @@ class Publisher:
         self.key = key
         self.keyframe_every = keyframe_every
         self.options = options or EncodeOptions()
+        if self.options.coding != "base-free" and budget is not None:
+            raise ValueError(f"the {self.options.coding} coding and a budget exclude each other (a budgeted delta's "
+                             "base is the served view; use coding base-free)")
         self.upload_concurrency = upload_concurrency
         self.committer = commit
         self.shard_bytes = shard_bytes
@@ -306,6 +310,7 @@ class Publisher:
                 force, self._force_keyframe = self._force_keyframe, False
                 generation = self._generation
             raw_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            ranks = None
             if self._ref is None or force or not self._ref.same_layout(tensors):
                 if self._ref is None:
                     self._ref = Reference(tensors)
@@ -323,6 +328,8 @@ class Publisher:
             else:
                 diff = self._ref.diff_and_update(tensors, chunk_words=self.options.chunk_words)
                 kind, parent = "delta", self._version
+                if self.options.coding != "base-free":  # from the reference now, before it moves on
+                    ranks = diff_ranks(diff, self._ref.tensors)
             if kind == "delta":
                 side = keyframe or (self.keyframe_every > 0 and (
                     self._last_keyframe is None or step - self._last_keyframe >= self.keyframe_every))
@@ -334,7 +341,7 @@ class Publisher:
             budgeted = kind == "delta" and self._budgeter is not None
             job = _Job(version=step, parent=parent, kind=kind, side=side, diff=diff, fps=dict(self._ref.fps),
                        generation=generation, blocking_s=blocking, raw_bytes=raw_bytes, meta=dict(meta or {}),
-                       budgeted=budgeted)
+                       budgeted=budgeted, ranks=ranks)
             fut = self._io.submit(self._process(job, self._prev))
         except BaseException:
             self._slots.release()
@@ -517,5 +524,5 @@ def encode_job(job: _Job, ref: Reference, budgeter: Budgeter | None, *, model: s
                                    shard_bytes=shard_bytes, meta=job.meta)
             on_side_done()
         main = encode_diff(job.diff, model=model, version=job.version, parent=job.parent, options=options,
-                           meta=job.meta)
+                           meta=job.meta, ranks=job.ranks)
     return main, side, report

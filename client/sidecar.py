@@ -81,7 +81,9 @@ class Sidecar:
                  keyframe_every: int = 20, delete_published: bool = False, marker: str | None = None,
                  poll: float = 1.0, state_file: str | os.PathLike | None = None,
                  on_event: Callable[[SidecarEvent], None] | None = None,
-                 budget: int | BudgetPolicy | None = None, ssl=None) -> None:
+                 budget: int | BudgetPolicy | None = None, ssl=None, coding: str = "base-free") -> None:
+        if coding != "base-free" and budget is not None:
+            raise ValueError(f"the {coding} coding and a budget exclude each other (use coding base-free)")
         self.dir = Path(watch_dir)
         self.model = model
         self.side_model = keyframe_stream(model)
@@ -91,7 +93,7 @@ class Sidecar:
         self.marker = marker
         self.poll = poll
         self.state_path = Path(state_file) if state_file else self.dir / STATE_NAME
-        self.options = EncodeOptions()
+        self.options = EncodeOptions(coding=coding)  # coding: docs/FORMAT.md §4.4
         self.client = HttpClient([origin], token=token, timeouts=Timeouts(), ssl=ssl, read_token=token)
         self.on_event = on_event
         # resumable state

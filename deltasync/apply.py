@@ -324,6 +324,8 @@ def _patch_tensor(live: torch.Tensor, chunks: list[ChunkPatch], fp: int, undo: _
             words[where] = new
             fp = update_fingerprint(fp, words_range_delta(old, words[where], c.start, info.word_size))
             continue
+        if c.pending is not None:  # base-conditioned chunk: decoded against the words it patches
+            c = c.resolve(words[c.start : c.stop].cpu().numpy().view(numpy_word_dtype(info.word_size)))
         ch = c.changes
         idx = torch.from_numpy(ch.positions).to(device)
         vals = torch.from_numpy(ch.values.view(np.dtype(f"i{info.word_size}"))).to(device)
@@ -364,6 +366,8 @@ def _patch_tensor_compiled(live: torch.Tensor, work: torch.Tensor, words: torch.
             undo.entries.append((words, where, words[where].clone(), restore, work))
             fp = update_fingerprint(fp, kernels.copy_range_delta(host[where], c.dense, c.start, word_size))
             continue
+        if c.pending is not None:  # base-conditioned chunk: decoded against the words it patches
+            c = c.resolve(host[c.start : c.stop])
         old, fpd = kernels.patch_words(host, c.changes, word_size)  # all or nothing: bounds checked first
         undo.entries.append((words, torch.from_numpy(c.changes.positions), torch.from_numpy(old.view(sdt)), restore, work))
         fp = update_fingerprint(fp, fpd)

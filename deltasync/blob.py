@@ -3,7 +3,8 @@
 Layout (docs/FORMAT.md, "blob")::
 
     magic   8 bytes  b"DSYNCBLB"
-    version u32 LE   2 (readers accept 1 and 2; 2 adds the ``ans`` chunk mode and its streams)
+    version u32 LE   2 (readers accept 1, 2 and 3; 2 adds the ``ans`` chunk mode and its streams, 3 the
+                     base-conditioned ``ansx`` mode: :mod:`deltasync.conditioned`)
     hlen    u32 LE   length of the header
     header  hlen bytes of UTF-8 JSON: {"streams": {name: [offset, clen, rlen]}, "chunks": [...]}
             (version 2: one zstd frame, with its content size, of that JSON)
@@ -30,16 +31,17 @@ from .errors import FormatError, IntegrityError
 
 MAGIC = b"DSYNCBLB"
 VERSION = 2
-READ_VERSIONS = (1, 2)
+READ_VERSIONS = (1, 2, 3)
 _PREFIX = struct.Struct("<8sII")
 MAX_HEADER = 64 << 20
 MAX_STREAM = 1 << 30  # no stream of a blob we write comes near; bounds what a forged header can make us allocate
 BLOB_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 WORD_STREAMS = {f"{kind}{w}": w for kind in ("raw", "dense") for w in (1, 2, 4, 8)}
 V1_BYTE_STREAMS = {"gap", "gapx", "bitmap", "sym", "tok", "ext"}
-BYTE_STREAMS = V1_BYTE_STREAMS | {"ans", "ansm"}  # v2: rANS messages (16-bit words, LE) and their tables
+V2_BYTE_STREAMS = V1_BYTE_STREAMS | {"ans", "ansm"}  # v2: rANS messages (16-bit words, LE) and their tables
+BYTE_STREAMS = V2_BYTE_STREAMS | {"ansx", "ansxm"}  # v3: base-conditioned messages and their tables
 STREAMS = BYTE_STREAMS | set(WORD_STREAMS)
-_STREAMS_OF = {1: V1_BYTE_STREAMS | set(WORD_STREAMS), 2: STREAMS}
+_STREAMS_OF = {1: V1_BYTE_STREAMS | set(WORD_STREAMS), 2: V2_BYTE_STREAMS | set(WORD_STREAMS), 3: STREAMS}
 
 
 def blob_id(data: bytes | bytearray | memoryview) -> str:

@@ -11,7 +11,10 @@ unsigned :class:`~deltasync.manifest.Manifest` plus its blobs.
 
 Chunk modes (docs/FORMAT.md): ``gap`` and ``bitmap`` carry the changed positions
 and one token per change; ``dense`` carries every new word of the chunk and is
-chosen when that is smaller (e.g. a re-initialised tensor).
+chosen when that is smaller (e.g. a re-initialised tensor); ``ans`` (format 2) codes
+positions and steps with rANS; ``ansx`` (format 3, ``EncodeOptions(coding="base-conditioned")``,
+:mod:`deltasync.conditioned`) models them by the old word's exponent and needs the base to
+decode: its :class:`ChunkPatch` is *pending* until :meth:`ChunkPatch.resolve` gets the old words.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import torch
 
 from .blob import BlobReader, BlobWriter, blob_id
 from .dtypes import DtypeInfo, dtype_info, numpy_word_dtype, word_count, word_view
-from .errors import ChainError, FormatError
+from .errors import ChainError, FormatError, UnsupportedError
 from .fingerprint import fingerprint_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint, words_range_delta
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
 from .entropy import AnsBlobCoder, AnsTables, decode_ans_chunk
+from .conditioned import (CODING_BASE_CONDITIONED, CODING_BASE_FREE, CODING_META, CODINGS, CondBlobCoder, CondTables,
+                          PendingChanges, chunk_ranks, context_spec)
 from . import kernels
 from .kernels import changes_from_words, decode_bitmap, decode_gaps, decode_values, encode_bitmap, encode_gaps, encode_values
 from .positions import choose_position_mode
@@ -54,6 +59,10 @@ class EncodeOptions:
     # Blob format version written (docs/FORMAT.md §3): 2 = rANS-coded positions and steps (``ans`` chunks);
     # 1 = the byte-token coding every older reader understands (publish it while a fleet still runs them).
     format: int = 2
+    # "base-free" (formats 1/2: relays squash chains without the model) or "base-conditioned" (blob format 3:
+    # positions and steps modelled by the old word's exponent, ~30% smaller on AdamW traces; decoding needs the
+    # base, so relays cannot squash the stream: subscribers walk its chain). docs/FORMAT.md §4.4.
+    coding: str = CODING_BASE_FREE
     dim1_suffixes: tuple[str, ...] = ("o_proj.weight", "down_proj.weight", ".w2.weight", "experts.down_proj")
 
     def __post_init__(self) -> None:
@@ -65,8 +74,18 @@ class EncodeOptions:
             raise ValueError(f"zstd level must be in [-7, 22], got {self.level}")
         if self.pack not in ("tensor", "cells"):
             raise ValueError(f"pack must be 'tensor' or 'cells', got {self.pack!r}")
-        if self.format not in (1, 2):
-            raise ValueError(f"format must be 1 or 2, got {self.format!r}")
+        if self.format not in (1, 2, 3):
+            raise ValueError(f"format must be 1, 2 or 3, got {self.format!r}")
+        if self.coding not in CODINGS:
+            raise ValueError(f"coding must be one of {CODINGS}, got {self.coding!r}")
+        if (self.format == 3) != (self.coding == CODING_BASE_CONDITIONED) and self.format != 2:
+            raise ValueError(f"blob format {self.format} cannot carry the {self.coding} coding "
+                             "(base-conditioned is format 3; base-free is 1 or 2)")
+
+    @property
+    def blob_format(self) -> int:
+        """The blob version written: 3 for the base-conditioned coding, else ``format``."""
+        return 3 if self.coding == CODING_BASE_CONDITIONED else self.format
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,16 +103,32 @@ class ChunkPatch:
     dtype: str
     start: int
     stop: int
-    changes: Changes | None = None  # gap/bitmap modes
+    changes: Changes | None = None  # gap/bitmap/ans modes (and ansx once resolved)
     dense: np.ndarray | None = None  # dense mode: every new word of the chunk
+    pending: PendingChanges | None = None  # ansx mode before :meth:`resolve`: needs the base's words
 
     @property
     def count(self) -> int:
-        return self.stop - self.start if self.dense is not None else len(self.changes)
+        if self.dense is not None:
+            return self.stop - self.start
+        return self.pending.count if self.changes is None and self.pending is not None else len(self.changes)
+
+    def resolve(self, base: np.ndarray) -> "ChunkPatch":
+        """This chunk with its changes decoded against ``base``: the old words [start, stop) of the tensor
+        (host, unsigned). Reads every word given (O(chunk)); a chunk that needs no base returns itself."""
+        if self.changes is not None or self.pending is None:
+            return self
+        return ChunkPatch(tensor=self.tensor, dtype=self.dtype, start=self.start, stop=self.stop,
+                          changes=self.pending.decode(base))
 
     def as_changes(self) -> Changes:
         if self.changes is not None:
             return self.changes
+        if self.pending is not None:
+            raise UnsupportedError(
+                f"{self.tensor}[{self.start}:{self.stop}] uses the base-conditioned coding: decoding it needs the "
+                "base's words (ChunkPatch.resolve); this reader has none. Publish the stream with coding base-free "
+                "to serve it")
         n = self.stop - self.start
         return Changes(positions=np.arange(self.start, self.stop, dtype=np.int64),
                        raw=np.ones(n, dtype=np.bool_), values=self.dense)
@@ -256,14 +291,18 @@ class ChunkPacker:
 
     def __init__(self, options: EncodeOptions) -> None:
         self.options = options
-        self.writer = BlobWriter(level=options.level, version=options.format)
+        self.writer = BlobWriter(level=options.level, version=options.blob_format)
         self.blobs: dict[str, bytes] = {}
         self.order: list[str] = []
         self.refs: dict[str, list[ChunkRef]] = {}
         self._pending: list[tuple[str, int]] = []  # (tensor, index in open blob)
         self._ans = AnsBlobCoder()  # v2: the open blob's ans chunks, coded when it closes
+        self._cond = CondBlobCoder()  # v3: the open blob's ansx chunks
 
-    def add(self, name: str, info: DtypeInfo, start: int, stop: int, changes: Changes) -> None:
+    def add(self, name: str, info: DtypeInfo, start: int, stop: int, changes: Changes,
+            ranks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+        """``ranks``: :func:`conditioned.chunk_ranks` of the chunk against its base (format 3 codes the
+        chunk ``ansx`` with them; without them, or for a dtype the mode does not cover, ``ans``)."""
         length = stop - start
         count = len(changes)
         if count == 0:
@@ -273,7 +312,13 @@ class ChunkPacker:
         if count == length and changes.raw.all():
             self.add_dense(name, info, start, stop, changes.values)
             return
-        if self.options.format == 2:
+        fmt = self.options.blob_format
+        if fmt == 3 and ranks is not None and context_spec(info.name) is not None:
+            raw = self._cond.add(record, ranks, changes)
+            self.writer.raw_bytes += 2 * count
+            self._add(name, record, {f"raw{w}": raw})
+            return
+        if fmt >= 2:
             raw = self._ans.add(record, changes.positions - start, changes)
             self.writer.raw_bytes += 2 * count  # the ans words are appended when the blob closes
             self._add(name, record, {f"raw{w}": raw})
@@ -295,7 +340,7 @@ class ChunkPacker:
     def add_dense(self, name: str, info: DtypeInfo, start: int, stop: int, words: np.ndarray) -> None:
         record = {"tensor": name, "dtype": info.name, "start": start, "stop": stop, "count": stop - start,
                   "mode": "dense"}
-        record.update({"na": 0, "nr": 0} if self.options.format == 2 else {"ng": 0, "ngx": 0, "nt": 0, "ne": 0, "nr": 0})
+        record.update({"na": 0, "nr": 0} if self.options.blob_format >= 2 else {"ng": 0, "ngx": 0, "nt": 0, "ne": 0, "nr": 0})
         self._add(name, record, {f"dense{info.word_size}": np.ascontiguousarray(words)})
 
     def _add(self, name: str, record: dict, streams: dict[str, np.ndarray]) -> None:
@@ -308,6 +353,7 @@ class ChunkPacker:
         if not self._pending:
             return
         self._ans.finish(self.writer)
+        self._cond.finish(self.writer)
         data = self.writer.finish()
         bid = blob_id(data)
         if bid not in self.blobs:
@@ -424,13 +470,49 @@ def encode_delta(
     options = options or EncodeOptions()
     diff = diff_states(old, new, base_fps=base_fps, chunk_words=options.chunk_words, progress=progress,
                        executor=executor)
-    return encode_diff(diff, model=model, version=version, parent=parent, options=options, meta=meta)
+    conditioned = options.coding == CODING_BASE_CONDITIONED
+    return encode_diff(diff, model=model, version=version, parent=parent, options=options, meta=meta,
+                       base=old if conditioned else None)
+
+
+RankTable = dict[tuple[str, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def diff_ranks(diff: StateDiff, base: Mapping[str, torch.Tensor]) -> RankTable:
+    """What the base-conditioned coding needs of the base, O(changed) to keep: per changed chunk
+    ``(tensor, start)``, :func:`conditioned.chunk_ranks` (each change's exponent group and rank in it).
+
+    ``base``: the state before, or any state equal to it off the changed positions (the new state, or a
+    publisher's reference patched in place); read once per changed chunk. Call it before that state
+    moves on: :func:`encode_diff` may then run later, on any thread."""
+    out: RankTable = {}
+    for name, chunks in diff.chunks.items():
+        info = dtype_info(diff.layout[name][0])
+        spec = context_spec(info.name)
+        if spec is None:
+            continue
+        t = base[name].detach()
+        words = word_view(t if t.is_contiguous() else t.contiguous())
+        for c in chunks:
+            part = words[c.start : c.stop]
+            host = (part if part.device.type == "cpu" else part.cpu()).numpy().view(numpy_word_dtype(info.word_size))
+            out[(name, c.start)] = chunk_ranks(host, c.positions - c.start, c.old, *spec)
+    return out
 
 
 def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, options: EncodeOptions | None = None,
-                meta: Mapping[str, str] | None = None) -> Encoded:
-    """The delta ``parent → version`` from a :class:`StateDiff` (any thread; host only); unsigned."""
+                meta: Mapping[str, str] | None = None, base: Mapping[str, torch.Tensor] | None = None,
+                ranks: RankTable | None = None) -> Encoded:
+    """The delta ``parent → version`` from a :class:`StateDiff` (any thread; host only); unsigned.
+
+    The base-conditioned coding (``options.coding``) also needs ``ranks`` (:func:`diff_ranks`) or the
+    ``base`` state to compute them from."""
     options = options or EncodeOptions()
+    if options.coding == CODING_BASE_CONDITIONED and ranks is None:
+        if base is None:
+            raise ValueError("the base-conditioned coding needs the base: pass base= (the state before) or "
+                             "ranks=diff_ranks(diff, base)")
+        ranks = diff_ranks(diff, base)
     packer = ChunkPacker(options)
     names = sorted(diff.layout)
     # A blob holding at least ``cell_blob_min`` raw bytes closes where a tensor or one of its row cells
@@ -454,7 +536,7 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
         if c.positions.size == c.stop - c.start and ch.raw.mean() > 0.5:  # a rewritten chunk: ship it whole
             packer.add_dense(name, info, c.start, c.stop, c.new)
         else:
-            packer.add(name, info, c.start, c.stop, ch)
+            packer.add(name, info, c.start, c.stop, ch, ranks.get((name, c.start)) if ranks is not None else None)
     packer.close_blob()
     tensors = []
     for name in names:
@@ -464,6 +546,8 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
             fp_after=fp_hex(diff.fps_after[name]), changed=sum(c.positions.size for c in diff.chunks.get(name, ())),
             chunks=tuple(packer.refs.get(name, ()))))
     meta = dict(meta or {})
+    if options.coding == CODING_BASE_CONDITIONED:
+        meta[CODING_META] = CODING_BASE_CONDITIONED  # readers (relays, subscribers) know before fetching a blob
     if len(packer.order) > 1:  # with one blob there is nothing to select: no spans
         for name in names:
             if diff.chunks.get(name):
@@ -513,6 +597,7 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
 
     keys = _CHUNK_KEYS if reader.version == 1 else _CHUNK_KEYS_V2
     tables: list[AnsTables] = []  # the blob's models, parsed at its first ans chunk
+    ctables: list[CondTables] = []  # v3: the blob's per-context models, parsed at its first ansx chunk
 
     jobs: list[Callable[[], ChunkPatch]] = []
     for rec in reader.chunks:
@@ -535,9 +620,25 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
             patch = ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, dense=take(f"dense{w}", length, wdt))
             jobs.append(lambda patch=patch: patch)
             continue
-        if reader.version == 2:
+        if reader.version == 3 and mode == "ansx":
+            if context_spec(info.name) is None:
+                raise FormatError(f"blob chunk: mode 'ansx' does not apply to {info.name}")
+            if not ctables:
+                ctables.append(CondTables.parse(reader.stream("ansxm")))
+                cursors["ansxm"] = reader.stream("ansxm").size
+            words = np.array(take("ansx", 2 * _nonneg(rec, "na"))).view("<u2")
+            raw = take(f"raw{w}", _nonneg(rec, "nr"), wdt)
+            if int(words.size) < 2:
+                raise FormatError("ansx chunk: its message is shorter than the 2-word state")
+            pending = PendingChanges(tables=ctables[0], words=words, raw=raw, count=count, start=start,
+                                     length=length, word_size=w, dtype=info.name)
+            patch = ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, pending=pending)
+            jobs.append(lambda patch=patch: patch)
+            continue
+        if reader.version >= 2:
             if mode != "ans":
-                raise FormatError(f"blob chunk: unknown mode {mode!r} (format 2 has 'ans' and 'dense')")
+                raise FormatError(f"blob chunk: unknown mode {mode!r} (format {reader.version} has "
+                                  f"{'ans, ansx' if reader.version == 3 else 'ans'} and dense)")
             if not tables:
                 tables.append(AnsTables.parse(reader.stream("ansm")))
                 cursors["ansm"] = reader.stream("ansm").size

@@ -40,6 +40,7 @@ MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FP_RE = re.compile(r"^[0-9a-f]{16}$")
 _SIG_RE = re.compile(r"^[a-z0-9-]{1,32}:[0-9a-f]{16,256}$")
 _KEY_ID_RE = re.compile(r"^[A-Za-z0-9._:,-]{1,256}$")
+CODING_META = "deltasync.coding"  # meta key naming a delta's coding (deltasync.conditioned)
 MAX_VERSION = (1 << 63) - 1
 MAX_MANIFEST_BYTES = 256 << 20
 
@@ -141,6 +142,12 @@ class Manifest:
     @property
     def changed_words(self) -> int:
         return sum(t.changed for t in self.tensors)
+
+    @property
+    def coding(self) -> str:
+        """How the delta's changes are coded: ``base-free`` (relays squash it) or ``base-conditioned``
+        (decoding needs the base: docs/FORMAT.md §4.4), from ``meta["deltasync.coding"]`` (signed with it)."""
+        return self.meta.get(CODING_META, "base-free")
 
     def tensor(self, name: str) -> TensorRecord:
         for t in self.tensors:

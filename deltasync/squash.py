@@ -6,6 +6,9 @@ word moves that word, and a raw word replaces whatever came before. The result
 applied to v equals applying the chain in order, bit for bit; its fingerprints
 are the chain's first ``fp_before`` and last ``fp_after``.
 
+A chain in the base-conditioned coding (docs/FORMAT.md §4.4: decoding needs the base) is refused with
+:class:`~deltasync.errors.UnsupportedError` before any blob is read; subscribers walk such chains.
+
 Work is bounded (:class:`SquashBudget`): the words read from the chain's blobs, the changed
 words held, the output bytes and the wall time each have a cap, checked between steps; going
 over raises :class:`~deltasync.errors.TooLargeError` (413) saying which cap and what to do. A
@@ -25,7 +28,7 @@ import numpy as np
 from .blob import blob_version
 from .codec import ChunkPacker, EncodeOptions, Encoded, decode_blob
 from .dtypes import dtype_info, numpy_word_dtype
-from .errors import ChainError, IntegrityError, TooLargeError
+from .errors import ChainError, IntegrityError, TooLargeError, UnsupportedError
 from .manifest import BlobRef, Manifest, TensorRecord
 from .values import Changes
 
@@ -90,6 +93,10 @@ def check_chain(manifests: Sequence[Manifest]) -> None:
     for m in manifests:
         if m.kind != "delta":
             raise ChainError(f"v{m.version} is a {m.kind}; only deltas squash")
+        if m.coding != "base-free":
+            raise UnsupportedError(
+                f"{m.model} v{m.version} uses the {m.coding} coding: decoding it needs the base model, so it "
+                "cannot be squashed without the model; fetch the chain version by version")
         if m.model != manifests[0].model:
             raise ChainError(f"chain mixes models {manifests[0].model!r} and {m.model!r}")
     for a, b in zip(manifests, manifests[1:]):
@@ -122,6 +129,9 @@ def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes]
             if len(data) != ref.size:
                 raise IntegrityError(f"v{m.version}: blob {ref.id} is {len(data)} bytes, its manifest says {ref.size}")
             newest = max(newest, blob_version(data))
+            if newest >= 3:  # a base-conditioned blob under a manifest that does not say so
+                raise UnsupportedError(f"v{m.version}: blob {ref.id} uses the base-conditioned coding (format 3), which "
+                                       "cannot be squashed without the model; fetch the chain version by version")
             for patch in decode_blob(data):
                 rec = layout.get(patch.tensor)
                 if rec is None or rec.dtype != patch.dtype or patch.stop > rec.words:

@@ -22,7 +22,7 @@ import logging
 import multiprocessing
 import time
 
-from deltasync.errors import BaseMismatchError, ChainError, FormatError, NotFoundError, UnavailableError
+from deltasync.errors import BaseMismatchError, ChainError, FormatError, NotFoundError, UnavailableError, UnsupportedError
 from deltasync.planner import walk_parents
 from deltasync.manifest import Manifest, parse_manifest
 
@@ -124,6 +124,10 @@ class CatchupBuilder:
         chain = await self.chain(model, start, end)
         if len(chain) == 1:
             return await self.catalog.manifest_bytes(model, end)
+        coded = next((m for m in chain if m.coding != "base-free"), None)
+        if coded is not None:  # docs/FORMAT.md §4.4: decoding needs the model, which a server does not hold
+            raise UnsupportedError(f"{model} v{coded.version} uses the {coded.coding} coding, which cannot be squashed "
+                                   "without the model; fetch the chain version by version")
         ids = sorted({b.id for m in chain for b in m.blobs})
         self.store.lease(ids)
         try:

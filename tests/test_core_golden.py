@@ -239,3 +239,69 @@ def test_golden2_bytes_still_decode():
     target = {n: t.clone() for n, t in old.items()}
     apply_delta(target, parse_manifest(GOLDEN2_MANIFEST), {GOLDEN2_BLOB_ID: GOLDEN2_BLOB})
     assert {n: tensor_bytes(t) for n, t in target.items()} == {n: tensor_bytes(t) for n, t in new.items()}
+
+
+# -- blob format 3 (EncodeOptions(coding="base-conditioned"), docs/FORMAT.md §4.4): the same states ------------
+
+GOLDEN3_BLOB_HEX = (
+    "4453594e43424c4203000000ce00000028b52ffd608c0025060032cd251d7049aa0366506113fda6d5386af653d0feff"
+    "15f4cc489a02acf4ff0b0149a290cf5da0a72c32fe4d9ca7ac3958af56c8e736e6297babe2f7cb7d93b28795b96f5c52"
+    "2259782cf622ac5552a314061b330e820500a00232e6dc4957b3cfc1c6625dcac91e5c8475c9c6b722ac9f7dad46d9d5"
+    "ea22c0b69a65863bea168fcb1508149a65878468d444363603672892b290a0190c188a041100d60c87c5b368ae0740c3"
+    "8a9803e00f06f3597e61301ee804f875c1606011f0f88516000f05b5700628b52ffd200c610000e27b6904bf686a8210"
+    "80040028b52ffd2074e50200e2c4111cc0251dfff73e005305b8b5d6482294ff3feb5fbfd448b2b1c896490685cfb680"
+    "affae913d68120e0d72fbb54a600fff8b6437968b864a64b8f3f350879a8a624c851f86c150107002a4340358c60469b"
+    "a7a01d1096abc40128b52ffd2004210000bc40b8df28b52ffd20021100009ac028b52ffd2004210000000080bf"
+)
+GOLDEN3_BLOB = bytes.fromhex(GOLDEN3_BLOB_HEX)
+GOLDEN3_BLOB_ID = "6f126f3065721f2101ce71ed8e42814f"
+GOLDEN3_MANIFEST = ("".join(GOLDEN_MANIFEST).replace(GOLDEN_BLOB_ID, GOLDEN3_BLOB_ID).replace('"size":642', '"size":381')
+                    .replace('"meta":{}', '"meta":{"deltasync.coding":"base-conditioned"}'))
+# ansxm: 12 contexts (a's bf16 exponents, b's float32 ones), each: e, G_e's (symbol, freq) pairs, V_e's pairs
+GOLDEN3_STREAMS = {
+    "ansx": "e27b6904bf686a8210800400",  # a: 4 words, b: 2 words
+    "ansxm": "0c0001318020007801318020007d01318020007e01318020007f0201d50a31ab15011180208001013180200081010302d60a"
+             "04d50a31d50a0210801011801082010300d60a02d50a31d50a02008010018010830101318020008401013180200085010207"
+             "801031801001008020ff010131802000",
+    "dense1": "bc40b8df",
+    "raw2": "9ac0",
+    "raw4": "000080bf",
+}
+GOLDEN3_CHUNKS = [
+    {"count": 5, "dtype": "bfloat16", "mode": "ansx", "na": 4, "nr": 1, "start": 0, "stop": 300, "tensor": "a"},
+    {"count": 1, "dtype": "float32", "mode": "ansx", "na": 2, "nr": 1, "start": 0, "stop": 4, "tensor": "b"},
+    {"count": 4, "dtype": "float8_e5m2", "mode": "dense", "na": 0, "nr": 0, "start": 0, "stop": 4, "tensor": "d"},
+]
+
+
+def test_golden3_blob_bytes():
+    old, new = golden_states()
+    enc = encode_delta(old, new, model="policy", version=2, parent=1, options=EncodeOptions(coding="base-conditioned"))
+    assert list(enc.blobs) == [GOLDEN3_BLOB_ID]
+    assert enc.blobs[GOLDEN3_BLOB_ID].hex() == GOLDEN3_BLOB.hex()
+    assert enc.manifest.to_json().decode() == GOLDEN3_MANIFEST
+
+
+def test_golden3_streams_below_zstd():
+    magic, version, hlen = struct.unpack_from("<8sII", GOLDEN3_BLOB)
+    assert (magic, version) == (b"DSYNCBLB", 3)
+    header = json.loads(zstandard.ZstdDecompressor().decompress(GOLDEN3_BLOB[16:16 + hlen]))
+    assert header["chunks"] == GOLDEN3_CHUNKS
+    reader = BlobReader(GOLDEN3_BLOB)
+    got = {n: reader.stream(n).view(np.uint8).tobytes().hex() for n in sorted(reader.stream_names)}
+    assert got == GOLDEN3_STREAMS
+
+
+def test_golden3_bytes_still_decode_against_the_base():
+    old, new = golden_states()
+    patches = decode_blob(GOLDEN3_BLOB)
+    assert [(p.tensor, p.dtype, p.start, p.stop, p.count) for p in patches] == [
+        ("a", "bfloat16", 0, 300, 5), ("b", "float32", 0, 4, 1), ("d", "float8_e5m2", 0, 4, 4)]
+    base = old["a"].view(torch.int16).numpy().view(np.uint16)
+    a = patches[0].resolve(base).changes
+    assert a.positions.tolist() == [0, 3, 10, 40, 299]
+    assert a.raw.tolist() == [False, False, False, True, False]
+    assert a.values.tolist() == [1, 0xFFFF, 200, int(new["a"].view(torch.int16)[40]) & 0xFFFF, 1]
+    target = {n: t.clone() for n, t in old.items()}
+    apply_delta(target, parse_manifest(GOLDEN3_MANIFEST), {GOLDEN3_BLOB_ID: GOLDEN3_BLOB})
+    assert {n: tensor_bytes(t) for n, t in target.items()} == {n: tensor_bytes(t) for n, t in new.items()}
