@@ -19,10 +19,12 @@ budget as soon as something can be evicted.
 
 History: a store made with ``prune_history`` (a relay) keeps the manifests of each
 model from its floor (retention.py ``manifest_floor``: the oldest version of the
-retention window, the newest keyframe whenever that is older) up to the head, and
+retention window, the newest keyframe whenever that is older; a keyframe of the
+model's side stream ``M.kf`` counts as one of ``M``) up to the head, and
 deletes older ones with the squashed manifests that start below the floor; asking for
 such a version answers 404 (catch up from a keyframe), pulled through from a parent
-that still has it. An origin keeps every manifest (docs/PROTOCOL.md §6.4).
+that still has it (the newest ``STALE_MAX`` such pulls are kept, the oldest deleted).
+An origin keeps every manifest (docs/PROTOCOL.md §6.4).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -41,9 +44,13 @@ from .blobstore import BlobFiles, BlobReader, GrowingBlob, Inventory
 from .diskfiles import DiskFiles, DiskPartial
 from .memfiles import MemoryFiles
 from .retention import BlobLedger, manifest_floor
+from .tokens import SIDE_SUFFIX
 from .versions import ModelIndex, VersionInfo, version_info
 
 log = logging.getLogger("deltasync.server.store")
+
+#: manifests below a pruning store's floor it keeps after pulling them through again (module docstring)
+STALE_MAX = 8
 
 PartialBlob = GrowingBlob  # the name older modules import
 __all__ = ["DiskStore", "IndexedStore", "MemoryStore", "PartialBlob", "VersionInfo"]
@@ -60,6 +67,10 @@ class IndexedStore:
         self.prune_history = prune_history
         # Squashed manifests kept: (model, from, to) -> size (counted in the ledger's ``meta``).
         self._squashes: dict[tuple[str, int, int], int] = {}
+        # Pruning stores: each model's floor at the last prune, and the versions below it pulled through
+        # again since (a subscriber walking far back), oldest first, at most STALE_MAX kept.
+        self._floors: dict[str, int] = {}
+        self._stale: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._ledger = BlobLedger(budget=budget)
         self._on_evict = on_evict
         # Blob refs of the versions that may pin blobs (the retention window and anything above head).
@@ -208,10 +219,12 @@ class IndexedStore:
     def _repin(self) -> None:
         pinned: set[str] = set()
         keep: set[tuple[str, int]] = set()
-        for idx in self.models.values():
+        for idx in list(self.models.values()):
+            side = self._side_keyframe(idx)
+            retention = self._retention(idx)
             if self.prune_history:
-                self._prune(idx)
-            for v in idx.window(self.retention):
+                self._prune(idx, side, retention)
+            for v in idx.window(retention, side_keyframe=side):
                 keep.add((idx.model, v))
                 refs = self._blob_lists.get((idx.model, v))
                 if refs is None:
@@ -226,18 +239,37 @@ class IndexedStore:
         self._ledger.set_pins(pinned)
         self.make_room(0)
 
-    def _prune(self, idx: ModelIndex) -> None:
+    def _forget(self, idx: ModelIndex, version: int) -> None:
+        info = idx.remove(version)
+        self._ledger.meta -= info.manifest_size if info is not None else 0
+        self._blob_lists.pop((idx.model, version), None)
+        self._stale.pop((idx.model, version), None)
+        self.files.discard_manifest(idx.model, version)
+
+    def _side_keyframe(self, idx: ModelIndex) -> int | None:
+        """The newest announced version of ``idx``'s side keyframe stream ``M.kf`` at or below its head: a
+        keyframe of ``M`` a subscriber starts from (client/streams.py)."""
+        side = self.models.get(idx.model + SIDE_SUFFIX)
+        if side is None or side.head is None or idx.head is None:
+            return None
+        at = bisect.bisect_right(side.order, min(side.head, idx.head))
+        return side.order[at - 1] if at else None
+
+    def _retention(self, idx: ModelIndex) -> int:
+        """How many of a stream's newest versions are kept: ``retention``, but 1 for a side keyframe stream
+        ``M.kf`` (every version a keyframe: a subscriber only ever starts from the newest one)."""
+        return 1 if idx.model.endswith(SIDE_SUFFIX) else self.retention
+
+    def _prune(self, idx: ModelIndex, side_keyframe: int | None, retention: int) -> None:
         """Delete the manifests (and squashed manifests) of ``idx`` below its floor (module docstring)."""
-        floor = manifest_floor(idx.order, head=idx.head, newest_keyframe=idx.newest_keyframe,
-                               retention=self.retention)
+        floor = manifest_floor(idx.order, head=idx.head, newest_keyframe=idx.keyframe(side_keyframe),
+                               retention=retention)
         if floor is None:
             return
+        self._floors[idx.model] = floor
         gone = idx.order[: bisect.bisect_left(idx.order, floor)]
         for v in gone:
-            info = idx.remove(v)
-            self._ledger.meta -= info.manifest_size if info is not None else 0
-            self._blob_lists.pop((idx.model, v), None)
-            self.files.discard_manifest(idx.model, v)
+            self._forget(idx, v)
         for key in [k for k in self._squashes if k[0] == idx.model and k[1] < floor]:
             self._ledger.meta -= self._squashes.pop(key)
             self.files.discard_squash(*key)
@@ -320,6 +352,11 @@ class IndexedStore:
         elif self._above_head((m.model, m.version)):
             self._repin()  # its blobs are pinned while they arrive
         else:
+            if self.prune_history and m.version < self._floors.get(m.model, -1):
+                self._stale[(m.model, m.version)] = None  # pulled through below the floor: kept a while
+                while len(self._stale) > STALE_MAX:
+                    (model, v), _ = self._stale.popitem(last=False)
+                    self._forget(self.models[model], v)
             self.make_room(0)
         return info
 
@@ -330,8 +367,7 @@ class IndexedStore:
         await self.files.write_squash(model, start, end, data)
         key = (model, start, end)
         self._ledger.meta += len(data) - self._squashes.get(key, 0)
-        self._squashes[key] = len(data)
-        self.make_room(0)
+        self._squashes[key] = len(data)  # counted; room is made at the next blob or announce
 
 
 class DiskStore(IndexedStore):

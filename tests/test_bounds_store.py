@@ -66,6 +66,7 @@ def test_store_counts_manifests_and_squashes_and_stays_within_budget(tmp_path):
         for m, blobs in vs:
             await _put_version(store, m, blobs)
             await store.put_squash("m", max(0, m.version - 4), m.version, b"{}" * 300)
+            store.make_room(0)
             on_disk = du(tmp_path / "s")
             assert on_disk == store.stored_bytes, "the ledger must count every byte on disk"
             assert on_disk <= budget + 3000 + 2000, f"v{m.version}: {on_disk} bytes kept, budget {budget}"
@@ -84,7 +85,8 @@ def test_store_counts_manifests_and_squashes_and_stays_within_budget(tmp_path):
         store2 = DiskStore(tmp_path / "s", budget=budget, retention=3, fsync=False, prune_history=True)
         store2.files._lock_fd = None
         await store2.load()
-        assert store2.stored_bytes == store.stored_bytes and store2.index("m").order == idx.order
+        assert store2.index("m").order == idx.order and store2.manifest_bytes == store.manifest_bytes
+        assert du(tmp_path / "s") == store2.stored_bytes <= budget
 
     asyncio.run(main())
 
@@ -163,14 +165,17 @@ def test_tree_with_a_tiny_budget_stays_within_it_and_late_joiners_converge(tmp_p
             with s.hold():
                 assert all(torch.equal(t[n].view(-1).view(torch.uint8), states[versions - 1][n].view(-1).view(torch.uint8))
                            for n in t)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # the last blobs land a moment after the head moves
+        # The last blobs land a moment after the head moves, and a squash build a joiner asked for leases its
+        # chain (over budget rather than refuse) until it ends: its first build starts the codec (tens of s).
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
             if all(du(tmp_path / r) <= budget + biggest for r in ("tier1", "tier2")):
                 break
             time.sleep(0.2)
         for r in ("tier1", "tier2"):
             kept = du(tmp_path / r)
-            assert kept <= budget + biggest, f"{r} keeps {kept} bytes, budget {budget} + one version {biggest}"
+            parts = {p.name: du(p) for p in (tmp_path / r).iterdir() if p.is_dir()}
+            assert kept <= budget + biggest, f"{r} keeps {kept} bytes {parts}, budget {budget} + one version {biggest}"
             manifests = list((tmp_path / r / "models" / "bud").iterdir())
             assert len(manifests) <= 4 + 10 + 2, f"{r}: {len(manifests)} manifests kept, expected pruning"
         # the origin keeps every version (documented): a pruned version is still served through the relays
