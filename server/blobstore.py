@@ -33,7 +33,7 @@ while it grows (cut-through). ``commit`` checks the hash and makes it a stored b
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from deltasync.errors import IntegrityError
@@ -121,6 +121,8 @@ class Inventory:
     manifests: tuple[StoredManifest, ...] = ()
     #: squashed manifests as (model, from, to, size)
     squashes: tuple[tuple[str, int, int, int], ...] = ()
+    #: when each blob was written (wall-clock seconds), where the byte layer knows it
+    blob_times: dict[str, float] = field(default_factory=dict)
 
 
 OnCommit = Callable[[GrowingBlob], Awaitable[None]]  # what a growing blob awaits once it verified

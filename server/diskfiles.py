@@ -242,7 +242,7 @@ class DiskFiles:
                 else:
                     log.warning("ignoring unexpected file %s in the squash cache", f)
         return Inventory(blobs=tuple((bid, size) for _, bid, size in sorted(found)), manifests=tuple(manifests),
-                         squashes=tuple(squashes))
+                         squashes=tuple(squashes), blob_times={bid: t for t, bid, _ in found})
 
     # -- blobs ---------------------------------------------------------------------------
     def new_partial(self, blob_id: str, *, on_commit) -> DiskPartial:

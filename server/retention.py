@@ -154,6 +154,9 @@ class BlobLedger:
             else:
                 self._leases.pop(b, None)
 
+    def leased(self, bid: str) -> bool:
+        return bid in self._leases
+
     def reserve(self, nbytes: int) -> None:
         self.reserved += nbytes
 

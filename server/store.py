@@ -25,12 +25,20 @@ deletes older ones with the squashed manifests that start below the floor; askin
 such a version answers 404 (catch up from a keyframe), pulled through from a parent
 that still has it (the newest ``STALE_MAX`` such pulls are kept, the oldest deleted).
 An origin keeps every manifest (docs/PROTOCOL.md §6.4).
+
+Orphans: a store made with ``orphan_grace`` (an origin) deletes blobs no manifest
+references once they are older than the grace: blobs of a publish that never
+committed (a publisher or origin killed between the blob uploads and the manifest,
+or between a version's commit and its side keyframe's), and squash outputs. It looks
+at start and at every manifest commit; the grace outlasts any publish that is still
+going to commit them (``ORPHAN_GRACE``, env ``DELTASYNC_ORPHAN_GRACE_S``).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -52,6 +60,9 @@ log = logging.getLogger("deltasync.server.store")
 #: manifests below a pruning store's floor it keeps after pulling them through again (module docstring)
 STALE_MAX = 8
 
+#: seconds an unreferenced blob waits on an origin before it is deleted (module docstring)
+ORPHAN_GRACE = float(os.environ.get("DELTASYNC_ORPHAN_GRACE_S", 3600))
+
 PartialBlob = GrowingBlob  # the name older modules import
 __all__ = ["DiskStore", "IndexedStore", "MemoryStore", "PartialBlob", "VersionInfo"]
 
@@ -61,8 +72,12 @@ class IndexedStore:
 
     def __init__(self, files: BlobFiles, *, budget: int | None = None, retention: int = 16,
                  on_evict: Callable[[int, int], None] | None = None, verify_ttl: float = 600.0,
-                 prune_history: bool = False) -> None:
+                 prune_history: bool = False, orphan_grace: float | None = None) -> None:
         self.files = files
+        # Origins: every blob id a manifest references, and unreferenced blobs with when they were written.
+        self.orphan_grace = orphan_grace
+        self._refs: set[str] = set()
+        self._orphans: dict[str, float] = {}
         self.retention = retention
         self.prune_history = prune_history
         # Squashed manifests kept: (model, from, to) -> size (counted in the ledger's ``meta``).
@@ -108,6 +123,12 @@ class IndexedStore:
             self._ledger.meta += size
         for idx in self.models.values():
             idx.set_head(idx.order[-1] if trust_head else self._newest_complete(idx))
+        if self.orphan_grace is not None:
+            now = time.time()
+            for bid, _ in inv.blobs:
+                if bid not in self._refs:
+                    self._orphans[bid] = inv.blob_times.get(bid, now)
+            self._sweep_orphans()
         self._repin()
         log.info("store: %d blobs (%d bytes), %d models", len(self._ledger), self._ledger.used, len(self.models))
 
@@ -116,6 +137,10 @@ class IndexedStore:
         if idx is None:
             idx = self.models[m.model] = ModelIndex(m.model)
         info = version_info(m, data)
+        if self.orphan_grace is not None:
+            for b in m.blobs:
+                self._refs.add(b.id)
+                self._orphans.pop(b.id, None)
         old = idx.infos.get(m.version)
         self._ledger.meta += info.manifest_size - (old.manifest_size if old is not None else 0)
         idx.add(info)
@@ -239,6 +264,19 @@ class IndexedStore:
         self._ledger.set_pins(pinned)
         self.make_room(0)
 
+    def _sweep_orphans(self) -> None:
+        """Delete unreferenced blobs older than the grace (not while a squash build leases them)."""
+        if not self._orphans:
+            return
+        cutoff = time.time() - self.orphan_grace
+        old = [b for b, t in self._orphans.items() if t <= cutoff and not self._ledger.leased(b)]
+        for bid in old:
+            del self._orphans[bid]
+            if bid in self._ledger and bid not in self._refs:
+                self._drop_blob(bid)
+        if old:
+            log.info("deleted %d orphan blobs (referenced by no manifest for %.0f s)", len(old), self.orphan_grace)
+
     def _forget(self, idx: ModelIndex, version: int) -> None:
         info = idx.remove(version)
         self._ledger.meta -= info.manifest_size if info is not None else 0
@@ -305,6 +343,8 @@ class IndexedStore:
         await self.files.adopt(part)
         self._verified[part.id] = time.monotonic()
         self._ledger.add(part.id, size)
+        if self.orphan_grace is not None and part.id not in self._refs:
+            self._orphans.setdefault(part.id, time.time())  # until a manifest names it
         self.make_room(0, keep=part.id)  # a blob written without a reservation (an upload) counts at once
 
     async def put_blob_bytes(self, blob_id: str, data: bytes) -> None:
@@ -347,6 +387,8 @@ class IndexedStore:
         data = m.to_json()
         await self.files.write_manifest(m.model, m.version, data)
         info = self._add_version(m, data)
+        if self.orphan_grace is not None:
+            self._sweep_orphans()
         if announce:
             self.announce(m.model, m.version)
         elif self._above_head((m.model, m.version)):
@@ -381,9 +423,10 @@ class DiskStore(IndexedStore):
 
     def __init__(self, root: Path, *, budget: int | None = None, retention: int = 16, fsync: bool = True,
                  durable_manifests: bool = True, on_evict: Callable[[int, int], None] | None = None,
-                 prune_history: bool = False) -> None:
+                 prune_history: bool = False, orphan_grace: float | None = None) -> None:
         super().__init__(DiskFiles(root, fsync=fsync, durable_manifests=durable_manifests), budget=budget,
-                         retention=retention, on_evict=on_evict, prune_history=prune_history)
+                         retention=retention, on_evict=on_evict, prune_history=prune_history,
+                         orphan_grace=orphan_grace)
         self.root = Path(root)
 
     def open(self, *, trust_head: bool = True) -> None:
@@ -411,6 +454,7 @@ class MemoryStore(IndexedStore):
     files: MemoryFiles
 
     def __init__(self, *, budget: int | None = None, retention: int = 16,
-                 on_evict: Callable[[int, int], None] | None = None, prune_history: bool = False) -> None:
+                 on_evict: Callable[[int, int], None] | None = None, prune_history: bool = False,
+                 orphan_grace: float | None = None) -> None:
         super().__init__(MemoryFiles(), budget=budget, retention=retention, on_evict=on_evict,
-                         prune_history=prune_history)
+                         prune_history=prune_history, orphan_grace=orphan_grace)

@@ -22,7 +22,7 @@ import torch
 from deltasync.errors import NotFoundError
 from deltasync.server.retention import manifest_floor
 from deltasync.server.store import DiskStore
-from server_fixtures import KEY, TOKEN, delta, keyframe, make_blob, origin, relay, start_all, stop_all
+from server_fixtures import KEY, TOKEN, delta, keyframe, make_blob, origin, relay, stop_all
 
 
 def du(path: Path) -> int:
@@ -135,13 +135,11 @@ def test_tree_with_a_tiny_budget_stays_within_it_and_late_joiners_converge(tmp_p
     from deltasync.testing.trace import ModelShape, RLTrace
 
     budget = 200_000
-    o = origin(tmp_path, "origin", "--no-fsync", "--retention", "4", key=True)
-    start_all(o)
-    a = relay(tmp_path, "tier1", [o.url], "--cache-size", str(budget), "--retention", "4", "--no-fsync", key=True)
-    start_all(a)
+    o = origin(tmp_path, "origin", "--no-fsync", "--retention", "4", key=True).start().wait_ready(120)
+    a = relay(tmp_path, "tier1", [o.url], "--cache-size", str(budget), "--retention", "4", "--no-fsync",
+              key=True).start().wait_ready(120)
     b = relay(tmp_path, "tier2", [a.url, o.url], "--cache-size", str(budget), "--retention", "4", "--no-fsync",
-              key=True)
-    start_all(b)
+              key=True).start().wait_ready(120)
     trace = RLTrace(ModelShape(vocab=256, hidden=32, layers=2, ffn=64), lr=3e-4, seed=5)
     subs: list[tuple[ThreadedSubscriber, dict]] = []
     states = {}
@@ -195,10 +193,9 @@ def test_relay_answers_a_pruned_version_404_when_no_parent_has_it(tmp_path):
 
     from server_fixtures import publish, session
 
-    o = origin(tmp_path, "origin", "--no-fsync", key=True)
-    start_all(o)
-    a = relay(tmp_path, "tier1", [o.url], "--cache-size", "100000", "--retention", "2", "--no-fsync", key=True)
-    start_all(a)
+    o = origin(tmp_path, "origin", "--no-fsync", key=True).start().wait_ready(120)
+    a = relay(tmp_path, "tier1", [o.url], "--cache-size", "100000", "--retention", "2", "--no-fsync",
+              key=True).start().wait_ready(120)
 
     async def main():
         async with session() as s:
@@ -225,3 +222,30 @@ def test_relay_answers_a_pruned_version_404_when_no_parent_has_it(tmp_path):
         assert status == 200
     finally:
         stop_all(a, o)
+
+
+def test_origin_store_deletes_orphan_blobs_after_the_grace(tmp_path):
+    """Blobs no manifest names (a publish cut between its blob uploads and its commit, or between a version's
+    commit and its side keyframe's) leave an origin once older than the grace: at start and at a commit."""
+    async def main():
+        store = DiskStore(tmp_path / "o", fsync=False, orphan_grace=3600)
+        await store.load()
+        (m0, b0), (m1, b1) = _versions(2, every=10)
+        await _put_version(store, m0, b0)
+        orphan, data = make_blob(500, seed=999)
+        await store.put_blob_bytes(orphan, data)  # uploaded, never committed
+        await store.put_manifest(m1, announce=False)  # a commit within the grace keeps it
+        for bid, d in b1:
+            await store.put_blob_bytes(bid, d)
+        assert store.has_blob(orphan)
+        store.orphan_grace = 0.0
+        await _put_version(store, *_versions(3, every=10)[2])  # the next commit sweeps
+        assert not store.has_blob(orphan) and all(store.has_blob(b.id) for b in m0.blobs + m1.blobs)
+        await store.put_blob_bytes(orphan, data)
+        # a restart finds it again; one shared with a committed version is never an orphan
+        again = DiskStore(tmp_path / "o", fsync=False, orphan_grace=0.0)
+        await again.load()
+        assert not again.has_blob(orphan) and all(again.has_blob(b.id) for b in m0.blobs + m1.blobs)
+        assert not (tmp_path / "o" / "blobs" / orphan[:2] / orphan).exists()
+
+    asyncio.run(main())
