@@ -166,6 +166,7 @@ async def _publish_files(args, token: str, signer, verifier: Verifier | None, st
             print(f"deltasync publish: error: step {step} is not after the origin's head v{head.version}", file=sys.stderr)
             return 1
         base_fps = None
+        side_error = None
         if head is not None:
             m = parse_manifest(head.body, verifier=verifier)
             with MappedTensorFile(args.base) as bf:
@@ -194,13 +195,27 @@ async def _publish_files(args, token: str, signer, verifier: Verifier | None, st
         else:
             side = 0
             if args.keyframe:
-                side = (await publish_keyframe(client, model=keyframe_stream(args.model), version=step, state=state,
-                                               signer=signer)).blob_bytes
+                try:
+                    side = (await publish_keyframe(client, model=keyframe_stream(args.model), version=step,
+                                                   state=state, signer=signer)).blob_bytes
+                except DeltaSyncError as e:
+                    side_error = f"{type(e).__name__}: {e}"
     pct = 100.0 * res.blob_bytes / max(res.raw_bytes, 1)
     extra = f" + side keyframe {_mb(side)}" if side else ""
     _say(args, f"published {args.model} v{step}: {res.manifest.kind}, {_mb(res.blob_bytes)} ({pct:.2f}% of "
                f"{_mb(res.raw_bytes)}){extra}, {res.changed:,} words changed")
+    _side_failed(args, step, side_error)
     return 0
+
+
+def _side_failed(args, version: int, error: str | None) -> None:
+    """The version is live but its side keyframe was not committed: say both (stderr, even with --quiet)."""
+    if error is None:
+        return
+    print(f"deltasync publish: warning: {args.model} v{version} is live, but its side keyframe "
+          f"{args.model}.kf v{version} was not committed ({error}); subscribers still get v{version} (from an "
+          f"older keyframe and the chain). The origin deletes the uploaded side blobs after its orphan grace.",
+          file=sys.stderr, flush=True)
 
 
 def cmd_publish(args) -> int:
@@ -265,6 +280,7 @@ def cmd_publish(args) -> int:
     side = f" + side keyframe {_mb(res.side_bytes)}" if res.side_keyframe else ""
     _say(args, f"published {args.model} v{res.version}: {res.kind}, {_mb(res.blob_bytes)} ({pct:.2f}% of "
                f"{_mb(res.raw_bytes)}){side}, {res.changed:,} words changed")
+    _side_failed(args, res.version, res.side_error)
     r = res.residual
     if r is not None:
         _say(args, f"budget {r.budget:,} bytes: sent {r.wire_bytes:,}; still owed {r.owed:,} words "

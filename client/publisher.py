@@ -108,6 +108,9 @@ class PublishResult:
     manifest: Manifest  # as committed (signed), or this rank's part
     side_manifest: Manifest | None = None  # the side keyframe's manifest, if any
     residual: ResidualReport | None = None  # budgeted deltas: what this version sent and still owes
+    #: the side keyframe failed after the version itself was committed (the version is live; its side
+    #: keyframe is not, and ``side_keyframe`` is False): why
+    side_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,8 +129,8 @@ class Part:
         try:
             obj = json.loads(data)
             main, side = obj["main"], obj["side"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise PublishError(f"not a publisher part: {e}") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise PublishError(f"not a publisher part: {type(e).__name__}: {str(e)[:200]}") from None
         return Part(main=parse_manifest(main), side=parse_manifest(side) if side is not None else None)
 
 
@@ -477,17 +480,26 @@ class Publisher:
                         raise _Dropped(f"{self.model} v{job.version} dropped: the version before it failed") from None
             committed_at = None
             manifest = main.manifest
+            side_error = None
             if self.committer:
                 manifest = await commit_manifest(self._client, main.manifest, key=self.key)
-                if side is not None:
-                    await commit_manifest(self._client, side.manifest, key=self.key)
                 committed_at = time.time()
+                if side is not None:
+                    try:
+                        await commit_manifest(self._client, side.manifest, key=self.key)
+                    except (DeltaSyncError, OSError, asyncio.TimeoutError) as e:
+                        # The version is live; only the side keyframe (a shortcut for late joiners) is not.
+                        # Its uploaded blobs are orphans the origin deletes after its grace (server/store.py).
+                        side_error = f"{type(e).__name__}: {e}"
+                        log.warning("%s v%d is live, but its side keyframe %s v%d was not committed: %s",
+                                    self.model, job.version, self.side_model, job.version, side_error)
+                        side = None
             res = PublishResult(
                 version=job.version, kind=job.kind, side_keyframe=side is not None,
                 blob_bytes=main.manifest.total_bytes, side_bytes=side.manifest.total_bytes if side else 0,
                 raw_bytes=job.raw_bytes, changed=main.manifest.changed_words, blocking_s=job.blocking_s,
                 encode_s=encode_s, upload_s=time.perf_counter() - t0, committed_at=committed_at, manifest=manifest,
-                side_manifest=side.manifest if side else None, residual=report)
+                side_manifest=side.manifest if side else None, residual=report, side_error=side_error)
             self.results.append(res)
             del self.results[:-1000]
             return res

@@ -14,7 +14,7 @@ from .intake import Intake
 from .metrics import Metrics
 from .prefetch import Prefetcher
 from .blobstore import BlobStore
-from .store import DiskStore, MemoryStore
+from .store import ORPHAN_GRACE, DiskStore, MemoryStore
 from .upstream import Upstream
 
 log = logging.getLogger("deltasync.server")
@@ -104,9 +104,11 @@ def _open_store(config: ServerConfig, metrics: Metrics) -> BlobStore:
         from .s3store import open_s3_store  # obstore is loaded only by servers that use a bucket
         return open_s3_store(config, on_evict)
     if config.store_kind == "memory":
-        return MemoryStore(budget=config.cache_size, retention=config.retention, on_evict=on_evict)
+        return MemoryStore(budget=config.cache_size, retention=config.retention, on_evict=on_evict,
+                           prune_history=not config.is_origin, orphan_grace=ORPHAN_GRACE if config.is_origin else None)
     return DiskStore(config.store_dir, budget=config.cache_size, retention=config.retention, fsync=config.fsync,
-                     durable_manifests=config.is_origin, on_evict=on_evict)
+                     durable_manifests=config.is_origin, on_evict=on_evict, prune_history=not config.is_origin,
+                     orphan_grace=ORPHAN_GRACE if config.is_origin else None)
 
 
 async def close_services(svc: Services) -> None:

@@ -12,13 +12,35 @@ Size budget: complete blobs are kept in least-recently-used order. Making room
 evicts the oldest blobs that are neither pinned (referenced by the newest
 ``retention`` versions of a model or by its newest keyframe) nor leased (in use by
 a squash build). When everything left is pinned the store goes over budget
-rather than refuse data it must serve; ``over_budget`` says so.
+rather than refuse data it must serve; ``over_budget`` says so. Every byte kept counts:
+blobs, manifests and squashed manifests (``stored_bytes``); a blob that lands, a lease
+that ends and a window that moves each make room again, so the store is back within
+budget as soon as something can be evicted.
+
+History: a store made with ``prune_history`` (a relay) keeps the manifests of each
+model from its floor (retention.py ``manifest_floor``: the oldest version of the
+retention window, the newest keyframe whenever that is older; a keyframe of the
+model's side stream ``M.kf`` counts as one of ``M``) up to the head, and
+deletes older ones with the squashed manifests that start below the floor; asking for
+such a version answers 404 (catch up from a keyframe), pulled through from a parent
+that still has it (the newest ``STALE_MAX`` such pulls are kept, the oldest deleted).
+An origin keeps every manifest (docs/PROTOCOL.md §6.4).
+
+Orphans: a store made with ``orphan_grace`` (an origin) deletes blobs no manifest
+references once they are older than the grace: blobs of a publish that never
+committed (a publisher or origin killed between the blob uploads and the manifest,
+or between a version's commit and its side keyframe's), and squash outputs. It looks
+at start and at every manifest commit; the grace outlasts any publish that is still
+going to commit them (``ORPHAN_GRACE``, env ``DELTASYNC_ORPHAN_GRACE_S``).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -29,10 +51,17 @@ from deltasync.manifest import BlobRef, Manifest, parse_manifest
 from .blobstore import BlobFiles, BlobReader, GrowingBlob, Inventory
 from .diskfiles import DiskFiles, DiskPartial
 from .memfiles import MemoryFiles
-from .retention import BlobLedger
+from .retention import BlobLedger, manifest_floor
+from .tokens import SIDE_SUFFIX
 from .versions import ModelIndex, VersionInfo, version_info
 
 log = logging.getLogger("deltasync.server.store")
+
+#: manifests below a pruning store's floor it keeps after pulling them through again (module docstring)
+STALE_MAX = 8
+
+#: seconds an unreferenced blob waits on an origin before it is deleted (module docstring)
+ORPHAN_GRACE = float(os.environ.get("DELTASYNC_ORPHAN_GRACE_S", 3600))
 
 PartialBlob = GrowingBlob  # the name older modules import
 __all__ = ["DiskStore", "IndexedStore", "MemoryStore", "PartialBlob", "VersionInfo"]
@@ -42,9 +71,21 @@ class IndexedStore:
     """``BlobStore`` over a ``BlobFiles`` byte layer (see the module docstring)."""
 
     def __init__(self, files: BlobFiles, *, budget: int | None = None, retention: int = 16,
-                 on_evict: Callable[[int, int], None] | None = None, verify_ttl: float = 600.0) -> None:
+                 on_evict: Callable[[int, int], None] | None = None, verify_ttl: float = 600.0,
+                 prune_history: bool = False, orphan_grace: float | None = None) -> None:
         self.files = files
+        # Origins: every blob id a manifest references, and unreferenced blobs with when they were written.
+        self.orphan_grace = orphan_grace
+        self._refs: set[str] = set()
+        self._orphans: dict[str, float] = {}
         self.retention = retention
+        self.prune_history = prune_history
+        # Squashed manifests kept: (model, from, to) -> size (counted in the ledger's ``meta``).
+        self._squashes: dict[tuple[str, int, int], int] = {}
+        # Pruning stores: each model's floor at the last prune, and the versions below it pulled through
+        # again since (a subscriber walking far back), oldest first, at most STALE_MAX kept.
+        self._floors: dict[str, int] = {}
+        self._stale: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._ledger = BlobLedger(budget=budget)
         self._on_evict = on_evict
         # Blob refs of the versions that may pin blobs (the retention window and anything above head).
@@ -76,15 +117,35 @@ class IndexedStore:
             if m.model != sm.model or m.version != sm.version:
                 log.error("skipping misplaced manifest %s", sm.where)
                 continue
-            idx = self.models.get(m.model)
-            if idx is None:
-                idx = self.models[m.model] = ModelIndex(m.model)
-            idx.add(version_info(m, sm.data))
-            self._blob_lists[(m.model, m.version)] = m.blobs
+            self._add_version(m, sm.data)
+        for model, start, end, size in inv.squashes:
+            self._squashes[(model, start, end)] = size
+            self._ledger.meta += size
         for idx in self.models.values():
             idx.set_head(idx.order[-1] if trust_head else self._newest_complete(idx))
+        if self.orphan_grace is not None:
+            now = time.time()
+            for bid, _ in inv.blobs:
+                if bid not in self._refs:
+                    self._orphans[bid] = inv.blob_times.get(bid, now)
+            self._sweep_orphans()
         self._repin()
         log.info("store: %d blobs (%d bytes), %d models", len(self._ledger), self._ledger.used, len(self.models))
+
+    def _add_version(self, m: Manifest, data: bytes) -> VersionInfo:
+        idx = self.models.get(m.model)
+        if idx is None:
+            idx = self.models[m.model] = ModelIndex(m.model)
+        info = version_info(m, data)
+        if self.orphan_grace is not None:
+            for b in m.blobs:
+                self._refs.add(b.id)
+                self._orphans.pop(b.id, None)
+        old = idx.infos.get(m.version)
+        self._ledger.meta += info.manifest_size - (old.manifest_size if old is not None else 0)
+        idx.add(info)
+        self._blob_lists[(m.model, m.version)] = m.blobs
+        return info
 
     def _newest_complete(self, idx: ModelIndex) -> int | None:
         for v in reversed(idx.order):
@@ -139,6 +200,15 @@ class IndexedStore:
     def pinned_bytes(self) -> int:
         return self._ledger.pinned_bytes
 
+    @property
+    def stored_bytes(self) -> int:
+        return self._ledger.used + self._ledger.meta
+
+    @property
+    def manifest_bytes(self) -> int:
+        """Bytes of manifests and squashed manifests kept (part of ``stored_bytes``)."""
+        return self._ledger.meta
+
     def is_pinned(self, blob_id: str) -> bool:
         return blob_id in self._ledger.pinned
 
@@ -147,6 +217,7 @@ class IndexedStore:
 
     def unlease(self, ids: Iterable[str]) -> None:
         self._ledger.unlease(ids)
+        self.make_room(0)  # what the lease protected may go now
 
     def reserve(self, nbytes: int) -> None:
         """Make room for ``nbytes`` about to be written and count them as used until ``release``."""
@@ -156,13 +227,13 @@ class IndexedStore:
     def release(self, nbytes: int) -> None:
         self._ledger.release(nbytes)
 
-    def make_room(self, nbytes: int) -> None:
-        plan = self._ledger.plan(nbytes)
+    def make_room(self, nbytes: int, *, keep: str | None = None) -> None:
+        plan = self._ledger.plan(nbytes, keep=keep)
         for bid in plan.victims:
             self._drop_blob(bid)
         if plan.over_budget and not self.over_budget:
-            log.warning("cache over budget: %d bytes wanted, everything left is pinned or in use",
-                        self._ledger.used + self._ledger.reserved + nbytes)
+            log.warning("cache over budget: %d bytes wanted (%d of them manifests), everything left is pinned or "
+                        "in use", self._ledger.total + nbytes, self._ledger.meta)
         self.over_budget = plan.over_budget
         if plan.victims:
             log.info("evicted %d blobs (%d bytes) to stay within %d bytes", len(plan.victims), plan.freed,
@@ -173,8 +244,12 @@ class IndexedStore:
     def _repin(self) -> None:
         pinned: set[str] = set()
         keep: set[tuple[str, int]] = set()
-        for idx in self.models.values():
-            for v in idx.window(self.retention):
+        for idx in list(self.models.values()):
+            side = self._side_keyframe(idx)
+            retention = self._retention(idx)
+            if self.prune_history:
+                self._prune(idx, side, retention)
+            for v in idx.window(retention, side_keyframe=side):
                 keep.add((idx.model, v))
                 refs = self._blob_lists.get((idx.model, v))
                 if refs is None:
@@ -183,7 +258,61 @@ class IndexedStore:
                 pinned.update(b.id for b in refs)
         for key in [k for k in self._blob_lists if k not in keep and not self._above_head(k)]:
             del self._blob_lists[key]
+        for key, refs in self._blob_lists.items():
+            if self._above_head(key):  # stored, being fetched, about to be announced: not evicted meanwhile
+                pinned.update(b.id for b in refs)
         self._ledger.set_pins(pinned)
+        self.make_room(0)
+
+    def _sweep_orphans(self) -> None:
+        """Delete unreferenced blobs older than the grace (not while a squash build leases them)."""
+        if not self._orphans:
+            return
+        cutoff = time.time() - self.orphan_grace
+        old = [b for b, t in self._orphans.items() if t <= cutoff and not self._ledger.leased(b)]
+        for bid in old:
+            del self._orphans[bid]
+            if bid in self._ledger and bid not in self._refs:
+                self._drop_blob(bid)
+        if old:
+            log.info("deleted %d orphan blobs (referenced by no manifest for %.0f s)", len(old), self.orphan_grace)
+
+    def _forget(self, idx: ModelIndex, version: int) -> None:
+        info = idx.remove(version)
+        self._ledger.meta -= info.manifest_size if info is not None else 0
+        self._blob_lists.pop((idx.model, version), None)
+        self._stale.pop((idx.model, version), None)
+        self.files.discard_manifest(idx.model, version)
+
+    def _side_keyframe(self, idx: ModelIndex) -> int | None:
+        """The newest announced version of ``idx``'s side keyframe stream ``M.kf`` at or below its head: a
+        keyframe of ``M`` a subscriber starts from (client/streams.py)."""
+        side = self.models.get(idx.model + SIDE_SUFFIX)
+        if side is None or side.head is None or idx.head is None:
+            return None
+        at = bisect.bisect_right(side.order, min(side.head, idx.head))
+        return side.order[at - 1] if at else None
+
+    def _retention(self, idx: ModelIndex) -> int:
+        """How many of a stream's newest versions are kept: ``retention``, but 1 for a side keyframe stream
+        ``M.kf`` (every version a keyframe: a subscriber only ever starts from the newest one)."""
+        return 1 if idx.model.endswith(SIDE_SUFFIX) else self.retention
+
+    def _prune(self, idx: ModelIndex, side_keyframe: int | None, retention: int) -> None:
+        """Delete the manifests (and squashed manifests) of ``idx`` below its floor (module docstring)."""
+        floor = manifest_floor(idx.order, head=idx.head, newest_keyframe=idx.keyframe(side_keyframe),
+                               retention=retention)
+        if floor is None:
+            return
+        self._floors[idx.model] = floor
+        gone = idx.order[: bisect.bisect_left(idx.order, floor)]
+        for v in gone:
+            self._forget(idx, v)
+        for key in [k for k in self._squashes if k[0] == idx.model and k[1] < floor]:
+            self._ledger.meta -= self._squashes.pop(key)
+            self.files.discard_squash(*key)
+        if gone:
+            log.debug("%s: pruned %d manifests below v%d", idx.model, len(gone), floor)
 
     def _above_head(self, key: tuple[str, int]) -> bool:
         head = self.head(key[0])
@@ -214,6 +343,9 @@ class IndexedStore:
         await self.files.adopt(part)
         self._verified[part.id] = time.monotonic()
         self._ledger.add(part.id, size)
+        if self.orphan_grace is not None and part.id not in self._refs:
+            self._orphans.setdefault(part.id, time.time())  # until a manifest names it
+        self.make_room(0, keep=part.id)  # a blob written without a reservation (an upload) counts at once
 
     async def put_blob_bytes(self, blob_id: str, data: bytes) -> None:
         """Store a whole blob held in memory (squash output)."""
@@ -254,14 +386,20 @@ class IndexedStore:
         """Store a manifest (durably, but for a relay's); with ``announce``, make it the head."""
         data = m.to_json()
         await self.files.write_manifest(m.model, m.version, data)
-        idx = self.models.get(m.model)
-        if idx is None:
-            idx = self.models[m.model] = ModelIndex(m.model)
-        info = version_info(m, data)
-        idx.add(info)
-        self._blob_lists[(m.model, m.version)] = m.blobs
+        info = self._add_version(m, data)
+        if self.orphan_grace is not None:
+            self._sweep_orphans()
         if announce:
             self.announce(m.model, m.version)
+        elif self._above_head((m.model, m.version)):
+            self._repin()  # its blobs are pinned while they arrive
+        else:
+            if self.prune_history and m.version < self._floors.get(m.model, -1):
+                self._stale[(m.model, m.version)] = None  # pulled through below the floor: kept a while
+                while len(self._stale) > STALE_MAX:
+                    (model, v), _ = self._stale.popitem(last=False)
+                    self._forget(self.models[model], v)
+            self.make_room(0)
         return info
 
     async def get_squash(self, model: str, start: int, end: int) -> bytes | None:
@@ -269,6 +407,9 @@ class IndexedStore:
 
     async def put_squash(self, model: str, start: int, end: int, data: bytes) -> None:
         await self.files.write_squash(model, start, end, data)
+        key = (model, start, end)
+        self._ledger.meta += len(data) - self._squashes.get(key, 0)
+        self._squashes[key] = len(data)  # counted; room is made at the next blob or announce
 
 
 class DiskStore(IndexedStore):
@@ -281,9 +422,11 @@ class DiskStore(IndexedStore):
     files: DiskFiles
 
     def __init__(self, root: Path, *, budget: int | None = None, retention: int = 16, fsync: bool = True,
-                 durable_manifests: bool = True, on_evict: Callable[[int, int], None] | None = None) -> None:
+                 durable_manifests: bool = True, on_evict: Callable[[int, int], None] | None = None,
+                 prune_history: bool = False, orphan_grace: float | None = None) -> None:
         super().__init__(DiskFiles(root, fsync=fsync, durable_manifests=durable_manifests), budget=budget,
-                         retention=retention, on_evict=on_evict)
+                         retention=retention, on_evict=on_evict, prune_history=prune_history,
+                         orphan_grace=orphan_grace)
         self.root = Path(root)
 
     def open(self, *, trust_head: bool = True) -> None:
@@ -311,5 +454,7 @@ class MemoryStore(IndexedStore):
     files: MemoryFiles
 
     def __init__(self, *, budget: int | None = None, retention: int = 16,
-                 on_evict: Callable[[int, int], None] | None = None) -> None:
-        super().__init__(MemoryFiles(), budget=budget, retention=retention, on_evict=on_evict)
+                 on_evict: Callable[[int, int], None] | None = None, prune_history: bool = False,
+                 orphan_grace: float | None = None) -> None:
+        super().__init__(MemoryFiles(), budget=budget, retention=retention, on_evict=on_evict,
+                         prune_history=prune_history, orphan_grace=orphan_grace)

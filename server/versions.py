@@ -67,10 +67,23 @@ class ModelIndex:
         hi = bisect.bisect_right(self.order, self.head)
         return [self.infos[v] for v in self.order[max(lo, hi - limit):hi]]
 
-    def window(self, retention: int) -> list[int]:
-        """The versions whose blobs are pinned: the newest ``retention`` up to head, and the newest keyframe."""
-        return retention_window(self.order, head=self.head, newest_keyframe=self.newest_keyframe,
+    def window(self, retention: int, *, side_keyframe: int | None = None) -> list[int]:
+        """The versions whose blobs are pinned: the newest ``retention`` up to head, and the newest keyframe
+        (``side_keyframe``: the newest keyframe of the model's side stream ``M.kf``, if newer)."""
+        return retention_window(self.order, head=self.head, newest_keyframe=self.keyframe(side_keyframe),
                                 retention=retention)
+
+    def keyframe(self, side_keyframe: int | None = None) -> int | None:
+        """The newest version a subscriber can start from: this stream's keyframe or its side stream's."""
+        own = self.newest_keyframe
+        return own if side_keyframe is None else side_keyframe if own is None else max(own, side_keyframe)
+
+    def remove(self, version: int) -> VersionInfo | None:
+        """Forget a version below the head (its manifest was pruned); returns its entry."""
+        info = self.infos.pop(version, None)
+        if info is not None:
+            del self.order[bisect.bisect_left(self.order, version)]
+        return info
 
     def announce(self, version: int) -> bool:
         """Advance the head to a stored version; False if it would not move forward."""
