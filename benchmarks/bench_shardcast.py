@@ -95,8 +95,25 @@ class _Child:
         self.ended: float | None = None
         self.rss_mb = 0.0
         self.code: int | None = None
+        self.anon_mb = 0.0  # peak anonymous RSS (RssAnon, sampled every 20 ms: the kernel keeps no peak of it)
+        self.idle_anon_mb = 0.0  # RssAnon when _idle() saw it quiet (imports done): the process's baseline
         self._t = threading.Thread(target=self._reap, daemon=True)
         self._t.start()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def anon_now(self) -> float:
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return 0.0
+
+    def _sample(self) -> None:
+        while self.ended is None:
+            self.anon_mb = max(self.anon_mb, self.anon_now())
+            time.sleep(0.02)
 
     def _reap(self) -> None:
         _, status, ru = os.wait4(self.proc.pid, 0)
@@ -129,6 +146,8 @@ def _idle(children: list[_Child], timeout: float = 120.0) -> None:
                 quiet = False
             last[c] = now
         if quiet:
+            for c in children:
+                c.idle_anon_mb = c.anon_now()
             return
 
 
@@ -157,13 +176,17 @@ def _deltasync(work: Path, state: Path, step: Path) -> dict:
                                 "--until", str(version), "--timeout", "600", "--quiet"), work / f"sub{i}-{label}.log")
                     for i, out in enumerate(outs)]
             _idle(subs)
+            cpu0 = {n: cpu_seconds(cluster.servers[n].proc.pid) for n in ("origin", "r1", "r2")}
             t0 = time.perf_counter()
             pub = _Child(_cli("publish", *pub_common, *extra, str(path)), work / f"publish-{label}.log")
             pub.wait(600)
             for s in subs:
                 s.wait(600)
             rows[label] = {"seconds": max(s.ended for s in subs) - t0, "publish_s": pub.ended - t0,
-                           "publish_rss": pub.rss_mb, "sub_rss": [s.rss_mb for s in subs]}
+                           "publish_rss": pub.rss_mb, "sub_rss": [s.rss_mb for s in subs],
+                           "publish_anon": pub.anon_mb, "sub_anon": [s.anon_mb for s in subs],
+                           "sub_idle_anon": [s.idle_anon_mb for s in subs],
+                           "server_cpu_s": {n: cpu_seconds(cluster.servers[n].proc.pid) - c for n, c in cpu0.items()}}
         rows["servers_rss"] = {n: max_rss_mb(p.pid) for n, p in
                                ((n, cluster.servers[n].proc) for n in ("origin", "r1", "r2"))}
         rows["base"] = base_flag
@@ -237,6 +260,29 @@ def _report(sc, ds: dict, size: int, quick: bool, load: tuple[float, float], wor
             x = t_sc / r["seconds"]
             ratio = f"{x:.2f}x (target {target:.0f}x: {'met' if x >= target else 'not met'})"
         out.append(f"| {name} | {r['seconds']:.2f} | {ratio} | {r['publish_rss']:.0f} | {max(r['sub_rss']):.0f} |")
+    out.append("")
+    # Memory target: anonymous memory (not the mapped files, not tmpfs pages) above what the same CLI process
+    # holds idle (its imports: the idle subscribers' RssAnon, sampled before the clock) stays a small fraction
+    # of the state; here "small" is at most a quarter of it.
+    base = min(x for r in (ds["full"], ds["step"]) for x in r["sub_idle_anon"] if x > 0) if any(
+        x > 0 for r in (ds["full"], ds["step"]) for x in r["sub_idle_anon"]) else 0.0
+    limit = size / MiB / 4
+    out += ["| run | publisher peak anonymous MiB (above idle CLI) | subscriber peak anonymous MiB, max of 4 (above its idle) "
+            "| target: ≤ 1/4 of the state above idle |", "|---|---:|---:|---|"]
+    for label in ("full", "step"):
+        r = ds[label]
+        pub_over = r["publish_anon"] - base
+        sub_over = max(a - i for a, i in zip(r["sub_anon"], r["sub_idle_anon"]))
+        ok = max(pub_over, sub_over) <= limit
+        out.append(f"| {label} | {r['publish_anon']:.0f} ({pub_over:+.0f}) | {max(r['sub_anon']):.0f} ({sub_over:+.0f}) | "
+                   f"{'met' if ok else 'not met'} ({max(pub_over, sub_over) / (size / MiB):.1%} of the state) |")
+    for label in ("full", "step"):
+        c = ds[label].get("server_cpu_s")
+        if c:
+            out.append(f"Server CPU seconds during the {label} run ({ds[label]['seconds']:.2f} s wall): origin "
+                       f"{c['origin']:.2f}, relays {c['r1']:.2f} / {c['r2']:.2f} (a relay near the wall time would be the "
+                       "bottleneck).")
+    out.append(f"\nIdle CLI baseline (an idle subscriber's anonymous memory after its imports): {base:.0f} MiB.")
     out.append("")
     srv = ds["servers_rss"]
     out.append(f"deltasync publish command alone: {ds['full']['publish_s']:.2f} s (full), {ds['step']['publish_s']:.2f} s "

@@ -18,6 +18,8 @@ The manifest goes last, signed by the caller's signer, as ``Publisher`` does.
 from __future__ import annotations
 
 import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -28,7 +30,7 @@ from deltasync.codec import EncodeOptions, diff_states, encode_diff, state_layou
 from deltasync.digest import blob_digest
 from deltasync.dtypes import dtype_info
 from deltasync.errors import BaseMismatchError
-from deltasync.fingerprint import fingerprint_state, fp_hex, state_fingerprint, state_fingerprint_of, tensor_fingerprint
+from deltasync.fingerprint import fp_hex, state_fingerprint, state_fingerprint_of, tensor_fingerprint
 from deltasync.manifest import BlobRef, ChunkRef, Manifest, TensorRecord
 from deltasync.signing import Signer
 from deltasync.tensorfile import shard_bytes
@@ -49,6 +51,11 @@ class Published:
     changed: int
 
 
+def _pool() -> ThreadPoolExecutor:
+    """Worker threads for the full passes over a state (compare, fingerprint): one per core, at most 4."""
+    return ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="deltasync-publish")
+
+
 def _raw(state: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
@@ -56,7 +63,8 @@ def _raw(state: Mapping[str, torch.Tensor]) -> int:
 def check_base_file(base: Mapping[str, torch.Tensor], head: Manifest, *, where: str) -> dict[str, int]:
     """The base's fingerprints when it is exactly ``head``'s state; BaseMismatchError naming both
     state fingerprints otherwise (one full read of the base, on the page cache)."""
-    fps = fingerprint_state(base)
+    with _pool() as pool:
+        fps = {n: tensor_fingerprint(t, executor=pool) for n, t in base.items()}
     have = state_fingerprint_of(base, fps)
     if have != head.state_fp:
         raise BaseMismatchError(
@@ -74,8 +82,10 @@ async def publish_delta(client: HttpClient, *, model: str, version: int, parent:
         raise BaseMismatchError("the state's tensors differ from the base's (names, dtypes or shapes): publish a keyframe")
     options = options or EncodeOptions()
     loop = asyncio.get_running_loop()
-    diff = await loop.run_in_executor(None, lambda: diff_states(base, state, base_fps=base_fps,
-                                                                chunk_words=options.chunk_words, update_old=False))
+    with _pool() as pool:  # chunks compared on two threads (the compiled kernels release the GIL)
+        diff = await loop.run_in_executor(None, lambda: diff_states(base, state, base_fps=base_fps,
+                                                                    chunk_words=options.chunk_words, update_old=False,
+                                                                    executor=pool))
     enc = await loop.run_in_executor(None, lambda: encode_diff(diff, model=model, version=version, parent=parent,
                                                                options=options, meta=dict(meta or {}), base=base))
     del diff
@@ -110,17 +120,23 @@ async def publish_keyframe(client: HttpClient, *, model: str, version: int, stat
     where: dict[str, str] = {}
     refs: list[BlobRef] = []
 
-    def build(group: list[str]) -> tuple[str, bytearray, str | None]:
+    groups = _groups(state, shard_bytes_)
+    # two shard buffers, reused in turn: one is built while the other uploads (no fresh allocation, and no
+    # first-touch page faults, per shard); each tensor is fingerprinted in the pass that copies it
+    size = max((sum(state[n].numel() * state[n].element_size() for n in g) for g in groups), default=0)
+    buffers = [bytearray(size + (64 << 10)), bytearray(size + (64 << 10))] if len(groups) > 1 else [None]
+
+    def build(k: int, group: list[str]) -> tuple[str, bytearray | memoryview, str | None]:
+        got: dict[str, int] = {}
+        data = shard_bytes({n: state[n] for n in group}, fps=got, into=buffers[k % len(buffers)])
         for n in group:
-            if n not in fps:
-                fps[n] = tensor_fingerprint(state[n])
-        data = shard_bytes({n: state[n] for n in group})
+            fps.setdefault(n, got[n])
         return blob_id(data), data, (blob_digest(data) if signer is not None and commit else None)
 
     uploading: asyncio.Task | None = None
     try:
-        for group in _groups(state, shard_bytes_):
-            bid, data, digest = await loop.run_in_executor(None, build, group)  # overlaps the previous upload
+        for k, group in enumerate(groups):
+            bid, data, digest = await loop.run_in_executor(None, build, k, group)  # overlaps the previous upload
             if uploading is not None:
                 await uploading
             uploading = asyncio.ensure_future(client.put_blob(bid, data))

@@ -51,9 +51,9 @@ from deltasync.apply import PreparedDelta, check_base, stage_prepared
 from deltasync.atomic import fsync_dir
 from deltasync.dtypes import dtype_info, word_view
 from deltasync.errors import BaseMismatchError, FormatError, IntegrityError, StorageError
-from deltasync.fingerprint import fp_hex, state_fingerprint, tensor_fingerprint
+from deltasync.fingerprint import copy_fingerprint, fp_hex, state_fingerprint, tensor_fingerprint
 from deltasync.keyframe import copy_state
-from deltasync.tensorfile import MappedTensorFile, build_header, load_shard
+from deltasync.tensorfile import MappedTensorFile, build_header, parse_header
 
 from .appliers import TensorApplier
 
@@ -279,21 +279,23 @@ class KeyframeWriter:
         self._tmp, self._file = target._new_file(layout, self.version, manifest.state_fp)
         self.fps: dict[str, int] = {}
 
-    def add_shard(self, data) -> None:
-        shard = load_shard(data)
-        with torch.no_grad():
-            for name, t in shard.items():
-                rec = self._records.get(name)
-                if rec is None or dtype_info(t.dtype).name != rec.dtype or tuple(t.shape) != tuple(rec.shape):
-                    raise FormatError(f"keyframe v{self.manifest.version}: shard tensor {name} {t.dtype} "
-                                      f"{tuple(t.shape)} is not in the manifest as such")
-                dst = self._file.tensors[name]
-                dst.copy_(t)
-                fp = tensor_fingerprint(dst)  # read back from the map: what landed
-                if fp_hex(fp) != rec.fp_after:
-                    raise IntegrityError(f"{name}: fingerprint {fp_hex(fp)} in {self._tmp}, keyframe v"
-                                         f"{self.manifest.version} says {rec.fp_after}")
-                self.fps[name] = fp
+    def add_shard(self, data, *, executor=None) -> None:
+        """One shard's tensors copied from ``data`` (its bytes, not copied again) straight into the new
+        file's map, each fingerprinted in the same pass (``copy_fingerprint``) and checked against the
+        manifest. ``executor``: copy and fingerprint pieces of a tensor on its threads."""
+        header = parse_header(data, where=f"keyframe v{self.manifest.version} shard: ")
+        raw = np.frombuffer(data, dtype=np.uint8)
+        for e in header.entries:
+            rec = self._records.get(e.name)
+            if rec is None or e.dtype != rec.dtype or tuple(e.shape) != tuple(rec.shape):
+                raise FormatError(f"keyframe v{self.manifest.version}: shard tensor {e.name} {e.dtype} "
+                                  f"{tuple(e.shape)} is not in the manifest as such")
+            dst = self._file.tensors[e.name]
+            fp = copy_fingerprint(dst, raw[e.start : e.stop], executor=executor)  # the bytes as written to the map
+            if fp_hex(fp) != rec.fp_after:
+                raise IntegrityError(f"{e.name}: fingerprint {fp_hex(fp)} in {self._tmp}, keyframe v"
+                                     f"{self.manifest.version} says {rec.fp_after}")
+            self.fps[e.name] = fp
 
     def commit(self) -> None:
         missing = sorted(set(self._records) - set(self.fps))
@@ -304,6 +306,7 @@ class KeyframeWriter:
             raise IntegrityError(f"keyframe v{self.manifest.version}: state fingerprint {sfp}, the manifest says "
                                  f"{self.manifest.state_fp}")
         _NewFile(self.target, self._tmp, self._file, dict(self.fps), self.version).commit()
+        self.target._written_fps = dict(self.fps)  # fingerprinted from the map as it landed: the adopt scan's
 
     def abort(self) -> None:
         self._file.close()
@@ -331,6 +334,7 @@ class FileTarget(TensorApplier):
         self.before_write = before_write
         self.file: MappedTensorFile | None = None
         self.version: int | None = None
+        self._written_fps: dict[str, int] | None = None  # see scan()
         self._layout = dict(layout) if layout is not None else None
         if open_existing and self.path.exists():
             self._open_existing()
@@ -408,6 +412,7 @@ class FileTarget(TensorApplier):
         """The file renamed into place becomes the target's map."""
         old, self.file = self.file, f
         self.version = int(f.metadata[META_VERSION])
+        self._written_fps = None
         if old is not None:
             old.close()
 
@@ -429,12 +434,18 @@ class FileTarget(TensorApplier):
         return dict(self._layout)
 
     def scan(self) -> dict[str, int]:
+        """Every tensor's fingerprint, read from the file; right after a keyframe this target wrote (and
+        fingerprinted from the map as it landed), those fingerprints, once, without a second full read."""
+        fresh, self._written_fps = getattr(self, "_written_fps", None), None
+        if fresh is not None and set(fresh) == set(self.tensors()):
+            return fresh
         return {n: tensor_fingerprint(t) for n, t in self.tensors().items()}
 
     def needed_blobs(self, manifest) -> set[str] | None:
         return None
 
     def stage_delta(self, prepared: PreparedDelta, fps: Mapping[str, int], *, verify: str) -> _JournaledPatch:
+        self._written_fps = None
         if self.file is None:
             raise BaseMismatchError(f"{self.path} holds no version yet; a delta cannot be its first")
         m = prepared.manifest

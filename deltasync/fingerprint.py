@@ -119,6 +119,45 @@ def tensor_fingerprint(tensor: torch.Tensor, *, executor=None) -> int:
     return (lanes_sum(lanes, 0) + n * _C0) & _MASK64
 
 
+def copy_fingerprint(dst: torch.Tensor, src: torch.Tensor | np.ndarray, *, executor=None) -> int:
+    """``dst`` := ``src``, and the fingerprint of what ``dst`` now holds: :func:`tensor_fingerprint` after a
+    copy, in one pass over the bytes where the compiled CPU kernels run (a keyframe lands in a mapped
+    file, or a shard is built, without a second read of either side).
+
+    ``dst``: a contiguous tensor. ``src``: a tensor of ``dst``'s dtype and shape, or a numpy ``uint8``
+    array of exactly its bytes (little-endian, e.g. a view of a safetensors shard). ``executor``: copy
+    pieces of ``FP_SPLIT_LANES`` lanes on its threads (same result)."""
+    nbytes = dst.numel() * dst.element_size()
+    if isinstance(src, np.ndarray):
+        if src.dtype != np.uint8 or src.size != nbytes:
+            raise ValueError(f"copy_fingerprint: {src.size} source bytes ({src.dtype}) for a tensor of {nbytes} bytes")
+    elif src.dtype != dst.dtype or tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"copy_fingerprint: source {src.dtype} {tuple(src.shape)}, target {dst.dtype} {tuple(dst.shape)}")
+    k = cpu_kernels()
+    if k is None or dst.device.type != "cpu" or not dst.is_contiguous() or nbytes == 0 or \
+            (not isinstance(src, np.ndarray) and src.device.type != "cpu"):
+        with torch.no_grad():
+            if isinstance(src, np.ndarray):
+                _lanes(dst).view(torch.uint8).copy_(torch.from_numpy(np.require(src, requirements="W")))
+            else:
+                dst.copy_(src)
+        return tensor_fingerprint(dst, executor=executor)
+    from .kernels import copy_lanes_sum_np
+
+    dl = _lanes(dst.detach()).numpy()
+    dl = dl.view(np.uint8 if dl.dtype == np.int8 else np.uint16)
+    if isinstance(src, np.ndarray):
+        sl = src.view(dl.dtype)
+    else:
+        sl = _lanes(src.detach().contiguous()).numpy().view(dl.dtype)
+    n = dl.size
+    if executor is not None and n > FP_SPLIT_LANES:
+        parts = executor.map(lambda s: copy_lanes_sum_np(dl[s : s + FP_SPLIT_LANES], sl[s : s + FP_SPLIT_LANES], s),
+                             range(0, n, FP_SPLIT_LANES))
+        return (sum(parts) + n * _C0) & _MASK64
+    return (copy_lanes_sum_np(dl, sl, 0) + n * _C0) & _MASK64
+
+
 def words_range_delta(old_words: torch.Tensor, new_words: torch.Tensor, start: int, word_size: int) -> int:
     """Fingerprint change when words [start, start+len) go from ``old_words`` to ``new_words``
     (both flat signed word views of that range). Two streaming passes: cheaper than

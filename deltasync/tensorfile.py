@@ -336,19 +336,33 @@ def build_header(layout: Mapping[str, tuple[str, tuple[int, ...]]], metadata: Ma
     return header, {name: length + e["data_offsets"][0] for name, e in entries.items()}
 
 
-def shard_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytearray:
+def shard_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None, *,
+                fps: dict[str, int] | None = None, into: bytearray | None = None) -> bytearray | memoryview:
     """Safetensors bytes of ``tensors`` (CPU, e.g. views of a mapped file), built with one copy of the data
-    (no intermediate buffers): what :func:`save_shard` returns, laid out by :func:`build_header`."""
+    (no intermediate buffers): what :func:`save_shard` returns, laid out by :func:`build_header`.
+
+    ``fps``: filled with each tensor's fingerprint, computed in the same pass as the copy
+    (:func:`~deltasync.fingerprint.copy_fingerprint`). ``into``: a reused buffer, grown when too small;
+    the shard is then ``memoryview(into)[:size]`` (no fresh allocation and first-touch page faults per
+    shard; valid until the caller reuses ``into``); a fresh bytearray when ``into`` is too small."""
+    from .fingerprint import copy_fingerprint, tensor_fingerprint
+
     layout = {n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in tensors.items()}
     header, offsets = build_header(layout, metadata)
     total = len(header) + sum(t.numel() * t.element_size() for t in tensors.values())
-    out = bytearray(total)
+    out = into if into is not None and len(into) >= total else bytearray(total)
     out[: len(header)] = header
     whole = torch.frombuffer(out, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
     with torch.no_grad():
         for name, t in tensors.items():
             n = t.numel() * t.element_size()
+            src = t.detach().cpu().contiguous()
+            if n and fps is not None and offsets[name] % t.element_size() == 0 and src.dtype == t.dtype:
+                dst = whole[offsets[name] : offsets[name] + n].view(t.dtype).reshape(src.shape)
+                fps[name] = copy_fingerprint(dst, src)
+                continue
             if n:
-                src = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                whole[offsets[name] : offsets[name] + n].copy_(src)
-    return out
+                whole[offsets[name] : offsets[name] + n].copy_(src.reshape(-1).view(torch.uint8))
+            if fps is not None:
+                fps[name] = tensor_fingerprint(src)
+    return out if out is not into else memoryview(out)[:total]

@@ -21,7 +21,7 @@ from deltasync import kernels
 from deltasync.apply import apply_delta
 from deltasync.codec import EncodeOptions, decode_blob, diff_states, encode_delta
 from deltasync.errors import FormatError
-from deltasync.fingerprint import fingerprint_delta, lanes_sum, tensor_fingerprint
+from deltasync.fingerprint import FP_SPLIT_LANES, copy_fingerprint, fingerprint_delta, lanes_sum, tensor_fingerprint
 
 pytest.importorskip("numba")
 
@@ -209,6 +209,43 @@ def test_fingerprints_match_reference(pair, offset):
     sdt = np.dtype(f"i{w}")
     args = (torch.from_numpy(rel + offset), torch.from_numpy(old[rel].view(sdt)), torch.from_numpy(new[rel].view(sdt)))
     same(*both(lambda: fingerprint_delta(*args, w)))
+
+
+@SETTINGS
+@given(word_pairs(), st.booleans())
+def test_copy_fingerprint_matches_copy_then_scrub(pair, from_bytes):
+    """The fused copy + fingerprint (a keyframe landing in a map, a shard being built) writes exactly the
+    source's bytes and returns tensor_fingerprint of them, under both selections, threaded or not."""
+    w, old, new = pair
+    src = torch.from_numpy(new.view(np.dtype(f"i{w}")).copy())
+    expect = tensor_fingerprint(src)
+
+    def run(executor=None):
+        dst = torch.from_numpy(old.view(np.dtype(f"i{w}")).copy())
+        given_src = src.numpy().view(np.uint8) if from_bytes else src
+        fp = copy_fingerprint(dst, given_src, executor=executor)
+        return fp, dst.numpy().copy()
+
+    ref, got = both(run)
+    same(ref, got)
+    assert got[0] == expect and np.array_equal(got[1].view(np.uint8), new.view(np.uint8))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        same(run(pool), got)
+
+
+def test_copy_fingerprint_split_across_threads_and_read_only_bytes():
+    """Pieces of FP_SPLIT_LANES lanes on two threads, from a read-only byte view (a received shard)."""
+    src = (torch.randn(FP_SPLIT_LANES * 2 + 12345) * 3).to(torch.bfloat16)
+    raw = src.view(torch.int16).numpy().view(np.uint8).copy()
+    raw.flags.writeable = False
+    for sel in ("reference", "numba"):
+        kernels.select(sel)
+        dst = torch.zeros_like(src)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            fp = copy_fingerprint(dst, raw, executor=pool)
+        assert fp == tensor_fingerprint(src) and torch.equal(dst.view(torch.int16), src.view(torch.int16))
+    with pytest.raises(ValueError, match="source bytes"):
+        copy_fingerprint(torch.zeros(4, dtype=torch.bfloat16), raw[:7])
 
 
 @SETTINGS

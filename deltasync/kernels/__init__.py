@@ -32,6 +32,7 @@ raw, word_size)``
 ``patch_words(words, changes, word_size)``     in-place patch of a live tensor's words: (old
                                                words, fingerprint change read back) (apply.py)
 ``lanes_sum_np(lanes, offset)``                ``fingerprint.lanes_sum`` of host lanes
+``copy_lanes_sum_np(dst, src, offset)``        ``dst[:] = src`` and the ``lanes_sum`` of it, one pass
 ``fingerprint_delta_np(positions, old, new,    ``fingerprint.fingerprint_delta`` on the host
 word_size)``
 =============================================  ===============================================
@@ -308,6 +309,11 @@ def copy_range_delta(dst: np.ndarray, src: np.ndarray, start: int, word_size: in
 def lanes_sum_np(lanes: np.ndarray, offset: int) -> int:
     """sum_i lane_i * K(offset + i) mod 2**64 over unsigned uint8/uint16 host lanes. Numba only."""
     return int(cpu_kernels().lanes_sum(lanes, offset, _table()))
+
+
+def copy_lanes_sum_np(dst: np.ndarray, src: np.ndarray, offset: int) -> int:
+    """``dst[:] = src`` over unsigned uint8/uint16 host lanes and their ``lanes_sum`` (one pass). Numba only."""
+    return int(cpu_kernels().copy_lanes_sum(dst, src, offset, _table()))
 
 
 def fingerprint_delta_np(positions: np.ndarray, old: np.ndarray, new: np.ndarray, word_size: int) -> int:

@@ -84,6 +84,31 @@ def lanes_sum(lanes, offset, table):
     return total
 
 
+@_jit
+def copy_lanes_sum(dst, src, offset, table):
+    """``dst[:] = src`` and sum_i lane_i * K(offset + i) mod 2**64 of the lanes written, in one pass
+    (unsigned uint8/uint16 lanes of equal size): a keyframe copied and fingerprinted without a second
+    read of either side."""
+    n = src.size
+    total = np.uint64(0)
+    i = 0
+    while i < n:
+        idx = offset + i
+        j0 = idx & 0xFFFF
+        m = min(n - i, 65536 - j0)
+        s = np.uint64(0)
+        ui = np.uint64(i)
+        uj = np.uint64(j0)
+        for j in range(m):
+            uj_ = np.uint64(j)
+            v = src[ui + uj_]
+            dst[ui + uj_] = v
+            s += np.uint64(v) * table[uj + uj_]
+        total += s * _block_key(idx >> 16)
+        i += m
+    return total
+
+
 @njit(nogil=True, cache=True, inline="always")
 def _word_delta(p, a, b, per, table, lb, lk):
     """Fingerprint change of word p going from a to b (uint64). (lb, lk): the last block and its
