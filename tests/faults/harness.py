@@ -26,6 +26,7 @@ for each version and which versions were acknowledged (``Publisher`` result retu
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import resource
@@ -51,6 +52,69 @@ GRACE = 15.0  # seconds a process may take beyond its own --timeout to start and
 _LISTEN = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
 SERVER = [sys.executable, "-m", "deltasync.server.cli"]
 CLIENT = [sys.executable, "-m", "deltasync.client.cli"]
+# Client commands (subscribe, publish) are forked from a fork server that has imported
+# deltasync.client.cli (torch: ~3 CPU-s and 5-10 s wall per start on the shared cores) once; each
+# child is still its own process running the command's own main() with its own argv, descriptors,
+# signals and exit status. FAULTS_FORK=0 starts them with ``python -m`` instead.
+FORK = os.environ.get("FAULTS_FORK", "1") != "0"
+_FORK_CTX: multiprocessing.context.BaseContext | None = None
+
+
+def _fork_ctx():
+    global _FORK_CTX
+    if _FORK_CTX is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["deltasync.client.cli", "safetensors.torch"])
+        _FORK_CTX = ctx
+    return _FORK_CTX
+
+
+def _run_client_cli(argv: list[str], log_path: str) -> None:
+    """In the forked child: stdout and stderr to the log, stdin from /dev/null, then the command."""
+    import signal as _signal
+
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(null)
+    for sig in (_signal.SIGTERM, _signal.SIGINT):
+        _signal.signal(sig, _signal.SIG_DFL)
+    from deltasync.client.cli import main
+
+    sys.argv = ["deltasync", *argv]
+    try:
+        rc = main(argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(rc)
+
+
+class _Forked:
+    """The few ``subprocess.Popen`` methods :class:`Proc` uses, over a forked ``multiprocessing.Process``."""
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        self._p = _fork_ctx().Process(target=_run_client_cli, args=(argv, str(log_path)), daemon=False)
+        self._p.start()
+        self.pid = self._p.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._p.exitcode
+
+    def poll(self) -> int | None:
+        return self._p.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._p.join(timeout)
+        if self._p.exitcode is None:
+            raise subprocess.TimeoutExpired(["deltasync"], timeout)
+        return self._p.exitcode
 
 
 def raise_nofile(want: int = 8192) -> int:
@@ -80,7 +144,10 @@ class Proc:
     def start(self) -> Proc:
         with open(self.log_path, "ab") as log:
             self._log_start = log.tell()
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            if FORK and self.argv[:len(CLIENT)] == CLIENT:
+                self.proc = _Forked(self.argv[len(CLIENT):], self.log_path)
+            else:
+                self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.started = time.monotonic()
         self.ended = None
         return self

@@ -45,6 +45,7 @@ class Row:
     skipped: str | None = None
     notes: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    setup_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -73,12 +74,16 @@ def run_scenario(cls, reps: int, workdir: Path, *, verbose: bool = True) -> Row:
         except Skip as e:
             row.skipped = str(e)
             return row
+        row.setup_s = time.monotonic() - t0
+        if verbose:
+            print(f"  {sc.name} setup {row.setup_s:.1f}s", flush=True)
         for vd in env.setup_verdicts:  # followers that never synced their first version
             row.lost, row.wrong, row.hangs = row.lost + vd.lost, row.wrong + vd.wrong, row.hangs + vd.hangs
             row.unclear, row.stopped = row.unclear + vd.unclear, row.stopped + vd.stopped
             if not vd.ok:
                 row.notes += ["setup: " + n for n in vd.notes]
         for i in range(reps):
+            t_rep = time.monotonic()
             try:
                 vd = sc.rep(env, i)
             except Exception:
@@ -92,7 +97,8 @@ def run_scenario(cls, reps: int, workdir: Path, *, verbose: bool = True) -> Row:
             if verbose:
                 c = "-" if vd.converge_s is None else f"{vd.converge_s:.2f}s"
                 print(f"  {sc.name} rep {i}: lost {vd.lost} wrong {vd.wrong} hangs {vd.hangs} "
-                      f"unclear {vd.unclear} stopped {vd.stopped} converge {c}", flush=True)
+                      f"unclear {vd.unclear} stopped {vd.stopped} converge {c} wall {time.monotonic() - t_rep:.1f}s",
+                      flush=True)
                 for n in vd.notes:
                     if not vd.ok:
                         print("    " + n.replace("\n", "\n    "), flush=True)
