@@ -154,16 +154,30 @@ class HeadInfo:
 
     @staticmethod
     def from_body(body: bytes, *, model: str, url: str = "") -> HeadInfo:
+        """The head answer's summary; UpstreamError (that source's fault) for anything but a JSON object
+        with a non-negative integer ``version`` and, when ``blobs`` is given, non-negative integer sizes."""
         try:
             obj = json.loads(body)
-        except ValueError:
-            raise UpstreamError(f"{url}: head answer is not JSON: {body[:200]!r}") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("version"), int):
-            raise UpstreamError(f"{url}: head answer {body[:200]!r} has no integer 'version'")
+        except (ValueError, RecursionError):  # RecursionError: crafted deep nesting ([[[[...)
+            raise UpstreamError(f"{url}: head answer is not JSON (or nested too deep): {body[:200]!r}") from None
+        version = obj.get("version") if isinstance(obj, dict) else None
+        if not _count(version):
+            raise UpstreamError(f"{url}: head answer {body[:200]!r} has no non-negative integer 'version'")
         blobs = obj.get("blobs")
-        size = sum(b.get("size", 0) for b in blobs if isinstance(b, dict)) if isinstance(blobs, list) else None
+        size = None
+        if isinstance(blobs, list):
+            sizes = [b.get("size", 0) for b in blobs if isinstance(b, dict)]
+            if not all(_count(s) for s in sizes):
+                raise UpstreamError(f"{url}: head answer for v{version} has a blob size that is not a "
+                                    f"non-negative integer: {body[:200]!r}")
+            size = sum(sizes)
         kind = obj.get("kind") if isinstance(obj.get("kind"), str) else None
-        return HeadInfo(model=model, version=obj["version"], kind=kind, bytes=size, body=body, url=url)
+        return HeadInfo(model=model, version=version, kind=kind, bytes=size, body=body, url=url)
+
+
+def _count(v: object) -> bool:
+    """A JSON value usable as a version or a size: an int (not a bool) >= 0."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

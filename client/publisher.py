@@ -126,8 +126,8 @@ class Part:
         try:
             obj = json.loads(data)
             main, side = obj["main"], obj["side"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise PublishError(f"not a publisher part: {e}") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise PublishError(f"not a publisher part: {type(e).__name__}: {str(e)[:200]}") from None
         return Part(main=parse_manifest(main), side=parse_manifest(side) if side is not None else None)
 
 

@@ -155,7 +155,7 @@ def residual_of(manifest: Manifest) -> dict | None:
         return None
     try:
         obj = json.loads(v)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return obj if isinstance(obj, dict) else None
 

@@ -310,7 +310,7 @@ def from_wire(status: int, body: bytes | str, headers: Mapping[str, str] | None 
         obj = json.loads(text)["error"]
         code, message = obj["code"], str(obj["message"])
         extra = {k: v for k, v in obj.items() if k not in ("status", "code", "message")}
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # not our JSON error body (or crafted nesting)
         pass
     cls = error_class(code) if isinstance(code, str) else None
     if cls is None:

@@ -35,8 +35,9 @@ class SSEEvent:
         """The data as a JSON object; FormatError when it is not one."""
         try:
             obj = json.loads(self.data)
-        except ValueError as e:
-            raise FormatError(f"{self.event!r} event: data is not JSON ({e}): {self.data[:200]!r}") from None
+        except (ValueError, RecursionError) as e:  # RecursionError: crafted deep nesting
+            raise FormatError(f"{self.event!r} event: data is not JSON ({type(e).__name__}: {str(e)[:100]}): "
+                              f"{self.data[:200]!r}") from None
         if not isinstance(obj, dict):
             raise FormatError(f"{self.event!r} event: data is JSON but not an object: {self.data[:200]!r}")
         return obj

@@ -119,6 +119,8 @@ class Inventory:
 
     blobs: tuple[tuple[str, int], ...] = ()
     manifests: tuple[StoredManifest, ...] = ()
+    #: squashed manifests as (model, from, to, size)
+    squashes: tuple[tuple[str, int, int, int], ...] = ()
 
 
 OnCommit = Callable[[GrowingBlob], Awaitable[None]]  # what a growing blob awaits once it verified
@@ -160,6 +162,14 @@ class BlobFiles(Protocol):
 
     async def write_squash(self, model: str, start: int, end: int, data: bytes) -> None: ...
 
+    # Only stores that prune their history (relays: ``IndexedStore(prune_history=True)``) call these; an
+    # origin's durable byte layer (the S3 store) keeps every version and need not offer them.
+    def discard_manifest(self, model: str, version: int) -> None:
+        """Delete a stored manifest (a version below the kept floor)."""
+
+    def discard_squash(self, model: str, start: int, end: int) -> None:
+        """Delete a cached squashed manifest."""
+
 
 class BlobStore(Protocol):
     """The store as routes and relays use it. Index and budget calls are synchronous (memory);
@@ -192,6 +202,9 @@ class BlobStore(Protocol):
     def blob_count(self) -> int: ...
     @property
     def pinned_bytes(self) -> int: ...
+    @property
+    def stored_bytes(self) -> int:
+        """Every byte kept, as counted against the budget: blobs, manifests, squashed manifests."""
 
     # -- bytes (coroutines) ------------------------------------------------------------
     async def load(self, *, trust_head: bool = True) -> None:

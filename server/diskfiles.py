@@ -231,7 +231,18 @@ class DiskFiles:
                     log.error("skipping unreadable manifest %s: %s", f, e)
                     continue
                 manifests.append(StoredManifest(model=mdir.name, version=int(stem), data=data, where=str(f)))
-        return Inventory(blobs=tuple((bid, size) for _, bid, size in sorted(found)), manifests=tuple(manifests))
+        squashes: list[tuple[str, int, int, int]] = []
+        for sdir in self.squash_dir.iterdir():
+            if not (sdir.is_dir() and MODEL_RE.match(sdir.name)):
+                continue
+            for f in sdir.glob("*.json"):
+                a, _, b = f.name[:-len(".json")].partition("-")
+                if a.isdigit() and b.isdigit() and f.name == f"{int(a)}-{int(b)}.json":
+                    squashes.append((sdir.name, int(a), int(b), f.stat().st_size))
+                else:
+                    log.warning("ignoring unexpected file %s in the squash cache", f)
+        return Inventory(blobs=tuple((bid, size) for _, bid, size in sorted(found)), manifests=tuple(manifests),
+                         squashes=tuple(squashes))
 
     # -- blobs ---------------------------------------------------------------------------
     def new_partial(self, blob_id: str, *, on_commit) -> DiskPartial:
@@ -293,7 +304,22 @@ class DiskFiles:
 
     # -- manifests and squashed deltas ---------------------------------------------------
     def read_manifest_sync(self, model: str, version: int) -> bytes:
-        return self.manifest_path(model, version).read_bytes()
+        try:
+            return self.manifest_path(model, version).read_bytes()
+        except FileNotFoundError:  # pruned (or removed by hand): the version is gone here, never a 500
+            raise NotFoundError(f"{model} v{version} is no longer stored here; catch up from a keyframe") from None
+
+    def discard_manifest(self, model: str, version: int) -> None:
+        try:
+            os.unlink(self.manifest_path(model, version))
+        except FileNotFoundError:
+            pass
+
+    def discard_squash(self, model: str, start: int, end: int) -> None:
+        try:
+            os.unlink(self.squash_path(model, start, end))
+        except FileNotFoundError:
+            pass
 
     async def read_manifest(self, model: str, version: int) -> bytes:
         return self.read_manifest_sync(model, version)

@@ -110,3 +110,9 @@ class MemoryFiles:
 
     async def write_squash(self, model: str, start: int, end: int, data: bytes) -> None:
         self.squashes[(model, start, end)] = bytes(data)
+
+    def discard_manifest(self, model: str, version: int) -> None:
+        self.manifests.pop((model, version), None)
+
+    def discard_squash(self, model: str, start: int, end: int) -> None:
+        self.squashes.pop((model, start, end), None)

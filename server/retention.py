@@ -9,6 +9,13 @@ reserved for blobs being written). The store applies the decisions to its files.
 
 When everything left is pinned or leased the plan says ``over_budget``: the store
 then goes over its budget rather than refuse data it must serve.
+
+Every byte a store keeps counts against its budget: blobs (evicted least recently
+used first) and the small files beside them, manifests and squashed manifests
+(``BlobLedger.meta``, not evicted by LRU: they leave by ``manifest_floor``). A store
+that prunes its history (a relay) drops the manifests of versions below the floor:
+no subscriber can still need them, since one that far behind catches up from the
+newest keyframe, which is at or above the floor (docs/PROTOCOL.md §6.4).
 """
 
 from __future__ import annotations
@@ -30,6 +37,18 @@ def retention_window(order: list[int], *, head: int | None, newest_keyframe: int
     if newest_keyframe is not None and newest_keyframe not in out:
         out = [newest_keyframe, *out]
     return out
+
+
+def manifest_floor(order: list[int], *, head: int | None, newest_keyframe: int | None,
+                   retention: int) -> int | None:
+    """The oldest version whose manifest a pruning store keeps (None: keep all): the oldest version of the
+    retention window, which is the newest keyframe whenever that is older than the newest ``retention``
+    versions. Every version from the floor up to the head stays, so the chain from the newest keyframe to the
+    head (and every squash built on it) can be walked; versions below it are gone (catch up from a keyframe)."""
+    window = retention_window(order, head=head, newest_keyframe=newest_keyframe, retention=retention)
+    if not window or newest_keyframe is None:
+        return None  # no keyframe yet: a new subscriber needs the whole chain
+    return window[0]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +100,8 @@ class BlobLedger:
         self._sizes: OrderedDict[str, int] = OrderedDict()  # id -> size, least recently used first
         self.used = 0
         self.reserved = 0
+        #: bytes of manifests and squashed manifests kept beside the blobs (counted, never LRU-evicted)
+        self.meta = 0
         self.pinned: frozenset[str] = frozenset()
         self._leases: dict[str, int] = {}
 
@@ -140,9 +161,16 @@ class BlobLedger:
         self.reserved = max(0, self.reserved - nbytes)
 
     # -- the budget ----------------------------------------------------------------------------
-    def plan(self, incoming: int) -> Eviction:
-        """What to evict so that ``incoming`` more bytes fit the budget (nothing, without a budget)."""
+    @property
+    def total(self) -> int:
+        """Every byte counted against the budget: blobs, manifests, and reservations for blobs being written."""
+        return self.used + self.meta + self.reserved
+
+    def plan(self, incoming: int, *, keep: str | None = None) -> Eviction:
+        """What to evict so that ``incoming`` more bytes fit the budget (nothing, without a budget); ``keep``:
+        a blob that must stay whatever its age (one just written)."""
         if self.budget is None:
             return Eviction()
-        need = self.used + self.reserved + incoming - self.budget
-        return plan_eviction(self._sizes.items(), need=need, protected=_Protected(self.pinned, self._leases))
+        need = self.total + incoming - self.budget
+        protected = _Protected(self.pinned, self._leases if keep is None else {**self._leases, keep: 1})
+        return plan_eviction(self._sizes.items(), need=need, protected=protected)

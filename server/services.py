@@ -104,9 +104,10 @@ def _open_store(config: ServerConfig, metrics: Metrics) -> BlobStore:
         from .s3store import open_s3_store  # obstore is loaded only by servers that use a bucket
         return open_s3_store(config, on_evict)
     if config.store_kind == "memory":
-        return MemoryStore(budget=config.cache_size, retention=config.retention, on_evict=on_evict)
+        return MemoryStore(budget=config.cache_size, retention=config.retention, on_evict=on_evict,
+                           prune_history=not config.is_origin)
     return DiskStore(config.store_dir, budget=config.cache_size, retention=config.retention, fsync=config.fsync,
-                     durable_manifests=config.is_origin, on_evict=on_evict)
+                     durable_manifests=config.is_origin, on_evict=on_evict, prune_history=not config.is_origin)
 
 
 async def close_services(svc: Services) -> None:

@@ -12,11 +12,22 @@ Size budget: complete blobs are kept in least-recently-used order. Making room
 evicts the oldest blobs that are neither pinned (referenced by the newest
 ``retention`` versions of a model or by its newest keyframe) nor leased (in use by
 a squash build). When everything left is pinned the store goes over budget
-rather than refuse data it must serve; ``over_budget`` says so.
+rather than refuse data it must serve; ``over_budget`` says so. Every byte kept counts:
+blobs, manifests and squashed manifests (``stored_bytes``); a blob that lands, a lease
+that ends and a window that moves each make room again, so the store is back within
+budget as soon as something can be evicted.
+
+History: a store made with ``prune_history`` (a relay) keeps the manifests of each
+model from its floor (retention.py ``manifest_floor``: the oldest version of the
+retention window, the newest keyframe whenever that is older) up to the head, and
+deletes older ones with the squashed manifests that start below the floor; asking for
+such a version answers 404 (catch up from a keyframe), pulled through from a parent
+that still has it. An origin keeps every manifest (docs/PROTOCOL.md §6.4).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -29,7 +40,7 @@ from deltasync.manifest import BlobRef, Manifest, parse_manifest
 from .blobstore import BlobFiles, BlobReader, GrowingBlob, Inventory
 from .diskfiles import DiskFiles, DiskPartial
 from .memfiles import MemoryFiles
-from .retention import BlobLedger
+from .retention import BlobLedger, manifest_floor
 from .versions import ModelIndex, VersionInfo, version_info
 
 log = logging.getLogger("deltasync.server.store")
@@ -42,9 +53,13 @@ class IndexedStore:
     """``BlobStore`` over a ``BlobFiles`` byte layer (see the module docstring)."""
 
     def __init__(self, files: BlobFiles, *, budget: int | None = None, retention: int = 16,
-                 on_evict: Callable[[int, int], None] | None = None, verify_ttl: float = 600.0) -> None:
+                 on_evict: Callable[[int, int], None] | None = None, verify_ttl: float = 600.0,
+                 prune_history: bool = False) -> None:
         self.files = files
         self.retention = retention
+        self.prune_history = prune_history
+        # Squashed manifests kept: (model, from, to) -> size (counted in the ledger's ``meta``).
+        self._squashes: dict[tuple[str, int, int], int] = {}
         self._ledger = BlobLedger(budget=budget)
         self._on_evict = on_evict
         # Blob refs of the versions that may pin blobs (the retention window and anything above head).
@@ -76,15 +91,25 @@ class IndexedStore:
             if m.model != sm.model or m.version != sm.version:
                 log.error("skipping misplaced manifest %s", sm.where)
                 continue
-            idx = self.models.get(m.model)
-            if idx is None:
-                idx = self.models[m.model] = ModelIndex(m.model)
-            idx.add(version_info(m, sm.data))
-            self._blob_lists[(m.model, m.version)] = m.blobs
+            self._add_version(m, sm.data)
+        for model, start, end, size in inv.squashes:
+            self._squashes[(model, start, end)] = size
+            self._ledger.meta += size
         for idx in self.models.values():
             idx.set_head(idx.order[-1] if trust_head else self._newest_complete(idx))
         self._repin()
         log.info("store: %d blobs (%d bytes), %d models", len(self._ledger), self._ledger.used, len(self.models))
+
+    def _add_version(self, m: Manifest, data: bytes) -> VersionInfo:
+        idx = self.models.get(m.model)
+        if idx is None:
+            idx = self.models[m.model] = ModelIndex(m.model)
+        info = version_info(m, data)
+        old = idx.infos.get(m.version)
+        self._ledger.meta += info.manifest_size - (old.manifest_size if old is not None else 0)
+        idx.add(info)
+        self._blob_lists[(m.model, m.version)] = m.blobs
+        return info
 
     def _newest_complete(self, idx: ModelIndex) -> int | None:
         for v in reversed(idx.order):
@@ -139,6 +164,15 @@ class IndexedStore:
     def pinned_bytes(self) -> int:
         return self._ledger.pinned_bytes
 
+    @property
+    def stored_bytes(self) -> int:
+        return self._ledger.used + self._ledger.meta
+
+    @property
+    def manifest_bytes(self) -> int:
+        """Bytes of manifests and squashed manifests kept (part of ``stored_bytes``)."""
+        return self._ledger.meta
+
     def is_pinned(self, blob_id: str) -> bool:
         return blob_id in self._ledger.pinned
 
@@ -147,6 +181,7 @@ class IndexedStore:
 
     def unlease(self, ids: Iterable[str]) -> None:
         self._ledger.unlease(ids)
+        self.make_room(0)  # what the lease protected may go now
 
     def reserve(self, nbytes: int) -> None:
         """Make room for ``nbytes`` about to be written and count them as used until ``release``."""
@@ -156,13 +191,13 @@ class IndexedStore:
     def release(self, nbytes: int) -> None:
         self._ledger.release(nbytes)
 
-    def make_room(self, nbytes: int) -> None:
-        plan = self._ledger.plan(nbytes)
+    def make_room(self, nbytes: int, *, keep: str | None = None) -> None:
+        plan = self._ledger.plan(nbytes, keep=keep)
         for bid in plan.victims:
             self._drop_blob(bid)
         if plan.over_budget and not self.over_budget:
-            log.warning("cache over budget: %d bytes wanted, everything left is pinned or in use",
-                        self._ledger.used + self._ledger.reserved + nbytes)
+            log.warning("cache over budget: %d bytes wanted (%d of them manifests), everything left is pinned or "
+                        "in use", self._ledger.total + nbytes, self._ledger.meta)
         self.over_budget = plan.over_budget
         if plan.victims:
             log.info("evicted %d blobs (%d bytes) to stay within %d bytes", len(plan.victims), plan.freed,
@@ -174,6 +209,8 @@ class IndexedStore:
         pinned: set[str] = set()
         keep: set[tuple[str, int]] = set()
         for idx in self.models.values():
+            if self.prune_history:
+                self._prune(idx)
             for v in idx.window(self.retention):
                 keep.add((idx.model, v))
                 refs = self._blob_lists.get((idx.model, v))
@@ -183,7 +220,29 @@ class IndexedStore:
                 pinned.update(b.id for b in refs)
         for key in [k for k in self._blob_lists if k not in keep and not self._above_head(k)]:
             del self._blob_lists[key]
+        for key, refs in self._blob_lists.items():
+            if self._above_head(key):  # stored, being fetched, about to be announced: not evicted meanwhile
+                pinned.update(b.id for b in refs)
         self._ledger.set_pins(pinned)
+        self.make_room(0)
+
+    def _prune(self, idx: ModelIndex) -> None:
+        """Delete the manifests (and squashed manifests) of ``idx`` below its floor (module docstring)."""
+        floor = manifest_floor(idx.order, head=idx.head, newest_keyframe=idx.newest_keyframe,
+                               retention=self.retention)
+        if floor is None:
+            return
+        gone = idx.order[: bisect.bisect_left(idx.order, floor)]
+        for v in gone:
+            info = idx.remove(v)
+            self._ledger.meta -= info.manifest_size if info is not None else 0
+            self._blob_lists.pop((idx.model, v), None)
+            self.files.discard_manifest(idx.model, v)
+        for key in [k for k in self._squashes if k[0] == idx.model and k[1] < floor]:
+            self._ledger.meta -= self._squashes.pop(key)
+            self.files.discard_squash(*key)
+        if gone:
+            log.debug("%s: pruned %d manifests below v%d", idx.model, len(gone), floor)
 
     def _above_head(self, key: tuple[str, int]) -> bool:
         head = self.head(key[0])
@@ -214,6 +273,7 @@ class IndexedStore:
         await self.files.adopt(part)
         self._verified[part.id] = time.monotonic()
         self._ledger.add(part.id, size)
+        self.make_room(0, keep=part.id)  # a blob written without a reservation (an upload) counts at once
 
     async def put_blob_bytes(self, blob_id: str, data: bytes) -> None:
         """Store a whole blob held in memory (squash output)."""
@@ -254,14 +314,13 @@ class IndexedStore:
         """Store a manifest (durably, but for a relay's); with ``announce``, make it the head."""
         data = m.to_json()
         await self.files.write_manifest(m.model, m.version, data)
-        idx = self.models.get(m.model)
-        if idx is None:
-            idx = self.models[m.model] = ModelIndex(m.model)
-        info = version_info(m, data)
-        idx.add(info)
-        self._blob_lists[(m.model, m.version)] = m.blobs
+        info = self._add_version(m, data)
         if announce:
             self.announce(m.model, m.version)
+        elif self._above_head((m.model, m.version)):
+            self._repin()  # its blobs are pinned while they arrive
+        else:
+            self.make_room(0)
         return info
 
     async def get_squash(self, model: str, start: int, end: int) -> bytes | None:
@@ -269,6 +328,10 @@ class IndexedStore:
 
     async def put_squash(self, model: str, start: int, end: int, data: bytes) -> None:
         await self.files.write_squash(model, start, end, data)
+        key = (model, start, end)
+        self._ledger.meta += len(data) - self._squashes.get(key, 0)
+        self._squashes[key] = len(data)
+        self.make_room(0)
 
 
 class DiskStore(IndexedStore):
@@ -281,9 +344,10 @@ class DiskStore(IndexedStore):
     files: DiskFiles
 
     def __init__(self, root: Path, *, budget: int | None = None, retention: int = 16, fsync: bool = True,
-                 durable_manifests: bool = True, on_evict: Callable[[int, int], None] | None = None) -> None:
+                 durable_manifests: bool = True, on_evict: Callable[[int, int], None] | None = None,
+                 prune_history: bool = False) -> None:
         super().__init__(DiskFiles(root, fsync=fsync, durable_manifests=durable_manifests), budget=budget,
-                         retention=retention, on_evict=on_evict)
+                         retention=retention, on_evict=on_evict, prune_history=prune_history)
         self.root = Path(root)
 
     def open(self, *, trust_head: bool = True) -> None:
@@ -311,5 +375,6 @@ class MemoryStore(IndexedStore):
     files: MemoryFiles
 
     def __init__(self, *, budget: int | None = None, retention: int = 16,
-                 on_evict: Callable[[int, int], None] | None = None) -> None:
-        super().__init__(MemoryFiles(), budget=budget, retention=retention, on_evict=on_evict)
+                 on_evict: Callable[[int, int], None] | None = None, prune_history: bool = False) -> None:
+        super().__init__(MemoryFiles(), budget=budget, retention=retention, on_evict=on_evict,
+                         prune_history=prune_history)

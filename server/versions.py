@@ -72,6 +72,13 @@ class ModelIndex:
         return retention_window(self.order, head=self.head, newest_keyframe=self.newest_keyframe,
                                 retention=retention)
 
+    def remove(self, version: int) -> VersionInfo | None:
+        """Forget a version below the head (its manifest was pruned); returns its entry."""
+        info = self.infos.pop(version, None)
+        if info is not None:
+            del self.order[bisect.bisect_left(self.order, version)]
+        return info
+
     def announce(self, version: int) -> bool:
         """Advance the head to a stored version; False if it would not move forward."""
         if self.head is not None and version <= self.head:
