@@ -12,6 +12,19 @@ rounds of dead parents the fetch gives up and readers get the error. The rounds 
 through the one retry helper (``deltasync.retry.retry``, its back-off table), each
 round through the one per-parent loop (``Upstream.each_parent``).
 
+Every bad answer is that parent's fault, and a bad copy never reaches a child as a
+good one. The size of a blob is the one its manifest gives when the relay holds one
+(``expect``: the prefetcher registers every manifest's blobs before fetching them),
+so a parent announcing another ``Content-Length`` is put down before a byte is taken.
+Without a manifest the first parent's size is provisional: a body longer than
+announced, a body whose bytes already hash to the id before the announced end (a
+parent that announced too much and went quiet), or a second parent announcing
+another size makes the fetch start over (``InflightBlob.restart``: children told
+the old size are cut off) with the liar put down. On a relay holding a verify key,
+the BLAKE3/SHA-256 digest of the signed manifest is checked with the xxh3 before
+the last byte goes to any child or the blob into the cache; a relay without a key
+relays on xxh3 alone.
+
 A blob no parent has is remembered for ``NEGATIVE_TTL`` seconds (the newest
 ``NEGATIVE_MAX`` ids): asking for it again in that time is answered 404 at once, not
 forwarded upstream. A fetch our own disk cannot hold (StorageError, a full disk)
@@ -30,6 +43,7 @@ from collections import OrderedDict
 import aiohttp
 
 from deltasync.blob import check_blob_id
+from deltasync.digest import DigestHasher, parse_digest
 from deltasync.errors import (
     DeltaSyncError,
     IntegrityError,
@@ -39,6 +53,7 @@ from deltasync.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from deltasync.manifest import BlobRef
 from deltasync.retry import RETRY_BACKOFF, describe, retry
 
 from .blobget import BlobGetter
@@ -54,6 +69,7 @@ _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 ATTEMPTS = 3
 NEGATIVE_TTL = 2.0  # seconds a blob no parent had is answered 404 without asking again
 NEGATIVE_MAX = 4096
+EXPECTED_MAX = 1 << 16  # blob refs of manifests in hand kept for fetches (newest)
 
 
 class BlobFetcher:
@@ -68,6 +84,9 @@ class BlobFetcher:
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
         self._missing: OrderedDict[str, float] = OrderedDict()  # blob id -> when the negative entry expires
+        self._expected: OrderedDict[str, BlobRef] = OrderedDict()  # blob id -> its ref in a manifest in hand
+        #: digests are checked only when manifests were verified (the relay holds a key)
+        self.check_digests = upstream.key is not None
         #: why the last fetch could not be stored (our disk full), until a blob is stored again; /healthz shows it
         self.storage_error: str | None = None
         t = timeouts
@@ -97,6 +116,15 @@ class BlobFetcher:
         self._missing.move_to_end(blob_id)
         while len(self._missing) > NEGATIVE_MAX:
             self._missing.popitem(last=False)
+
+    def expect(self, refs) -> None:
+        """Blob refs (id, size, digest) of a manifest this relay holds (verified when it holds a key): a
+        fetch of one of them takes its size from here, and checks its digest when ``check_digests``."""
+        for ref in refs:
+            self._expected[ref.id] = ref
+            self._expected.move_to_end(ref.id)
+        while len(self._expected) > EXPECTED_MAX:
+            self._expected.popitem(last=False)
 
     def get(self, blob_id: str) -> tuple[InflightBlob, bool]:
         """The blob's fetch, started if needed; the flag says whether this call started it. NotFoundError at
@@ -139,7 +167,7 @@ class BlobFetcher:
     # -- the fetch -----------------------------------------------------------------------
     async def _run(self, blob: InflightBlob) -> None:
         started = time.monotonic()
-        fetch = _Fetch(blob)
+        fetch = _Fetch(blob, self._expected.get(blob.id), digests=self.check_digests)
         try:
             blob.part = await self.store.open_partial(blob.id)
 
@@ -182,27 +210,60 @@ class BlobFetcher:
             blob.finish()
 
     async def _round(self, fetch: _Fetch) -> str:
-        """One round: every byte from the parents (resuming on the next), then the hash check.
-        Returns the parent that sent the last byte; a copy that fails its hash is discarded."""
+        """One round: every byte from the parents (resuming on the next), then the hash check (and the
+        digest check). Returns the parent that sent the last byte; a copy that fails is discarded and the
+        parents that sent it are put down."""
         blob = fetch.blob
         parent = await self.upstream.each_parent(lambda p: self._download(fetch, p), what=f"blob {blob.id}",
-                                                 rotate=fetch.rotate, on_failure=self._failed_over)
+                                                 rotate=fetch.rotate, on_failure=lambda p, e: self._failed(fetch, p))
         try:
             blob.part.verify()
+            fetch.check_digest()
         except IntegrityError as e:
             self.metrics.inc("hash_failures")
-            log.error("blob %s from %s failed its hash check (%s); discarded, refetching", blob.id, parent, e)
-            self.upstream.mark_failed(parent, "sent bytes that fail their hash")
-            blob.reset()
+            senders = fetch.senders or [parent]
+            log.error("blob %s from %s failed its check (%s); discarded, refetching", blob.id, ", ".join(senders), e)
+            for p in senders:
+                self.upstream.mark_failed(p, "sent bytes that fail their hash")
+            self._start_over(fetch, provisional_size=True)
             fetch.rotate += 1
             raise
         return parent
 
-    def _failed_over(self, parent: str, e: BaseException) -> None:
+    def _failed(self, fetch: _Fetch, parent: str) -> None:
+        """``parent`` failed mid-fetch (it is put down by the per-parent loop). If it had sent every byte it
+        announced and the size was only its word, that word is suspect: start over."""
         self.metrics.inc("upstream_failovers")
+        blob = fetch.blob
+        if fetch.provisional and blob.size is not None and (fetch.size_suspect or blob.part.written >= blob.size):
+            log.warning("blob %s: %s announced %d bytes and then failed (%d in); starting over", blob.id,
+                        parent, blob.size, blob.part.written)
+            self._start_over(fetch, provisional_size=True)
+
+    def _start_over(self, fetch: _Fetch, *, provisional_size: bool) -> None:
+        """Discard the copy; also its size when that was a parent's word only (``provisional_size``)."""
+        blob = fetch.blob
+        fetch.senders.clear()
+        fetch.size_suspect = False
+        fetch.new_digest()
+        if provisional_size and fetch.provisional:
+            self.store.release(fetch.reserved)
+            fetch.reserved = 0
+            blob.restart()
+        else:
+            blob.reset()
 
     async def _download(self, fetch: _Fetch, parent: str) -> str:
-        """Fill the blob's temp file from ``parent``, from the byte it has (Range resume)."""
+        """Fill the blob's temp file from ``parent``, from the byte it has (Range resume). A parent whose size
+        contradicts a provisional one (another parent's word) makes the fetch start over from its answer."""
+        try:
+            return await self._download_from(fetch, parent)
+        except _SizeConflict as e:
+            log.warning("blob %s: %s; starting over from that parent", fetch.blob.id, e)
+            self._start_over(fetch, provisional_size=True)
+            return await self._download_from(fetch, parent)
+
+    async def _download_from(self, fetch: _Fetch, parent: str) -> str:
         blob = fetch.blob
         offset = blob.part.written
         if blob.size is not None and offset >= blob.size:
@@ -246,7 +307,12 @@ class BlobFetcher:
         blob = fetch.blob
         if resp.status == 404:
             raise NotFoundError(f"{parent} has no blob {blob.id}")
+        if resp.status == 416 and offset and fetch.provisional:  # we asked past its end: the size we hold is wrong
+            raise _SizeConflict(f"{parent} has less than the {offset} bytes of blob {blob.id} in hand")
         start, total = _body_range(resp, offset)
+        expected = fetch.expected
+        if expected is not None and total != expected.size:
+            raise UpstreamError(f"{parent} says blob {blob.id} has {total} bytes; its manifest says {expected.size}")
         if blob.size is None:
             self.store.reserve(total)
             fetch.reserved = total
@@ -254,10 +320,15 @@ class BlobFetcher:
                 blob.part.preallocate(total)  # posix_fallocate: quick, and the size is not announced before it
             blob.set_size(total)
         elif total != blob.size:
-            raise UpstreamError(f"{parent} says blob {blob.id} has {total} bytes, another parent said "
-                                f"{blob.size}")
+            if fetch.provisional:
+                raise _SizeConflict(f"{parent} says blob {blob.id} has {total} bytes, another parent said "
+                                    f"{blob.size}")
+            raise UpstreamError(f"{parent} says blob {blob.id} has {total} bytes, not {blob.size}")
         skip = offset - start  # a parent that ignored our Range sends from 0
-        part, metrics = blob.part, self.metrics
+        part, metrics, digest = blob.part, self.metrics, fetch.digest
+        early = fetch.provisional  # a provisional size: watch for bytes that hash to the id before its end
+        if parent not in fetch.senders:
+            fetch.senders.append(parent)
 
         def take(chunk) -> None:
             nonlocal skip
@@ -270,7 +341,13 @@ class BlobFetcher:
             if part.written + len(chunk) > total:
                 raise UpstreamError(f"{parent} sent more than the {total} bytes of blob {blob.id}")
             part.write(chunk)
+            if digest is not None:
+                digest.update(chunk)
             metrics.inc("bytes_in", len(chunk))
+            if early and part.written < total and part.digest() == blob.id:
+                fetch.size_suspect = True
+                raise UpstreamError(f"{parent} announced {total} bytes for blob {blob.id}, but its first "
+                                    f"{part.written} already hash to the id")
             blob.progress()
         return take
 
@@ -280,15 +357,43 @@ class BlobFetcher:
             raise UpstreamError(f"{parent} ended blob {blob.id} at byte {blob.part.written} of {blob.size}")
 
 
+class _SizeConflict(UpstreamError):
+    """A parent's size contradicts the provisional size another parent announced (fetcher-internal)."""
+
+
 class _Fetch:
     """What one blob's fetch carries from round to round."""
 
-    __slots__ = ("blob", "reserved", "rotate")
+    __slots__ = ("blob", "reserved", "rotate", "expected", "senders", "digest", "_alg",
+                 "size_suspect")
 
-    def __init__(self, blob: InflightBlob) -> None:
+    def __init__(self, blob: InflightBlob, expected: BlobRef | None, *, digests: bool) -> None:
         self.blob = blob
         self.reserved = 0  # bytes reserved in the store (released when the fetch ends)
         self.rotate = 0  # start further down the parents after a copy failed its hash
+        self.expected = expected  # the blob's ref in a manifest in hand: its size is the size
+        self.senders: list[str] = []  # parents that sent bytes of the current copy
+        self.size_suspect = False  # the copy hashed to the id before the announced end
+        self._alg = parse_digest(expected.digest)[0] if digests and expected is not None and expected.digest else None
+        self.digest: DigestHasher | None = None
+        self.new_digest()
+
+    @property
+    def provisional(self) -> bool:
+        """The size is only a parent's word (no manifest in hand)."""
+        return self.expected is None
+
+    def new_digest(self) -> None:
+        self.digest = DigestHasher(self._alg) if self._alg is not None else None
+
+    def check_digest(self) -> None:
+        """IntegrityError unless the copy hashes to the signed manifest's digest (when it is checked)."""
+        if self.digest is None:
+            return
+        found = self.digest.digest()
+        if found != self.expected.digest:
+            raise IntegrityError(f"blob {self.blob.id}: bytes hash to {found} but the signed manifest says "
+                                 f"{self.expected.digest} (crafted or corrupted bytes)")
 
 
 def _body_range(resp: aiohttp.ClientResponse, offset: int) -> tuple[int, int]:

@@ -8,10 +8,13 @@ a slow reader only falls behind in the file, it never slows the fetch or the
 other readers.
 
 A reader never receives the last byte of a blob before the whole blob hashed to
-its id: until then it is held back. If the hash fails, the fetch starts over (a
-new ``generation``); readers that already sent bytes of the bad copy abort their
-response (the child sees a truncated transfer and never a complete bad blob),
-readers that had not sent anything carry on with the new copy.
+its id (and, on a relay holding a verify key, to its signed digest): until then it is
+held back. If the check fails, or a parent turns out to have announced a wrong size,
+the fetch starts over (a new ``generation``; ``restart`` also forgets a size no
+manifest vouched for); readers that already sent bytes of the bad copy, or promised
+their child a size the new copy does not have, abort their response (the child sees
+a truncated transfer and never a complete bad blob), the others carry on with the
+new copy.
 """
 
 from __future__ import annotations
@@ -56,7 +59,16 @@ class InflightBlob:
         self.progress()
 
     def reset(self) -> None:
+        """Discard the bytes (a bad copy); the size stays (it came from the manifest or is re-checked)."""
         self.part.reset()
+        self.generation += 1
+        self.progress()
+
+    def restart(self) -> None:
+        """Discard the bytes and the size: the parent that announced it lied (or may have); the next
+        parent's answer sets it again. Readers that promised the old size to their child abort."""
+        self.part.reset()
+        self.size = None
         self.generation += 1
         self.progress()
 
@@ -73,10 +85,10 @@ class InflightBlob:
     @property
     def servable_to(self) -> int:
         """Bytes a reader may send now: all once verified, else all but the last."""
-        if self.part is None:
+        if self.part is None or self.size is None:
             return 0
         written = self.part.written
-        if self.verified or self.size is None:
+        if self.verified:
             return written
         return min(written, self.size - 1)
 
@@ -107,20 +119,26 @@ class InflightBlob:
 
     async def send_range(self, request: web.BaseRequest, resp: web.StreamResponse, start: int, end: int, *,
                          stall_timeout: float, write_timeout: float,
-                         on_sent: Callable[[int], None]) -> None:
+                         on_sent: Callable[[int], None], promised: int | None = None) -> None:
         """Send bytes [start, end) to ``resp`` as they arrive. Raises if the copy is lost or the reader is stuck.
 
         The caller must hold ``attach()`` around the whole response (the descriptor stays open until
-        every attached reader detached).
+        every attached reader detached). ``promised``: the blob size the child was told (default: the
+        size known now); a copy of another size aborts the response.
         """
         assert self._readers > 0, "attach() before sending"
         gen = self.generation
+        promised = self.size if promised is None else promised  # what the child was told
         pos = start
         while pos < end:
             if self.generation != gen:
                 if pos > start:
-                    raise BlobResetError(f"blob {self.id} failed its hash check mid-transfer; retry")
+                    raise BlobResetError(f"blob {self.id} failed its check mid-transfer (a bad copy or a parent "
+                                         "that announced a wrong size); retry")
                 gen = self.generation
+            if self.size is not None and self.size != promised:
+                raise BlobResetError(f"blob {self.id} has {self.size} bytes, not the {promised} a parent announced; "
+                                     "retry")
             if self.error is not None:
                 raise self.error
             avail = min(self.servable_to, end)

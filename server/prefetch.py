@@ -210,6 +210,7 @@ class Prefetcher:
 
     async def _make_servable(self, m: Manifest) -> None:
         """Return once every blob of ``m`` is on disk or being fetched (fetches continue in the background)."""
+        self.fetcher.expect(m.blobs)  # sizes (and, verified, digests) a parent's answer must match
         waits = []
         for b in m.blobs:
             if self.store.has_blob(b.id):

@@ -220,12 +220,12 @@ async def get_blob(request: web.Request) -> web.StreamResponse:
     blob.attach()
     try:
         size = await blob.wait_size(svc.config.timeouts.first_byte)
-        return await _send_blob(request, svc, blob_id, size, _inflight_body(request, svc, blob), cache="miss")
+        return await _send_blob(request, svc, blob_id, size, _inflight_body(request, svc, blob, size), cache="miss")
     finally:
         blob.detach()
 
 
-def _inflight_body(request: web.Request, svc: Services, blob: InflightBlob):
+def _inflight_body(request: web.Request, svc: Services, blob: InflightBlob, size: int):
     t = svc.config.timeouts
 
     def sent(n: int) -> None:
@@ -233,7 +233,7 @@ def _inflight_body(request: web.Request, svc: Services, blob: InflightBlob):
 
     async def body(resp: web.StreamResponse, start: int, end: int) -> None:
         await blob.send_range(request, resp, start, end, stall_timeout=t.first_byte, write_timeout=t.write,
-                              on_sent=sent)
+                              on_sent=sent, promised=size)
     return body
 
 

@@ -1,0 +1,114 @@
+"""One cold relay's CPU per GB forwarded, against the blocking receive floor, in one run (issue 10).
+
+An origin and one relay (real ``python -m deltasync.server.cli`` processes, fsync on as deployed, no
+key unless ``--key``), one reader on loopback. Each round puts a fresh blob on the origin and reads
+it through the relay (a cold miss: the relay receives, hashes, writes its cache and forwards
+cut-through); the relay's user and system CPU over the read, per GB, best of ``--runs``. The floor
+(``bench_relay._receive_floor``: a blocking loop doing only recv_into, xxh3, os.write) runs on the
+same blob in the same run. ``--key``: the relay holds a verify key and the blob is named by a signed
+manifest carrying its BLAKE3 digest (the relay checks it); ``--pyspy FILE``: record the relay with
+py-spy during the reads (``--native``, raw flame-graph lines).
+
+``python benchmarks/relay_coldcpu.py [--size-mib 256] [--runs 3] [--key] [--pyspy out.txt]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_relay import TOKEN, _data, _get_ok, _manifest, _put_blob, _put_manifest, _receive_floor  # noqa: E402
+from relay_procs import cpu_seconds, origin, relay, start, stop  # noqa: E402
+
+KEY_HEX = bytes(range(32)).hex()
+
+
+async def _run(size: int, runs: int, key: bool, pyspy: str | None) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="deltasync-coldcpu-"))
+    try:
+        extra: list[str] = []
+        if key:
+            (work / "key").write_text(KEY_HEX + "\n")
+            extra = ["--key-file", str(work / "key")]
+        o = origin(work, TOKEN)
+        start(o)
+        r = relay(work, "relay", [o.url], *extra)
+        start(r)
+        spy = None
+        if pyspy:
+            spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(r.pid),
+                                    "--format", "raw", "--rate", "200", "--output", pyspy, "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            await asyncio.sleep(1.0)
+        best = None
+        src = None
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+                for i in range(runs):
+                    bid, data = _data(size, 700 + i)
+                    await _put_blob(s, o.url, bid, data)
+                    if key:  # a signed manifest names it (with its digest): the relay checks the digest
+                        m = _manifest("coldcpu", i, None, [(bid, data)]).with_digests({bid: data}).sign(bytes(range(32)))
+                        await _put_manifest(s, o.url, m)
+                    del data
+                    src = work / "origin" / "blobs" / bid[:2] / bid
+                    await asyncio.to_thread(os.sync)
+                    if key:  # the relay prefetches announced versions: wait until the fetch is done
+                        c0 = cpu_seconds(r.pid, split=True)
+                        t0 = time.monotonic()
+                        while not (work / "relay" / "blobs" / bid[:2] / bid).exists():
+                            await asyncio.sleep(0.02)
+                            assert time.monotonic() - t0 < 120
+                        c1 = cpu_seconds(r.pid, split=True)
+                    else:
+                        c0 = cpu_seconds(r.pid, split=True)
+                        await _get_ok(r.url, bid, size)
+                        c1 = cpu_seconds(r.pid, split=True)
+                    gb = size / 1e9
+                    run = ((c1[0] - c0[0]) / gb, (c1[1] - c0[1]) / gb)
+                    if best is None or sum(run) < sum(best):
+                        best = run
+        finally:
+            if spy is not None:
+                spy.terminate()
+                spy.wait(30)
+            stop(r, o)
+        floor = await asyncio.to_thread(_receive_floor, src, size, work / "floor.tmp")
+        return {"relay": best, "floor": floor, "size": size, "runs": runs, "key": key,
+                "load": os.getloadavg()[0]}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--size-mib", type=int, default=256)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--key", action="store_true")
+    p.add_argument("--pyspy")
+    a = p.parse_args(argv)
+    try:
+        import uvloop
+        res = uvloop.run(_run(a.size_mib << 20, a.runs, a.key, a.pyspy))
+    except ImportError:
+        res = asyncio.run(_run(a.size_mib << 20, a.runs, a.key, a.pyspy))
+    ru, rk = res["relay"]
+    fu, fk = res["floor"]
+    what = "prefetch with BLAKE3 digest check (key)" if a.key else "cold GET through the relay (no key)"
+    print(f"{what}: relay {ru + rk:.3f} CPU-s/GB (user {ru:.3f}, sys {rk:.3f}); floor {fu + fk:.3f} "
+          f"(user {fu:.3f}, sys {fk:.3f}); ratio {(ru + rk) / (fu + fk):.2f}x; {res['size'] >> 20} MiB, best of "
+          f"{res['runs']}, load {res['load']:.1f}")
+
+
+if __name__ == "__main__":
+    main()
