@@ -49,6 +49,13 @@ SHAPE = ModelShape(vocab=128, hidden=32, layers=1, ffn=64)  # ~20k parameters: f
 RETENTION = 16
 FOLLOW_BOUND = 60.0  # seconds a follower may take to reach a repetition's last version
 GRACE = 15.0  # seconds a process may take beyond its own --timeout to start and exit
+# Failover limits (the programs' own flags): a client asks its next --from after 0.5 s without an
+# answer (default 2), a relay drops a parent that sends no status line within 5 s (default 10) and
+# hedges manifest reads after 0.5 s. The clients keep the default 10 s time-to-first-byte: on the
+# shared cores a healthy, CPU-starved origin can take over 3 s to answer (a 3 s limit made every
+# source "time out" and added the 5-10 s cool-downs to a converge time: relay-disk-full, one run).
+CLIENT_LIMITS = ["--hedge-after", "0.5"]
+RELAY_LIMITS = ["--ttfb-timeout", "5", "--hedge-after", "0.5"]
 _LISTEN = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
 SERVER = [sys.executable, "-m", "deltasync.server.cli"]
 CLIENT = [sys.executable, "-m", "deltasync.client.cli"]
@@ -318,7 +325,7 @@ class Env:
 
     def relay(self, name: str, parents: list[str], *, port: int = 0, cache: Path | None = None,
               extra: list[str] | None = None) -> Proc:
-        args = ["relay", *self.server_args(port, [*(extra or []), "--no-fsync"]), "--cache", str(cache or self.root / name)]
+        args = ["relay", *self.server_args(port, [*RELAY_LIMITS, *(extra or []), "--no-fsync"]), "--cache", str(cache or self.root / name)]
         for p in parents:
             args += ["--parent", p]
         return self._proc(name, args).start().wait_listening()
@@ -349,7 +356,7 @@ class Env:
         name = name or f"sub{len(self.subs)}-{model}"
         out = out or self.root / f"{name}.safetensors"
         args = ["subscribe", "--model", model, "--out", str(out), "--timeout", str(timeout), "--poll", str(poll),
-                *self.signing_args()]
+                *CLIENT_LIMITS, *self.signing_args()]
         for s in sources:
             args += ["--from", s]
         if once:
@@ -366,7 +373,7 @@ class Env:
         name = name or f"follower{len(self.procs)}-{model}"
         out = out or self.root / f"{name}.safetensors"
         args = ["subscribe", "--model", model, "--out", str(out), "--timeout", "3600", "--poll", str(poll),
-                *self.signing_args()]
+                *CLIENT_LIMITS, *self.signing_args()]
         for s in sources:
             args += ["--from", s]
         f = Follower(name=name, model=model, out=out, proc=self._proc(name, args).start())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -135,13 +136,15 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def report(rows: list[Row], reps: int, wall: float) -> str:
+def report(rows: list[Row], reps: int, wall: float, loads: list[float] | None = None) -> str:
     import os
     total = sum(r.reps for r in rows)
+    load = (f" 1-minute load average {min(loads):.1f}–{max(loads):.1f} (sampled at each scenario's start and end)."
+            if loads else "")
     bad = [r.name for r in rows if not r.ok]
     head = (f"Last run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `--reps {reps}`, {len(rows)} scenarios, "
             f"{total} repetitions in {wall:.0f} s on {platform.machine()} ({os.cpu_count()} cores, shared), "
-            f"Python {platform.python_version()}. "
+            f"Python {platform.python_version()}.{load} "
             + ("All scenarios: 0 lost, 0 wrong, 0 hangs." if not bad else f"Failing: {', '.join(bad)}."))
     what = "\n".join(f"- **{r.name}**: {r.what}" for r in rows)
     notes = []
@@ -188,13 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="deltasync-faults-"))
     t0 = time.monotonic()
     rows = []
+    loads = [os.getloadavg()[0]]
     for cls in chosen:
-        print(f"== {cls.name} ({args.reps} reps)", flush=True)
+        print(f"== {cls.name} ({args.reps} reps; load average {os.getloadavg()[0]:.1f})", flush=True)
         rows.append(run_scenario(cls, args.reps, workdir))
+        loads.append(os.getloadavg()[0])
     wall = time.monotonic() - t0
     print(table(rows))
     if args.out:
-        write_between_markers(args.out, report(rows, args.reps, wall))
+        write_between_markers(args.out, report(rows, args.reps, wall, loads))
     if args.json:
         args.json.write_text(json.dumps([{k: getattr(r, k) for k in Row.__slots__} for r in rows], indent=1))
     for r in rows:
