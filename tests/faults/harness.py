@@ -124,6 +124,41 @@ class _Forked:
         return self._p.exitcode
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux /proc), children first."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def reap_orphans(name: str, pids: list[int], how: str) -> int:
+    """Kill what a server left running after it ended (e.g. a relay's squash worker after a SIGKILL)."""
+    left = 0
+    for k in pids:
+        try:
+            os.kill(k, signal.SIGKILL)
+            left += 1
+        except OSError:
+            pass
+    if left:
+        print(f"harness: {name} left {left} child process(es) running after {how}; killed them", file=sys.stderr,
+              flush=True)
+    return left
+
+
 def raise_nofile(want: int = 8192) -> int:
     """Raise this process's descriptor limit (children inherit it); returns the new soft limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -146,6 +181,7 @@ class Proc:
     ended: float | None = None
     url: str = ""
     hung: bool = False
+    orphans: int = 0  # child processes it left running when it ended (killed by the harness)
     _log_start: int = 0
 
     def start(self) -> Proc:
@@ -206,8 +242,10 @@ class Proc:
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            kids = descendants(self.proc.pid)
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+            self.orphans += reap_orphans(self.name, kids, "SIGKILL")
         if self.proc is not None:
             self.poll()
 
@@ -215,12 +253,15 @@ class Proc:
         if self.proc is None:
             return None
         if self.proc.poll() is None:
+            kids = descendants(self.proc.pid)
             os.kill(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.hung = True  # SIGTERM must finish in bounded time
                 self.kill()
+            time.sleep(0.2)
+            self.orphans += reap_orphans(self.name, [k for k in kids if os.path.exists(f"/proc/{k}")], "SIGTERM")
         self.poll()
         return self.proc.returncode
 

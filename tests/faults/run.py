@@ -196,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {cls.name} ({args.reps} reps; load average {os.getloadavg()[0]:.1f})", flush=True)
         rows.append(run_scenario(cls, args.reps, workdir))
         loads.append(os.getloadavg()[0])
+        if args.out and len(rows) < len(chosen):  # a run cut short still leaves the scenarios it finished
+            write_between_markers(args.out, f"**In progress: {len(rows)} of {len(chosen)} scenarios done.**\n\n"
+                                  + report(rows, args.reps, time.monotonic() - t0, loads))
     wall = time.monotonic() - t0
     print(table(rows))
     if args.out:
