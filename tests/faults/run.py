@@ -29,6 +29,7 @@ from faults.harness import Env, Verdict  # noqa: E402
 from faults.scenarios import ALL, BY_NAME, SHORT, Skip  # noqa: E402
 
 BEGIN, END = "<!-- fault-campaign:begin -->", "<!-- fault-campaign:end -->"
+WEDGED = 3  # repetitions in a row that hung: the scenario stops (its row fails) instead of hanging 20 times
 
 
 @dataclass(slots=True)
@@ -47,10 +48,11 @@ class Row:
     notes: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     setup_s: float = 0.0
+    cut: int = 0  # repetitions not run because the scenario's tree stayed wedged
 
     @property
     def ok(self) -> bool:
-        return self.skipped is not None or self.lost == self.wrong == self.hangs == self.unclear == self.errors == 0
+        return self.skipped is not None or self.lost == self.wrong == self.hangs == self.unclear == self.errors == self.cut == 0
 
     def add(self, vd: Verdict) -> None:
         self.reps += 1
@@ -83,6 +85,7 @@ def run_scenario(cls, reps: int, workdir: Path, *, verbose: bool = True) -> Row:
             row.unclear, row.stopped = row.unclear + vd.unclear, row.stopped + vd.stopped
             if not vd.ok:
                 row.notes += ["setup: " + n for n in vd.notes]
+        wedged = 0
         for i in range(reps):
             t_rep = time.monotonic()
             try:
@@ -95,6 +98,12 @@ def run_scenario(cls, reps: int, workdir: Path, *, verbose: bool = True) -> Row:
                 env.notes.clear()
                 continue
             row.add(vd)
+            wedged = wedged + 1 if vd.hangs else 0
+            if wedged >= WEDGED and i + 1 < reps:
+                row.notes.insert(0, f"stopped after rep {i}: {WEDGED} repetitions in a row hung (the tree stays wedged; "
+                                    f"{reps - i - 1} repetitions not run)")
+                row.cut = reps - i - 1
+                break
             if verbose:
                 c = "-" if vd.converge_s is None else f"{vd.converge_s:.2f}s"
                 print(f"  {sc.name} rep {i}: lost {vd.lost} wrong {vd.wrong} hangs {vd.hangs} "
@@ -131,7 +140,8 @@ def table(rows: list[Row]) -> str:
         if r.skipped:
             lines.append(f"| {r.name} | skipped: {r.skipped} | | | | | | | | | |")
             continue
-        lines.append(f"| {r.name} | {r.reps} | {r.lost} | {r.wrong} | {r.hangs} | {r.stopped} | {r.unclear} | "
+        n = f"{r.reps} (of {r.reps + r.cut}: stopped, wedged)" if r.cut else str(r.reps)
+        lines.append(f"| {r.name} | {n} | {r.lost} | {r.wrong} | {r.hangs} | {r.stopped} | {r.unclear} | "
                      f"{r.errors} | {_q(r.converge, 0.5)} | {_q(r.converge, 1)} | {r.wall_s:.0f} |")
     return "\n".join(lines)
 
