@@ -26,6 +26,7 @@ for each version and which versions were acknowledged (``Publisher`` result retu
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import resource
@@ -48,9 +49,114 @@ SHAPE = ModelShape(vocab=128, hidden=32, layers=1, ffn=64)  # ~20k parameters: f
 RETENTION = 16
 FOLLOW_BOUND = 60.0  # seconds a follower may take to reach a repetition's last version
 GRACE = 15.0  # seconds a process may take beyond its own --timeout to start and exit
+# Failover limits (the programs' own flags): a client asks its next --from after 0.5 s without an
+# answer (default 2), a relay drops a parent that sends no status line within 5 s (default 10) and
+# hedges manifest reads after 0.5 s. The clients keep the default 10 s time-to-first-byte: on the
+# shared cores a healthy, CPU-starved origin can take over 3 s to answer (a 3 s limit made every
+# source "time out" and added the 5-10 s cool-downs to a converge time: relay-disk-full, one run).
+CLIENT_LIMITS = ["--hedge-after", "0.5"]
+RELAY_LIMITS = ["--ttfb-timeout", "5", "--hedge-after", "0.5"]
 _LISTEN = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
 SERVER = [sys.executable, "-m", "deltasync.server.cli"]
 CLIENT = [sys.executable, "-m", "deltasync.client.cli"]
+# Client commands (subscribe, publish) are forked from a fork server that has imported
+# deltasync.client.cli (torch: ~3 CPU-s and 5-10 s wall per start on the shared cores) once; each
+# child is still its own process running the command's own main() with its own argv, descriptors,
+# signals and exit status. FAULTS_FORK=0 starts them with ``python -m`` instead.
+FORK = os.environ.get("FAULTS_FORK", "1") != "0"
+_FORK_CTX: multiprocessing.context.BaseContext | None = None
+
+
+def _fork_ctx():
+    global _FORK_CTX
+    if _FORK_CTX is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["deltasync.client.cli", "safetensors.torch"])
+        _FORK_CTX = ctx
+    return _FORK_CTX
+
+
+def _run_client_cli(argv: list[str], log_path: str) -> None:
+    """In the forked child: stdout and stderr to the log, stdin from /dev/null, then the command."""
+    import signal as _signal
+
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(null)
+    for sig in (_signal.SIGTERM, _signal.SIGINT):
+        _signal.signal(sig, _signal.SIG_DFL)
+    from deltasync.client.cli import main
+
+    sys.argv = ["deltasync", *argv]
+    try:
+        rc = main(argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(rc)
+
+
+class _Forked:
+    """The few ``subprocess.Popen`` methods :class:`Proc` uses, over a forked ``multiprocessing.Process``."""
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        self._p = _fork_ctx().Process(target=_run_client_cli, args=(argv, str(log_path)), daemon=False)
+        self._p.start()
+        self.pid = self._p.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._p.exitcode
+
+    def poll(self) -> int | None:
+        return self._p.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._p.join(timeout)
+        if self._p.exitcode is None:
+            raise subprocess.TimeoutExpired(["deltasync"], timeout)
+        return self._p.exitcode
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux /proc), children first."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def reap_orphans(name: str, pids: list[int], how: str) -> int:
+    """Kill what a server left running after it ended (e.g. a relay's squash worker after a SIGKILL)."""
+    left = 0
+    for k in pids:
+        try:
+            os.kill(k, signal.SIGKILL)
+            left += 1
+        except OSError:
+            pass
+    if left:
+        print(f"harness: {name} left {left} child process(es) running after {how}; killed them", file=sys.stderr,
+              flush=True)
+    return left
 
 
 def raise_nofile(want: int = 8192) -> int:
@@ -75,12 +181,16 @@ class Proc:
     ended: float | None = None
     url: str = ""
     hung: bool = False
+    orphans: int = 0  # child processes it left running when it ended (killed by the harness)
     _log_start: int = 0
 
     def start(self) -> Proc:
         with open(self.log_path, "ab") as log:
             self._log_start = log.tell()
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            if FORK and self.argv[:len(CLIENT)] == CLIENT:
+                self.proc = _Forked(self.argv[len(CLIENT):], self.log_path)
+            else:
+                self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.started = time.monotonic()
         self.ended = None
         return self
@@ -132,8 +242,10 @@ class Proc:
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            kids = descendants(self.proc.pid)
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+            self.orphans += reap_orphans(self.name, kids, "SIGKILL")
         if self.proc is not None:
             self.poll()
 
@@ -141,12 +253,15 @@ class Proc:
         if self.proc is None:
             return None
         if self.proc.poll() is None:
+            kids = descendants(self.proc.pid)
             os.kill(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.hung = True  # SIGTERM must finish in bounded time
                 self.kill()
+            time.sleep(0.2)
+            self.orphans += reap_orphans(self.name, [k for k in kids if os.path.exists(f"/proc/{k}")], "SIGTERM")
         self.poll()
         return self.proc.returncode
 
@@ -251,7 +366,7 @@ class Env:
 
     def relay(self, name: str, parents: list[str], *, port: int = 0, cache: Path | None = None,
               extra: list[str] | None = None) -> Proc:
-        args = ["relay", *self.server_args(port, [*(extra or []), "--no-fsync"]), "--cache", str(cache or self.root / name)]
+        args = ["relay", *self.server_args(port, [*RELAY_LIMITS, *(extra or []), "--no-fsync"]), "--cache", str(cache or self.root / name)]
         for p in parents:
             args += ["--parent", p]
         return self._proc(name, args).start().wait_listening()
@@ -282,7 +397,7 @@ class Env:
         name = name or f"sub{len(self.subs)}-{model}"
         out = out or self.root / f"{name}.safetensors"
         args = ["subscribe", "--model", model, "--out", str(out), "--timeout", str(timeout), "--poll", str(poll),
-                *self.signing_args()]
+                *CLIENT_LIMITS, *self.signing_args()]
         for s in sources:
             args += ["--from", s]
         if once:
@@ -299,7 +414,7 @@ class Env:
         name = name or f"follower{len(self.procs)}-{model}"
         out = out or self.root / f"{name}.safetensors"
         args = ["subscribe", "--model", model, "--out", str(out), "--timeout", "3600", "--poll", str(poll),
-                *self.signing_args()]
+                *CLIENT_LIMITS, *self.signing_args()]
         for s in sources:
             args += ["--from", s]
         f = Follower(name=name, model=model, out=out, proc=self._proc(name, args).start())

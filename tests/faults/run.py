@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -28,6 +29,7 @@ from faults.harness import Env, Verdict  # noqa: E402
 from faults.scenarios import ALL, BY_NAME, SHORT, Skip  # noqa: E402
 
 BEGIN, END = "<!-- fault-campaign:begin -->", "<!-- fault-campaign:end -->"
+WEDGED = 3  # repetitions in a row that hung: the scenario stops (its row fails) instead of hanging 20 times
 
 
 @dataclass(slots=True)
@@ -45,10 +47,12 @@ class Row:
     skipped: str | None = None
     notes: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    setup_s: float = 0.0
+    cut: int = 0  # repetitions not run because the scenario's tree stayed wedged
 
     @property
     def ok(self) -> bool:
-        return self.skipped is not None or self.lost == self.wrong == self.hangs == self.unclear == self.errors == 0
+        return self.skipped is not None or self.lost == self.wrong == self.hangs == self.unclear == self.errors == self.cut == 0
 
     def add(self, vd: Verdict) -> None:
         self.reps += 1
@@ -73,12 +77,17 @@ def run_scenario(cls, reps: int, workdir: Path, *, verbose: bool = True) -> Row:
         except Skip as e:
             row.skipped = str(e)
             return row
+        row.setup_s = time.monotonic() - t0
+        if verbose:
+            print(f"  {sc.name} setup {row.setup_s:.1f}s", flush=True)
         for vd in env.setup_verdicts:  # followers that never synced their first version
             row.lost, row.wrong, row.hangs = row.lost + vd.lost, row.wrong + vd.wrong, row.hangs + vd.hangs
             row.unclear, row.stopped = row.unclear + vd.unclear, row.stopped + vd.stopped
             if not vd.ok:
                 row.notes += ["setup: " + n for n in vd.notes]
+        wedged = 0
         for i in range(reps):
+            t_rep = time.monotonic()
             try:
                 vd = sc.rep(env, i)
             except Exception:
@@ -89,10 +98,17 @@ def run_scenario(cls, reps: int, workdir: Path, *, verbose: bool = True) -> Row:
                 env.notes.clear()
                 continue
             row.add(vd)
+            wedged = wedged + 1 if vd.hangs else 0
+            if wedged >= WEDGED and i + 1 < reps:
+                row.notes.insert(0, f"stopped after rep {i}: {WEDGED} repetitions in a row hung (the tree stays wedged; "
+                                    f"{reps - i - 1} repetitions not run)")
+                row.cut = reps - i - 1
+                break
             if verbose:
                 c = "-" if vd.converge_s is None else f"{vd.converge_s:.2f}s"
                 print(f"  {sc.name} rep {i}: lost {vd.lost} wrong {vd.wrong} hangs {vd.hangs} "
-                      f"unclear {vd.unclear} stopped {vd.stopped} converge {c}", flush=True)
+                      f"unclear {vd.unclear} stopped {vd.stopped} converge {c} wall {time.monotonic() - t_rep:.1f}s",
+                      flush=True)
                 for n in vd.notes:
                     if not vd.ok:
                         print("    " + n.replace("\n", "\n    "), flush=True)
@@ -124,18 +140,21 @@ def table(rows: list[Row]) -> str:
         if r.skipped:
             lines.append(f"| {r.name} | skipped: {r.skipped} | | | | | | | | | |")
             continue
-        lines.append(f"| {r.name} | {r.reps} | {r.lost} | {r.wrong} | {r.hangs} | {r.stopped} | {r.unclear} | "
+        n = f"{r.reps} (of {r.reps + r.cut}: stopped, wedged)" if r.cut else str(r.reps)
+        lines.append(f"| {r.name} | {n} | {r.lost} | {r.wrong} | {r.hangs} | {r.stopped} | {r.unclear} | "
                      f"{r.errors} | {_q(r.converge, 0.5)} | {_q(r.converge, 1)} | {r.wall_s:.0f} |")
     return "\n".join(lines)
 
 
-def report(rows: list[Row], reps: int, wall: float) -> str:
+def report(rows: list[Row], reps: int, wall: float, loads: list[float] | None = None) -> str:
     import os
     total = sum(r.reps for r in rows)
+    load = (f" 1-minute load average {min(loads):.1f}–{max(loads):.1f} (sampled at each scenario's start and end)."
+            if loads else "")
     bad = [r.name for r in rows if not r.ok]
     head = (f"Last run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `--reps {reps}`, {len(rows)} scenarios, "
             f"{total} repetitions in {wall:.0f} s on {platform.machine()} ({os.cpu_count()} cores, shared), "
-            f"Python {platform.python_version()}. "
+            f"Python {platform.python_version()}.{load} "
             + ("All scenarios: 0 lost, 0 wrong, 0 hangs." if not bad else f"Failing: {', '.join(bad)}."))
     what = "\n".join(f"- **{r.name}**: {r.what}" for r in rows)
     notes = []
@@ -182,13 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="deltasync-faults-"))
     t0 = time.monotonic()
     rows = []
+    loads = [os.getloadavg()[0]]
     for cls in chosen:
-        print(f"== {cls.name} ({args.reps} reps)", flush=True)
+        print(f"== {cls.name} ({args.reps} reps; load average {os.getloadavg()[0]:.1f})", flush=True)
         rows.append(run_scenario(cls, args.reps, workdir))
+        loads.append(os.getloadavg()[0])
+        if args.out and len(rows) < len(chosen):  # a run cut short still leaves the scenarios it finished
+            write_between_markers(args.out, f"**In progress: {len(rows)} of {len(chosen)} scenarios done.**\n\n"
+                                  + report(rows, args.reps, time.monotonic() - t0, loads))
     wall = time.monotonic() - t0
     print(table(rows))
     if args.out:
-        write_between_markers(args.out, report(rows, args.reps, wall))
+        write_between_markers(args.out, report(rows, args.reps, wall, loads))
     if args.json:
         args.json.write_text(json.dumps([{k: getattr(r, k) for k in Row.__slots__} for r in rows], indent=1))
     for r in rows:
