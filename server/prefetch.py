@@ -25,7 +25,7 @@ import asyncio
 import logging
 
 
-from deltasync.errors import DeltaSyncError, NotFoundError, UpstreamError
+from deltasync.errors import DeltaSyncError, NotFoundError, UpstreamError, UpstreamTimeout
 from deltasync.manifest import MODEL_RE, Manifest, parse_manifest
 from deltasync.retry import RETRY_BACKOFF, describe, retry
 from deltasync.sse import SSEDecoder
@@ -89,10 +89,19 @@ class Prefetcher:
             if n & (n - 1) == 0:
                 log.warning("no parent's event stream can be followed (%s); retrying in %.1f s", describe(e), delay)
 
+        def again(e: BaseException) -> bool:
+            # whatever a parent's stream did to this loop, the relay keeps following: only a
+            # cancellation (shutting down) ends it
+            if isinstance(e, asyncio.CancelledError):
+                return False
+            if not isinstance(e, UpstreamError):
+                log.error("following the parents' event streams failed unexpectedly (%s); reconnecting",
+                          describe(e), exc_info=e)
+            return True
+
         while True:
             # one pass over the parents, best first; a stream that ended is followed again after a pause
-            await retry(self._follow_best, backoff=RETRY_BACKOFF, attempts=None,
-                        again=lambda e: isinstance(e, UpstreamError), on_retry=on_retry)
+            await retry(self._follow_best, backoff=RETRY_BACKOFF, attempts=None, again=again, on_retry=on_retry)
             await asyncio.sleep(RETRY_BACKOFF.base)
 
     async def _follow_best(self) -> None:
@@ -112,13 +121,26 @@ class Prefetcher:
             preferred = self.upstream.parents.index(parent)
             loop = asyncio.get_running_loop()
             recheck = loop.time() + self.timeouts.parent_cooldown
+            # A live parent sends at least a heartbeat this often; silence past it is that parent's
+            # fault. The bound is our own: when aiohttp's chunked parser fails on a mangled size line
+            # (aiohttp 3.14), it closes the connection and drops its sock_read timer without telling
+            # the body's reader, so a read waiting then waits forever, and one started after the
+            # close raises RuntimeError("Connection closed.").
+            silence = 3 * self.timeouts.heartbeat
             while True:
                 if preferred and loop.time() >= recheck:
                     recheck = loop.time() + self.timeouts.parent_cooldown
                     if self.upstream.candidates()[0] != parent:
                         log.info("leaving %s for a more preferred parent", parent)
                         return
-                chunk = await resp.content.readany()
+                try:
+                    async with asyncio.timeout(silence):
+                        chunk = await resp.content.readany()
+                except TimeoutError:
+                    raise UpstreamTimeout(f"the event stream of {parent} sent nothing for {silence:g} s "
+                                          f"(heartbeats are due every {self.timeouts.heartbeat:g} s)") from None
+                except RuntimeError as e:  # aiohttp: the connection was closed under the reader
+                    raise UpstreamError(f"the event stream of {parent} was cut ({e})") from None
                 if not chunk:  # a parent's stream never ends while it runs: a cut one is that parent's fault
                     raise UpstreamError(f"the event stream of {parent} ended")
                 for ev in decoder.feed(chunk):
@@ -126,12 +148,22 @@ class Prefetcher:
                         data = ev.json()
                         model, version = data.get("model"), data.get("version")
                         if isinstance(model, str) and MODEL_RE.match(model) and isinstance(version, int):
-                            self.want(model, version, data.get("manifest"))
+                            self.want(model, version, data.get("manifest"), head=ev.event == "head")
 
     # -- syncing models --------------------------------------------------------------------
-    def want(self, model: str, version: int, manifest: dict | None = None) -> None:
-        """The parent has ``version`` of ``model``: make sure this relay gets it."""
-        if version <= self.parent_heads.get(model, -1):
+    def want(self, model: str, version: int, manifest: dict | None = None, *, head: bool = False) -> None:
+        """The parent has ``version`` of ``model``: make sure this relay gets it.
+
+        ``head``: the parent's head, sent first on each (re)connect; it replaces what an earlier
+        event said even when lower (events are not signed: one mangled on the wire may have named
+        a version the parent never had, and every real version below it would be ignored)."""
+        known = self.parent_heads.get(model, -1)
+        if head and version < known:
+            log.warning("parent's head of %s is v%d, not v%d as an earlier event said; following v%d", model,
+                        version, known, version)
+            self.parent_heads[model] = version
+            return
+        if version <= known:
             return
         log.debug("parent has %s v%d (manifest %s)", model, version, "inline" if manifest else "not inline")
         self.parent_heads[model] = version
