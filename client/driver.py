@@ -25,7 +25,11 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import time
 from collections.abc import Callable
+from urllib.parse import quote
+
+import aiohttp
 
 from deltasync import syncmachine as sm
 from deltasync.apply import prepare_delta
@@ -55,8 +59,12 @@ class SyncDriver:
 
     def __init__(self, machine: sm.SyncMachine, client: HttpClient, live: LiveState, queue: ReadyQueue, *,
                  key: bytes | None, notify: Callable[[str, int | None, str, BaseException | None], None],
-                 download_concurrency: int = 4, squash_timeout: float = 15.0) -> None:
+                 download_concurrency: int = 4, squash_timeout: float = 15.0, behind_after: float | None = None) -> None:
         self.machine, self.client, self.live, self.queue = machine, client, live, queue
+        # a source that answers "nothing newer" this long (default: two long-polls) while another
+        # listed source has a newer head is put down like a failed one (a lagging relay is not an error)
+        self.behind_after = 2 * client.timeouts.poll if behind_after is None else behind_after
+        self._quiet_since: float | None = None  # when the source last had something newer
         self.key = key
         self.notify = notify  # tells on_event (refetch, resync, error); runs on the loop thread, no lock held
         self.download_concurrency = max(1, download_concurrency)
@@ -181,13 +189,46 @@ class SyncDriver:
                 head = await asyncio.wait_for(self.client.get_head(a.stream, after=a.after, parse=parse),
                                               t.poll + max(t.read, t.ttfb) + t.connect)
             except asyncio.TimeoutError:  # nothing newer within the long-poll: ask again
+                await self._check_not_behind(a.stream, a.after)
                 return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=a.after)
+            if head is not None and head.version <= a.after:
+                await self._check_not_behind(a.stream, a.after)
+            elif head is not None:
+                self._quiet_since = None
         if head is None:
             return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=None)
         m = None
         if head.body is not None:  # verified in the failover loop; parse again only if that was skipped
             m = head.checked if isinstance(head.checked, Manifest) else self.parse(head.body, a.stream, head.version)
         return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=head.version, manifest=m)
+
+    async def _check_not_behind(self, stream: str, have: int) -> None:
+        """The source had nothing newer than ``have``: once that has lasted ``behind_after`` seconds, ask
+        the other listed sources' heads (a plain GET each, bounded by the client's timeouts); if one is
+        ahead, the quiet source is marked failed so the next reads go to the others."""
+        now = time.monotonic()
+        if self._quiet_since is None:
+            self._quiet_since = now
+        quiet, current = self.client.last_url, now - self._quiet_since
+        if len(self.client.urls) < 2 or quiet is None or current < self.behind_after:
+            return
+        self._quiet_since = now  # one probe per ``behind_after``
+        t = self.client.timeouts
+        for url in self.client.urls:
+            if url == quiet or self.client.failover.cooling(url, now):
+                continue
+            try:
+                async with asyncio.timeout(t.ttfb + t.read):
+                    r = await self.client._open("GET", f"{url}/v1/models/{quote(stream)}/head")
+                    async with r:
+                        shown = r.headers.get("X-Deltasync-Version", "") if r.status == 200 else ""
+            except (DeltaSyncError, OSError, asyncio.TimeoutError, aiohttp.ClientError):
+                continue
+            if shown.isdigit() and int(shown) > have:
+                why = f"behind: v{have} for {current:.0f} s while {url} has v{shown}"
+                log.warning("%s is %s; reading from the next source", quiet, why)
+                self.client.failover.failed(quiet, time.monotonic(), why)
+                return
 
     async def _manifest_or_none(self, stream: str, version: int) -> Manifest | None:
         try:
