@@ -15,6 +15,11 @@ unset) so other head reads through the same client (``Subscriber.head_version``,
 read, hedge, cool-down) are the ``Subscriber``'s ``timeouts=``; the cool-downs are
 shared with every other client of the process that lists the same URLs.
 
+A source that lags is not an error: when the source answering the long-polls has had
+nothing newer for ``behind_after`` seconds (default two long-polls), the driver asks the
+other listed sources' heads once, and if one is ahead it marks the quiet source failed (its
+usual cool-down), so the next reads go to the one ahead.
+
 One blocking action runs at a time, as a task; when the machine supersedes it (an apply
 failed, say), the task is cancelled and its result, if any, ignored by ticket.
 """

@@ -124,8 +124,8 @@ class Prefetcher:
             # A live parent sends at least a heartbeat this often; silence past it is that parent's
             # fault. The bound is our own: when aiohttp's chunked parser fails on a mangled size line
             # (aiohttp 3.14), it closes the connection and drops its sock_read timer without telling
-            # the body's reader, so a read waiting then waits forever, and one started after the
-            # close raises RuntimeError("Connection closed.").
+            # the body's reader, so a read waiting then waits forever (one started after the close
+            # raises RuntimeError, which ``Upstream.request`` turns into UpstreamError).
             silence = 3 * self.timeouts.heartbeat
             while True:
                 if preferred and loop.time() >= recheck:
@@ -139,8 +139,6 @@ class Prefetcher:
                 except TimeoutError:
                     raise UpstreamTimeout(f"the event stream of {parent} sent nothing for {silence:g} s "
                                           f"(heartbeats are due every {self.timeouts.heartbeat:g} s)") from None
-                except RuntimeError as e:  # aiohttp: the connection was closed under the reader
-                    raise UpstreamError(f"the event stream of {parent} was cut ({e})") from None
                 if not chunk:  # a parent's stream never ends while it runs: a cut one is that parent's fault
                     raise UpstreamError(f"the event stream of {parent} ended")
                 for ev in decoder.feed(chunk):

@@ -141,7 +141,15 @@ class Upstream:
             raise UpstreamTimeout(f"{method} {url}: no answer within {ttfb:g} s (time-to-first-byte limit)") from None
         answering()
         async with resp:
-            yield resp
+            try:
+                yield resp
+            except RuntimeError as e:
+                # aiohttp (3.14) after its parser failed on a mangled chunk-size line: the connection is
+                # closed under the body's reader, which then raises this (or, already waiting, waits
+                # for ever: every body read here has a bound of its own). A cut answer: the parent's fault.
+                if str(e) != "Connection closed.":
+                    raise
+                raise UpstreamError(f"{method} {url}: the connection was closed mid-answer") from None
 
     def blob_request(self, parent: str, blob_id: str, offset: int = 0, *, method: str = "GET"):
         headers = {"Range": f"bytes={offset}-"} if offset else {}
@@ -168,7 +176,12 @@ class Upstream:
                     raise UpstreamError(f"{parent} answered {resp.status} for {what}")
                 if (resp.content_length or 0) > self.max_manifest_size:
                     raise UpstreamError(f"{parent} sent a {resp.content_length}-byte manifest for {what}")
-                body = await resp.read()
+                try:
+                    async with asyncio.timeout(4 * self.timeouts.read):
+                        body = await resp.read()
+                except TimeoutError:
+                    raise UpstreamTimeout(f"{parent} did not finish sending {what} within "
+                                          f"{4 * self.timeouts.read:g} s") from None
             try:
                 m = parse_manifest(body, key=self.key)
             except SignatureError as e:
