@@ -287,7 +287,14 @@ def _mutated(header: dict, **changes) -> dict:
     return dict(header, chunks=[rec] + header["chunks"][1:])
 
 
-_DROP = object()
+class _Drop:
+    """A record field removed, not set (its repr keeps test ids the same in every process: pytest-xdist)."""
+
+    def __repr__(self) -> str:
+        return "<dropped>"
+
+
+_DROP = _Drop()
 
 
 _FIELD_CASES = [
