@@ -381,7 +381,8 @@ async def get_head(request: web.Request) -> web.Response:
     wait_text = request.query.get("wait")
     if wait_text is not None and after is None:
         raise FormatError("wait= needs after=")
-    _check_can_hold(svc, model)
+    if after is not None or svc.store.head(model) is not None:  # (a relay with nothing of it answers 404)
+        _check_can_hold(svc, model)
     if after is not None:
         try:
             wait = float(wait_text) if wait_text is not None else 0.0
