@@ -402,8 +402,9 @@ async def get_head(request: web.Request) -> web.Response:
                 if head is not None:
                     headers["X-Deltasync-Head"] = str(head)
                 return web.Response(status=204, headers=headers)
-            # in slices: a disk that fills meanwhile answers 507 rather than hold the child to the end
-            await svc.hub.wait_change(model, min(left, 1.0))
+            # on a relay, in slices: a disk that fills meanwhile answers 507 rather than hold the child to the end
+            piece = left if svc.prefetcher is None else min(left, 1.0 if _storage_error(svc) else 5.0)
+            await svc.hub.wait_change(model, piece)
             _check_can_hold(svc, model)
     head = svc.store.head(model)
     if head is None:
