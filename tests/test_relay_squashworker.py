@@ -50,7 +50,7 @@ def _worker_pids(relay_pid: int) -> list[int]:
             cmd = Path(f"/proc/{c}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"spawn_main" in cmd:
+        if b"multiprocessing" in cmd:  # the worker (spawn_main) and the resource tracker
             pids.append(c)
     return pids
 
@@ -81,7 +81,8 @@ def _relay_with_squash(tmp_path):
         p.flush(60)
     asyncio.run(_squash(r.url, "sq", 0, 3))
     workers = _worker_pids(r.pid)
-    assert workers, f"no squash worker under relay pid {r.pid}: {_children(r.pid)}"
+    assert any(b"spawn_main" in Path(f"/proc/{w}/cmdline").read_bytes() for w in workers), \
+        f"no squash worker under relay pid {r.pid}: {_children(r.pid)}"
     return o, r, workers
 
 
