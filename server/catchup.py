@@ -12,6 +12,11 @@ crafted chain cannot hold the build slot (or shutdown) forever. The resulting bl
 into the blob store like any other and the manifest is cached under squash/.
 The server signs the squashed manifest only if it holds the key; a relay without
 the key serves it unsigned (see docs/PROTOCOL.md).
+
+The worker dies with its server in every case: on Linux it asks the kernel for
+SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``), and everywhere a thread
+of its own exits it once its parent pid changes (``_die_with_parent``); a clean
+shutdown (``close``) terminates it and joins it within ``WORKER_JOIN_S``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
+import os
+import signal
+import sys
+import threading
 import time
 
 from deltasync.errors import BaseMismatchError, ChainError, FormatError, NotFoundError, UnavailableError, UnsupportedError
@@ -32,6 +41,33 @@ from .metrics import Metrics
 from .blobstore import BlobStore
 
 log = logging.getLogger("deltasync.server.catchup")
+
+#: seconds ``close`` waits for the squash worker to exit after SIGTERM before it is killed (within SIGTERM's bound)
+WORKER_JOIN_S = 1.5
+#: seconds between the worker's checks that its parent is still alive (the portable fallback)
+PARENT_POLL_S = 0.5
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """The squash worker's initializer: exit when the server that started it is gone (module docstring)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            PR_SET_PDEATHSIG = 1
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watch below still ends it
+    if os.getppid() != parent_pid:  # the parent died before the line above
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class CatchupBuilder:
@@ -54,13 +90,29 @@ class CatchupBuilder:
         loading torch holds the GIL for seconds (its shared libraries), which in the server's process
         froze every transfer, event stream and prefetch meanwhile."""
         if self._pool is None:
-            self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                                initializer=_die_with_parent,
+                                                                initargs=(os.getpid(),))
         return self._pool
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Stop the worker: terminated (a build in progress is abandoned) and joined, killed after
+        ``WORKER_JOIN_S``."""
+        if self._pool is None:
+            return
+        pool, self._pool = self._pool, None
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + WORKER_JOIN_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                log.warning("squash worker %d did not exit on SIGTERM; killed", p.pid)
+                p.kill()
+                p.join(1.0)
 
     async def delta(self, model: str, start: int, end: int) -> bytes:
         """The manifest (JSON bytes) of one delta taking ``model`` from ``start`` to ``end``."""

@@ -78,8 +78,10 @@ class DiskPartial(HashedBlob):
     file to the store; ``close`` releases the descriptor once nobody reads it.
     """
 
-    def __init__(self, tmp_dir: Path, blob_id: str, on_commit) -> None:
+    def __init__(self, tmp_dir: Path, blob_id: str, on_commit, on_full=None) -> None:
         self.id = blob_id
+        #: ``on_full(nbytes) -> bytes freed``: the store evicts for a write that met ENOSPC (tried once more)
+        self._on_full = on_full
         self.path = tmp_dir / f"{blob_id}.{secrets.token_hex(6)}.part"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         self._on_commit = on_commit
@@ -94,7 +96,12 @@ class DiskPartial(HashedBlob):
     def preallocate(self, size: int) -> None:
         """Reserve ``size`` bytes on disk now (StorageError if the disk cannot hold them)."""
         try:
-            os.posix_fallocate(self.fd, 0, size)
+            try:
+                os.posix_fallocate(self.fd, 0, size)
+            except OSError as e:
+                if not self._room_made(e, size):
+                    raise
+                os.posix_fallocate(self.fd, 0, size)
         except OSError as e:
             if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 return  # a filesystem without fallocate: writes will tell
@@ -106,12 +113,24 @@ class DiskPartial(HashedBlob):
         n = len(view)
         while view:
             try:
-                k = os.write(self.fd, view)
+                try:
+                    k = os.write(self.fd, view)
+                except OSError as e:
+                    if not self._room_made(e, len(view)):
+                        raise
+                    k = os.write(self.fd, view)
             except OSError as e:
                 raise StorageError(f"cannot write blob {self.id} in {self.path.parent}: {e.strerror or e}") from e
             view = view[k:]
         self._hasher.update(data)
         self.written += n
+
+    def _room_made(self, e: OSError, nbytes: int) -> bool:
+        """The disk is full: ask the store to evict (once per blob); True if it freed something."""
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or self._on_full is None:
+            return False
+        on_full, self._on_full = self._on_full, None
+        return on_full(nbytes) > 0
 
     def reset(self) -> None:
         os.ftruncate(self.fd, 0)
@@ -157,6 +176,8 @@ class DiskFiles:
         self.fsync = fsync
         self.durable_manifests = durable_manifests and fsync
         self._lock_fd: int | None = None
+        #: set by the store: evicts for a blob write that met ENOSPC, returns the bytes freed
+        self.on_full = None
 
     # -- paths ---------------------------------------------------------------------------
     def blob_path(self, blob_id: str) -> Path:
@@ -246,11 +267,11 @@ class DiskFiles:
 
     # -- blobs ---------------------------------------------------------------------------
     def new_partial(self, blob_id: str, *, on_commit) -> DiskPartial:
-        return DiskPartial(self.tmp_dir, blob_id, on_commit)
+        return DiskPartial(self.tmp_dir, blob_id, on_commit, self.on_full)
 
     async def open_partial(self, blob_id: str, *, on_commit) -> DiskPartial:
         # Creating a file can wait on the filesystem journal: off the loop.
-        return await asyncio.to_thread(DiskPartial, self.tmp_dir, blob_id, on_commit)
+        return await asyncio.to_thread(DiskPartial, self.tmp_dir, blob_id, on_commit, self.on_full)
 
     async def adopt(self, part: DiskPartial) -> None:
         final = self.blob_path(part.id)

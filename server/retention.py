@@ -177,3 +177,8 @@ class BlobLedger:
         need = self.total + incoming - self.budget
         protected = _Protected(self.pinned, self._leases if keep is None else {**self._leases, keep: 1})
         return plan_eviction(self._sizes.items(), need=need, protected=protected)
+
+    def plan_free(self, nbytes: int) -> Eviction:
+        """What to evict to free ``nbytes`` whatever the budget (the disk itself is full): the oldest blobs
+        that are neither pinned nor leased."""
+        return plan_eviction(self._sizes.items(), need=nbytes, protected=_Protected(self.pinned, self._leases))

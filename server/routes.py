@@ -149,9 +149,27 @@ def _manifest_response(data: bytes, *, version: int, etag: str, cache: str) -> w
 
 # -- health and metrics -----------------------------------------------------------------------
 
+def _storage_error(svc: Services) -> str | None:
+    """Why this server's disk cannot hold what it was given (blob fetch or manifest write), or None."""
+    return (svc.fetcher.storage_error if svc.fetcher is not None else None) or getattr(svc.store, "storage_error", None)
+
+
+def _check_can_hold(svc: Services, model: str) -> None:
+    """A relay whose disk cannot hold a version its parent has: 507 (its own fault, not the parent's), so a
+    child moves on to its next source instead of waiting here for a version this relay will never hold."""
+    if svc.prefetcher is None:
+        return
+    storage = _storage_error(svc)
+    if storage is None or svc.prefetcher.lag(model) <= 0:
+        return
+    raise StorageError(f"this relay is behind its parent on {model!r} (head {svc.store.head(model)}, parent "
+                       f"v{svc.prefetcher.parent_heads.get(model)}) and its disk cannot hold more ({storage}); "
+                       "ask another source")
+
+
 async def healthz(request: web.Request) -> web.Response:
     svc = _svc(request)
-    storage = svc.fetcher.storage_error if svc.fetcher is not None else None
+    storage = _storage_error(svc)
     status = "shutting_down" if svc.hub.closed else "degraded" if storage else "ok"
     body = {"status": status, "role": svc.config.role,
             "models": {name: svc.store.head(name) for name in sorted(svc.store.models)}}
@@ -363,6 +381,8 @@ async def get_head(request: web.Request) -> web.Response:
     wait_text = request.query.get("wait")
     if wait_text is not None and after is None:
         raise FormatError("wait= needs after=")
+    if after is not None or svc.store.head(model) is not None:  # (a relay with nothing of it answers 404)
+        _check_can_hold(svc, model)
     if after is not None:
         try:
             wait = float(wait_text) if wait_text is not None else 0.0
@@ -382,7 +402,10 @@ async def get_head(request: web.Request) -> web.Response:
                 if head is not None:
                     headers["X-Deltasync-Head"] = str(head)
                 return web.Response(status=204, headers=headers)
-            await svc.hub.wait_change(model, left)
+            # on a relay, in slices: a disk that fills meanwhile answers 507 rather than hold the child to the end
+            piece = left if svc.prefetcher is None else min(left, 1.0 if _storage_error(svc) else 5.0)
+            await svc.hub.wait_change(model, piece)
+            _check_can_hold(svc, model)
     head = svc.store.head(model)
     if head is None:
         raise NotFoundError(f"model {model!r} has no versions here")

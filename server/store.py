@@ -26,6 +26,14 @@ such a version answers 404 (catch up from a keyframe), pulled through from a par
 that still has it (the newest ``STALE_MAX`` such pulls are kept, the oldest deleted).
 An origin keeps every manifest (docs/PROTOCOL.md §6.4).
 
+A full disk (ENOSPC below the budget: the budget is larger than the disk): a write
+that fails with ``StorageError`` first evicts what retention allows (the oldest
+blobs neither pinned nor leased, ``free_space``) and is tried once more; if there
+is still no room the error stands and ``storage_error`` says why until a write
+succeeds again. Nothing it could not hold is announced; routes.py answers a
+relay's children 507 for a version its parent has and it cannot hold, and
+``/healthz`` says degraded.
+
 Orphans: a store made with ``orphan_grace`` (an origin) deletes blobs no manifest
 references once they are older than the grace: blobs of a publish that never
 committed (a publisher or origin killed between the blob uploads and the manifest,
@@ -45,7 +53,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from deltasync.blob import check_blob_id
-from deltasync.errors import NotFoundError
+from deltasync.errors import NotFoundError, StorageError
 from deltasync.manifest import BlobRef, Manifest, parse_manifest
 
 from .blobstore import BlobFiles, BlobReader, GrowingBlob, Inventory
@@ -59,6 +67,9 @@ log = logging.getLogger("deltasync.server.store")
 
 #: manifests below a pruning store's floor it keeps after pulling them through again (module docstring)
 STALE_MAX = 8
+
+#: bytes freed beyond what a failed write needed when the disk is full (filesystem blocks, temp files)
+FULL_DISK_SLACK = 1 << 20
 
 #: seconds an unreferenced blob waits on an origin before it is deleted (module docstring)
 ORPHAN_GRACE = float(os.environ.get("DELTASYNC_ORPHAN_GRACE_S", 3600))
@@ -74,6 +85,10 @@ class IndexedStore:
                  on_evict: Callable[[int, int], None] | None = None, verify_ttl: float = 600.0,
                  prune_history: bool = False, orphan_grace: float | None = None) -> None:
         self.files = files
+        #: why the last write could not be held (the disk is full even after evicting), until one succeeds
+        self.storage_error: str | None = None
+        if hasattr(files, "on_full"):
+            files.on_full = self.free_space  # a blob write that meets ENOSPC evicts and retries once
         # Origins: every blob id a manifest references, and unreferenced blobs with when they were written.
         self.orphan_grace = orphan_grace
         self._refs: set[str] = set()
@@ -241,6 +256,39 @@ class IndexedStore:
             if self._on_evict:
                 self._on_evict(len(plan.victims), plan.freed)
 
+    def free_space(self, nbytes: int) -> int:
+        """The disk is full: evict the oldest blobs retention allows (neither pinned nor leased) to free
+        ``nbytes`` and some slack, whatever the budget; returns the bytes freed (0: nothing may go)."""
+        plan = self._ledger.plan_free(nbytes + FULL_DISK_SLACK)
+        for bid in plan.victims:
+            self._drop_blob(bid)
+        if plan.victims:
+            log.warning("disk full: evicted %d blobs (%d bytes) to make room for %d bytes", len(plan.victims),
+                        plan.freed, nbytes)
+            if self._on_evict:
+                self._on_evict(len(plan.victims), plan.freed)
+        else:
+            log.warning("disk full: %d bytes wanted and every stored blob is pinned or in use", nbytes)
+        return plan.freed
+
+    def storage_failed(self, e: StorageError) -> None:
+        self.storage_error = str(e)
+
+    async def _write_or_evict(self, write, nbytes: int) -> None:
+        """``write()``; on StorageError evict what retention allows and try once more (module docstring)."""
+        try:
+            await write()
+        except StorageError as e:
+            if not self.free_space(nbytes):
+                self.storage_failed(e)
+                raise
+            try:
+                await write()
+            except StorageError as e2:
+                self.storage_failed(e2)
+                raise
+        self.storage_error = None
+
     def _repin(self) -> None:
         pinned: set[str] = set()
         keep: set[tuple[str, int]] = set()
@@ -385,7 +433,7 @@ class IndexedStore:
     async def put_manifest(self, m: Manifest, *, announce: bool) -> VersionInfo:
         """Store a manifest (durably, but for a relay's); with ``announce``, make it the head."""
         data = m.to_json()
-        await self.files.write_manifest(m.model, m.version, data)
+        await self._write_or_evict(lambda: self.files.write_manifest(m.model, m.version, data), len(data))
         info = self._add_version(m, data)
         if self.orphan_grace is not None:
             self._sweep_orphans()
@@ -406,7 +454,7 @@ class IndexedStore:
         return await self.files.read_squash(model, start, end)
 
     async def put_squash(self, model: str, start: int, end: int, data: bytes) -> None:
-        await self.files.write_squash(model, start, end, data)
+        await self._write_or_evict(lambda: self.files.write_squash(model, start, end, data), len(data))
         key = (model, start, end)
         self._ledger.meta += len(data) - self._squashes.get(key, 0)
         self._squashes[key] = len(data)  # counted; room is made at the next blob or announce
