@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m deltasync.cli.demo
 
+# Two pytest-xdist workers, one test file each at a time (module fixtures stay per file): ~6 min on 2 cores.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m 'not long'
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m 'not long' -n $(TEST_WORKERS) --dist loadfile
 
 # The longest process-level tests (pytest marker `long`), kept out of `make test`'s 10-minute budget; .ci/run runs them.
 test-long: $(STAMP)
