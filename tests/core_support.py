@@ -27,3 +27,8 @@ def from_words(words: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
     if raw.size == 0:
         return torch.empty(tuple(shape), dtype=dtype)
     return torch.from_numpy(raw.copy()).view(dtype).reshape(tuple(shape))
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Same tensor names, and every tensor bit for bit equal (2-byte dtypes: bf16/fp16 states)."""
+    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)

@@ -26,6 +26,7 @@ from deltasync.client.subscriber import ThreadedSubscriber
 from deltasync.errors import SignatureError, UpstreamError
 from deltasync.tensorfile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
+from core_support import same_state as _same
 
 KEY = bytes(range(11, 43))
 SHAPE = ModelShape(vocab=256, hidden=32, layers=1, ffn=64)
@@ -112,10 +113,6 @@ def published(cluster):
             pub.publish(i, s)
         pub.flush(60)
     return states
-
-
-def _same(a, b) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
 
 
 @pytest.mark.parametrize("mode", MODES)

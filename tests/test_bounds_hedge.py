@@ -24,6 +24,7 @@ from deltasync.failover import Backoff, Failover
 from deltasync.retry import SlowerThanHedge, answering, first_source
 from deltasync.tensorfile import read_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
+from core_support import same_state as _same
 
 KEY = bytes(range(7, 39))
 SHAPE = ModelShape(vocab=256, hidden=32, layers=1, ffn=64)
@@ -144,10 +145,6 @@ def published(cluster):
             pub.publish(i, s)
         pub.flush(60)
     return states
-
-
-def _same(a, b) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
 
 
 def _subscribe_once(cluster, sources: list[str], out, *extra: str) -> float:

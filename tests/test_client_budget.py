@@ -21,6 +21,7 @@ from deltasync.codec import diff_states, encode_diff
 from deltasync.manifest import parse_manifest
 from deltasync.tensorfile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
+from core_support import same_state as _same
 
 KEY = bytes(range(32))
 SHAPE = ModelShape(vocab=1024, hidden=64, layers=1, ffn=128)
@@ -36,10 +37,6 @@ def cluster(tmp_path_factory):
         yield c
     finally:
         c.close()
-
-
-def _same(a, b) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
 
 
 def _copy(state):

@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from deltasync.cli.cluster import LocalCluster
 from deltasync.tensorfile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
+from core_support import same_state as _same
 
 KEY = bytes(range(7, 39))
 SHAPE = ModelShape(vocab=256, hidden=32, layers=1, ffn=64)
@@ -29,10 +29,6 @@ def cluster(tmp_path_factory):
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deltasync.client.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
-
-
-def _same(a, b) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
 
 
 def test_publish_then_subscribe_once(cluster, tmp_path):

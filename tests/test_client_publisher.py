@@ -14,6 +14,7 @@ from deltasync.client.publisher import Part, Publisher, merge_parts
 from deltasync.client.subscriber import ThreadedSubscriber
 from deltasync.errors import ChainError
 from deltasync.testing.trace import ModelShape, RLTrace
+from core_support import same_state as _same
 
 KEY = bytes(range(32))
 SHAPE = ModelShape(vocab=256, hidden=32, layers=2, ffn=64)
@@ -34,10 +35,6 @@ def _sync(url: str, model: str, like, version: int):
     with ThreadedSubscriber(url, model, target, key=KEY) as sub:
         assert sub.wait_version(version, 60) == version
     return target
-
-
-def _same(a, b) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
 
 
 def test_versions_side_keyframes_and_layout_changes(cluster):

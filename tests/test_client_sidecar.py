@@ -16,6 +16,7 @@ from deltasync.client.sidecar import STATE_NAME, Sidecar
 from deltasync.client.subscriber import ThreadedSubscriber
 from deltasync.tensorfile import write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
+from core_support import same_state as _same
 
 SHAPE = ModelShape(vocab=256, hidden=32, layers=1, ffn=64)
 
@@ -73,10 +74,6 @@ def _sync(c: LocalCluster, model: str, like: dict[str, torch.Tensor]) -> dict[st
     with ThreadedSubscriber(c.origin, model, target) as sub:
         sub.sync(60)
     return target
-
-
-def _same(a, b) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
 
 
 def test_sidecar_publishes_in_order_skips_truncated_and_resumes(origin, tmp_path):

@@ -18,6 +18,7 @@ from deltasync.client.http import Timeouts
 from deltasync.client.publisher import Publisher
 from deltasync.client.subscriber import Subscriber, SyncEvent, ThreadedSubscriber
 from deltasync.testing.trace import ModelShape, RLTrace
+from core_support import same_state as _same
 
 KEY = bytes(range(1, 33))
 SHAPE = ModelShape(vocab=256, hidden=32, layers=2, ffn=64)
@@ -31,10 +32,6 @@ def cluster(tmp_path_factory):
         yield c
     finally:
         c.close()
-
-
-def _same(a, b) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
 
 
 def _zeros(like):

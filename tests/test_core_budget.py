@@ -17,6 +17,7 @@ from deltasync.budget import (META_BUDGET, BudgetPolicy, Budgeter, budget_of, re
 from deltasync.codec import diff_states, encode_diff
 from deltasync.fingerprint import fingerprint_state
 from deltasync.testing.trace import ModelShape, RLTrace
+from core_support import same_state as _same
 
 LR = 1e-4
 SHAPE = ModelShape(vocab=1024, hidden=64, layers=1, ffn=128)  # ~170k weights: blobs, not manifests, dominate
@@ -24,10 +25,6 @@ SHAPE = ModelShape(vocab=1024, hidden=64, layers=1, ffn=128)  # ~170k weights: b
 
 def _clone(state):
     return {n: t.clone() for n, t in state.items()}
-
-
-def _same(a, b) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
 
 
 class Stream:

@@ -20,6 +20,7 @@ from deltasync.codec import EncodeOptions
 from deltasync.manifest import parse_manifest
 from deltasync.tensorfile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
+from core_support import same_state as _same
 
 # long: real server and CLI processes; `make test-long` (which .ci/run also runs), not `make test`
 pytestmark = pytest.mark.long
@@ -36,10 +37,6 @@ def cluster(tmp_path_factory):
         yield c
     finally:
         c.close()
-
-
-def _same(a, b) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
 
 
 def test_a_late_subscriber_walks_a_base_conditioned_chain_the_relay_will_not_squash(cluster):

@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from deltasync.cli.cluster import LocalCluster
 from deltasync.tensorfile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
+from core_support import same_state as _same
 
 # long: real CLI processes, many runs; `make test-long` (which .ci/run also runs), not `make test`
 pytestmark = pytest.mark.long
@@ -33,10 +33,6 @@ def cluster(tmp_path_factory):
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deltasync.client.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
-
-
-def _same(a, b) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
 
 
 def test_publish_with_base_is_a_delta_and_a_wrong_base_fails_loudly(cluster, tmp_path):

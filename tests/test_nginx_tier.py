@@ -28,6 +28,7 @@ from deltasync.client.publisher import Publisher
 from deltasync.client.subscriber import ThreadedSubscriber
 from deltasync.tensorfile import read_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
+from core_support import same_state as _same
 
 NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
 pytestmark = pytest.mark.skipif(NGINX is None, reason="no nginx binary (apt-get install nginx-light)")
@@ -115,10 +116,6 @@ def tier(tmp_path_factory):
             ngx.stop()
     finally:
         c.close()
-
-
-def _same(a, b) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a)
 
 
 def _get(url: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
