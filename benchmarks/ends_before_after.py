@@ -1,7 +1,7 @@
-"""The two ends side by side: ``deltasync publish`` / ``subscribe --out`` before (another install, e.g. main's)
+"""Run by hand, not by `make bench` (it needs a second install to compare with). The two ends side by side: ``deltasync publish`` / ``subscribe --out`` before (another install, e.g. main's)
 and after (this tree), on one synthetic bf16 state, in one run, against one local origin.
 
-    python benchmarks/bench_ends.py --mib 512 --before-site /tmp/before-site [--dir /dev/shm/x]
+    python benchmarks/ends_before_after.py --mib 512 --before-site /tmp/before-site [--dir /dev/shm/x]
 
 ``--before-site``: a ``pip install --target`` of the code to compare with (PYTHONPATH for the "before"
 commands; every command runs outside the source tree so that path wins). Each command is timed by
