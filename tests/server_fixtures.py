@@ -376,3 +376,18 @@ class FakeParent:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+async def fetch_squash(url: str, model: str, start: int, end: int, timeout: float = 150) -> bytes:
+    """The server's squashed delta ``start``→``end`` (asked again every 0.5 s until it answers 200: a squash is
+    built on the first request); fails the test with the last status and body after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while True:
+            async with s.get(f"{url}/v1/models/{model}/delta?from={start}&to={end}",
+                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                body = await r.read()
+                if r.status == 200:
+                    return body
+            assert time.monotonic() < deadline, (r.status, body[:300])
+            await asyncio.sleep(0.5)

@@ -10,11 +10,10 @@ import signal
 import time
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from deltasync.testing.trace import ModelShape, RLTrace
-from server_fixtures import KEY, TOKEN, origin, relay, stop_all
+from server_fixtures import KEY, TOKEN, fetch_squash, origin, relay, stop_all
 
 SHAPE = ModelShape(vocab=256, hidden=32, layers=2, ffn=64)
 GONE_S = 5.0
@@ -55,19 +54,6 @@ def _worker_pids(relay_pid: int) -> list[int]:
     return pids
 
 
-async def _squash(url: str, model: str, start: int, end: int, timeout: float = 150) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while True:
-            async with s.get(f"{url}/v1/models/{model}/delta?from={start}&to={end}",
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                body = await r.read()
-                if r.status == 200:
-                    return
-            assert time.monotonic() < deadline, (r.status, body[:300])
-            await asyncio.sleep(0.5)
-
-
 def _relay_with_squash(tmp_path):
     from deltasync.client.publisher import Publisher
 
@@ -79,7 +65,7 @@ def _relay_with_squash(tmp_path):
         for v in range(4):
             p.publish(v, {k: t.clone() for k, t in trace.step().items()})
         p.flush(60)
-    asyncio.run(_squash(r.url, "sq", 0, 3))
+    asyncio.run(fetch_squash(r.url, "sq", 0, 3))
     workers = _worker_pids(r.pid)
     assert any(b"spawn_main" in Path(f"/proc/{w}/cmdline").read_bytes() for w in workers), \
         f"no squash worker under relay pid {r.pid}: {_children(r.pid)}"

@@ -13,34 +13,19 @@ before the subscriber joins, so the subscriber's choice does not depend on how f
 from __future__ import annotations
 
 import asyncio
-import time
 
-import aiohttp
 import pytest
 import torch
 
 from deltasync.manifest import parse_manifest
 from deltasync.signing import generate_ed25519_pem, load_signing_key, load_verify_key
 from deltasync.testing.trace import ModelShape, RLTrace
-from server_fixtures import KEY, TOKEN, origin, relay, stop_all
+from server_fixtures import KEY, TOKEN, fetch_squash, origin, relay, stop_all
 
 pytestmark = pytest.mark.long
 
 SHAPE = ModelShape(vocab=256, hidden=32, layers=2, ffn=64)
 LAST = 8
-
-
-async def _squash(url: str, model: str, start: int, end: int, timeout: float = 150) -> bytes:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while True:
-            async with s.get(f"{url}/v1/models/{model}/delta?from={start}&to={end}",
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                body = await r.read()
-                if r.status == 200:
-                    return body
-            assert time.monotonic() < deadline, (r.status, body[:300])
-            await asyncio.sleep(0.5)
 
 
 def _run(tmp_path, *, public: bool) -> tuple[list[str], bool]:
@@ -70,7 +55,7 @@ def _run(tmp_path, *, public: bool) -> tuple[list[str], bool]:
                 state = {k: t.clone() for k, t in trace.step().items()}
                 p.publish(v, state)
             p.flush(60)
-        body = asyncio.run(_squash(r.url, "sq", 0, LAST))
+        body = asyncio.run(fetch_squash(r.url, "sq", 0, LAST))
         m = parse_manifest(body)
         assert (m.parent, m.version, m.kind) == (0, LAST, "delta")
         assert (m.signature is None) == public, "the relay signs its squash only with a key it holds"
