@@ -29,7 +29,8 @@ import torch
 from .blob import BlobReader, BlobWriter, blob_id
 from .dtypes import DtypeInfo, dtype_info, numpy_word_dtype, word_count, word_view
 from .errors import ChainError, FormatError, UnsupportedError
-from .fingerprint import fingerprint_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint, words_range_delta
+from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, fp_hex, state_fingerprint, tensor_fingerprint,
+                          update_fingerprint, words_range_delta)
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
 from .entropy import AnsBlobCoder, AnsTables, decode_ans_chunk
 from .conditioned import (CODING_BASE_CONDITIONED, CODING_BASE_FREE, CODING_META, CODINGS, CondBlobCoder, CondTables,
@@ -227,6 +228,9 @@ def diff_chunk(old_words: torch.Tensor, new_words: torch.Tensor, start: int, sto
                      new=nw.cpu().numpy().view(ndt)), fpd
 
 
+PIECE_WORDS = 1 << 21  # with an executor: words compared per task (whole chunks; small tensors share a task)
+
+
 def diff_states(
     old: Mapping[str, torch.Tensor],
     new: Mapping[str, torch.Tensor],
@@ -238,18 +242,19 @@ def diff_states(
     executor: Executor | None = None,
 ) -> StateDiff:
     """Diff two states of the same layout chunk by chunk; the new fingerprints are derived from the
-    changes (``base_fps`` are the old ones when the caller tracks them, else computed).
-    ``executor``: compare chunks on its threads (the compiled CPU kernels release the GIL); the
-    result is the same as without."""
+    changes (``base_fps`` are the old ones when the caller tracks them, else computed: on the host with the
+    compiled kernels, in the same pass as the compare, so checking a base costs no second read).
+    ``executor``: compare on its threads (the compiled CPU kernels release the GIL); the result is the
+    same as without."""
     _check_layout(old, new)
     names = sorted(new)
-    fps_before = dict(base_fps) if base_fps is not None else {
-        n: tensor_fingerprint(old[n], executor=executor) for n in names}
+    fps_before = dict(base_fps) if base_fps is not None else {}
     fps_after: dict[str, int] = {}
     chunks: dict[str, list[ChunkDiff]] = {}
     total = sum(new[n].numel() * new[n].element_size() for n in names)
-    done = 0
+    fast = kernels.cpu_kernels() is not None
     with torch.no_grad():
+        prepared = []  # (name, info, old words, new words, chunk ranges, host arrays or None)
         for name in names:
             o_t, n_t = old[name].detach(), new[name].detach()
             info = dtype_info(n_t.dtype)
@@ -259,26 +264,106 @@ def diff_states(
                 n_t = n_t.to(o_t.device)
             ow = word_view(o_t if o_t.is_contiguous() else o_t.contiguous())
             nw = word_view(n_t if n_t.is_contiguous() else n_t.contiguous())
-            fp = fps_before[name]
-            out = []
             ranges = tensor_chunk_ranges(tuple(n_t.shape), nw.numel(), chunk_words)
-            if executor is not None and len(ranges) > 1:
-                results = executor.map(lambda r: diff_chunk(ow, nw, r[0], r[1], info.word_size, update_old=update_old),
-                                       ranges)
+            host = None
+            if fast and ow.device.type == "cpu":
+                ndt = numpy_word_dtype(info.word_size)
+                host = (ow.numpy().view(ndt), nw.numpy().view(ndt))
+            elif name not in fps_before:
+                fps_before[name] = tensor_fingerprint(o_t, executor=executor)
+            prepared.append((name, info, ow, nw, ranges, host))
+        pieces = _host_pieces(prepared, executor is not None)
+        want = base_fps is None
+
+        def run(task):
+            return [kernels.diff_span(prepared[t][5][0], prepared[t][5][1], prepared[t][4][a][0],
+                                      prepared[t][4][b - 1][1], prepared[t][1].word_size, want_lanes=want,
+                                      update_old=update_old) for t, a, b in task]
+
+        if executor is not None and len(pieces) > 1:
+            results = (r for rs in executor.map(run, pieces) for r in rs)
+        else:
+            results = (r for task in pieces for r in run(task))
+        flat = [p for task in pieces for p in task]
+        at = 0
+        done = 0
+        for t, (name, info, ow, nw, ranges, host) in enumerate(prepared):
+            out: list[ChunkDiff] = []
+            if host is not None:
+                fpd_total = 0
+                lanes = 0
+                while at < len(flat) and flat[at][0] == t:
+                    _, a, b = flat[at]
+                    at += 1
+                    pos, old_w, new_w, fpd, lane_sum = next(results)
+                    fpd_total += fpd
+                    if want:
+                        lanes += lane_sum
+                    if pos.size:
+                        cuts = np.searchsorted(pos, [e for _, e in ranges[a:b]]).tolist()
+                        lo = 0
+                        for (s, e), hi in zip(ranges[a:b], cuts):
+                            if hi > lo:
+                                out.append(ChunkDiff(start=s, stop=e, positions=pos[lo:hi], old=old_w[lo:hi],
+                                                     new=new_w[lo:hi]))
+                            lo = hi
+                    done += (ranges[b - 1][1] - ranges[a][0]) * info.word_size
+                    if progress:
+                        progress(done, total)
+                if want:
+                    fps_before[name] = fingerprint_from_lane_sums([lanes], nw.numel() * max(info.word_size // 2, 1))
+                fps_after[name] = update_fingerprint(fps_before[name], fpd_total)
             else:
-                results = (diff_chunk(ow, nw, s, e, info.word_size, update_old=update_old) for s, e in ranges)
-            for (s, e), (cd, fpd) in zip(ranges, results):
-                if cd is not None:
-                    fp = update_fingerprint(fp, fpd)
-                    out.append(cd)
-                done += (e - s) * info.word_size
-                if progress:
-                    progress(done, total)
-            fps_after[name] = fp
+                fp = fps_before[name]
+                if executor is not None and len(ranges) > 1:
+                    res = executor.map(lambda r: diff_chunk(ow, nw, r[0], r[1], info.word_size, update_old=update_old),
+                                       ranges)
+                else:
+                    res = (diff_chunk(ow, nw, s, e, info.word_size, update_old=update_old) for s, e in ranges)
+                for (s, e), (cd, fpd) in zip(ranges, res):
+                    if cd is not None:
+                        fp = update_fingerprint(fp, fpd)
+                        out.append(cd)
+                    done += (e - s) * info.word_size
+                    if progress:
+                        progress(done, total)
+                fps_after[name] = fp
             if out:
                 chunks[name] = out
+    if base_fps is None:
+        fps_before = {n: fps_before[n] for n in names}
     return StateDiff(layout=state_layout({n: new[n] for n in names}), chunks=chunks,
                      fps_before=fps_before, fps_after=fps_after)
+
+
+def _host_pieces(prepared, threaded: bool) -> list[list[tuple[int, int, int]]]:
+    """Tasks of (tensor index, first chunk, end chunk) for the host tensors: without threads one piece per
+    tensor; with, pieces of whole chunks of about ``PIECE_WORDS`` words, small ones grouped into a task."""
+    tasks: list[list[tuple[int, int, int]]] = []
+    group: list[tuple[int, int, int]] = []
+    words = 0
+    for t, (_, _, _, _, ranges, host) in enumerate(prepared):
+        if host is None or not ranges:
+            continue
+        if not threaded:
+            tasks.append([(t, 0, len(ranges))])
+            continue
+        a = 0
+        while a < len(ranges):
+            b = a
+            w = 0
+            while b < len(ranges) and (w == 0 or w + ranges[b][1] - ranges[b][0] <= PIECE_WORDS):
+                w += ranges[b][1] - ranges[b][0]
+                b += 1
+            group.append((t, a, b))
+            words += w
+            a = b
+            if words >= PIECE_WORDS // 2:
+                tasks.append(group)
+                group, words = [], 0
+    if group:
+        tasks.append(group)
+    return tasks
 
 
 # -- packing chunks into blobs ------------------------------------------------------------
@@ -336,6 +421,20 @@ class ChunkPacker:
             record.update(mode="bitmap", ng=0, ngx=0)
         record.update(nt=int(tokens.size), ne=int(ext.size), nr=int(raw.size))
         self._add(name, record, streams)
+
+    def add_words(self, name: str, info: DtypeInfo, c: ChunkDiff) -> bool:
+        """:meth:`add` of a chunk's changed words, ``ans``-coded straight from them (one compiled pass;
+        the bytes :meth:`add` writes from ``changes_from_words``). Returns False, doing nothing, where
+        that path does not apply (no compiled kernels, format 1, a rewritten chunk): call :meth:`add`."""
+        count = int(c.positions.size)
+        if (self.options.blob_format != 2 or count == 0 or count >= c.stop - c.start
+                or kernels.cpu_kernels() is None):
+            return False
+        record: dict = {"tensor": name, "dtype": info.name, "start": c.start, "stop": c.stop, "count": count}
+        raw = self._ans.add_words(record, c.positions, c.start, c.old, c.new, is_float=info.is_float)
+        self.writer.raw_bytes += 2 * count
+        self._add(name, record, {f"raw{info.word_size}": raw})
+        return True
 
     def add_dense(self, name: str, info: DtypeInfo, start: int, stop: int, words: np.ndarray) -> None:
         record = {"tensor": name, "dtype": info.name, "start": start, "stop": stop, "count": stop - start,
@@ -532,6 +631,8 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
             packer.close_blob()
         last = (name, cell)
         info = dtype_info(diff.layout[name][0])
+        if packer.add_words(name, info, c):
+            continue
         ch = changes_from_words(c.positions, c.old, c.new, is_float=info.is_float)
         if c.positions.size == c.stop - c.start and ch.raw.mean() > 0.5:  # a rewritten chunk: ship it whole
             packer.add_dense(name, info, c.start, c.stop, c.new)

@@ -18,7 +18,8 @@ import numpy as np
 
 from . import rans
 from .errors import FormatError
-from .values import Changes, changes_from_symbols, step_symbols
+from .kernels import cpu_kernels
+from .values import Changes, _raw_limit, changes_from_symbols, step_symbols
 from .varint import decode_varints, encode_varints
 
 _ERRORS = {
@@ -71,22 +72,47 @@ def _buckets(gaps: np.ndarray) -> np.ndarray:
 class AnsBlobCoder:
     """Collects the ans chunks of the open blob; :meth:`finish` counts, writes the tables and codes them.
 
+    With the compiled kernels selected (:mod:`deltasync.kernels`), each chunk costs one symbol pass
+    (:func:`rans.chunk_symbols` / :func:`rans.word_symbols`) and one coding pass
+    (:func:`rans.encode_chunk_pos`); the reference path is numpy's, the bytes are the same.
     Not thread-safe (one per :class:`~deltasync.codec.ChunkPacker`)."""
 
     def __init__(self) -> None:
-        self._chunks: list[tuple[dict, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._chunks: list[tuple[dict, np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]] = []
         self._gcount = np.zeros(rans.N_GAP, dtype=np.int64)
         self._vcount = np.zeros(rans.N_VAL, dtype=np.int64)
 
     def add(self, record: dict, rel: np.ndarray, changes: Changes) -> np.ndarray:
         """Queue one chunk (``rel``: positions relative to the chunk start); sets ``record``'s mode and
         ``nr`` now and its ``na`` when the blob closes. Returns the raw words for the ``raw{w}`` stream."""
+        if cpu_kernels() is not None:
+            sym, bigneg, bigmag, raw, zero = rans.chunk_symbols(
+                np.ascontiguousarray(rel, np.int64), 0, np.ascontiguousarray(changes.raw),
+                np.ascontiguousarray(changes.values), self._gcount, self._vcount)
+            if zero:
+                raise ValueError("a zero step is not a change")
+            return self._queue(record, rel, 0, sym, bigneg, bigmag, raw)
         gaps = np.diff(rel, prepend=-1) - 1
         sym, bigneg, bigmag, raw = step_symbols(changes, rans.SMALL, rans.BIG, rans.RAW)
         self._gcount += np.bincount(_buckets(gaps), minlength=rans.N_GAP)
         self._vcount += np.bincount(sym, minlength=rans.N_VAL)
+        return self._queue(record, rel, 0, sym, bigneg, bigmag, raw)
+
+    def add_words(self, record: dict, positions: np.ndarray, start: int, old: np.ndarray, new: np.ndarray,
+                  *, is_float: bool) -> np.ndarray:
+        """:meth:`add` straight from a chunk's changed words (sorted absolute ``positions``, the chunk
+        starting at ``start``, old and new unsigned words that all differ): step or raw is chosen as
+        ``values.changes_from_words`` does. Compiled kernels only."""
+        sym, bigneg, bigmag, raw, zero = rans.word_symbols(positions, start, old, new,
+                                                           _raw_limit(old.dtype.itemsize * 8), bool(is_float),
+                                                           self._gcount, self._vcount)
+        if zero:
+            raise ValueError("a zero step is not a change")
+        return self._queue(record, positions, start, sym, bigneg, bigmag, raw)
+
+    def _queue(self, record, positions, start, sym, bigneg, bigmag, raw) -> np.ndarray:
         record.update(mode="ans", na=0, nr=int(raw.size))
-        self._chunks.append((record, gaps.astype(np.int64), sym, bigneg, bigmag))
+        self._chunks.append((record, positions, start, sym, bigneg, bigmag))
         return raw
 
     def finish(self, writer) -> None:
@@ -96,10 +122,16 @@ class AnsBlobCoder:
         tables = AnsTables.from_freqs(rans.normalize(self._gcount), rans.normalize(self._vcount))
         writer.append("ansm", tables.to_bytes())
         (gf, gc, _), (vf, vc, _) = tables.g, tables.v
-        for record, gaps, sym, bigneg, bigmag in self._chunks:
-            words = rans.encode_chunk(gaps, sym, bigneg, bigmag, gf, gc, vf, vc)
+        fast = cpu_kernels() is not None
+        for record, positions, start, sym, bigneg, bigmag in self._chunks:
+            if fast:
+                words = rans.encode_chunk_pos(np.ascontiguousarray(positions, np.int64), start, sym, bigneg, bigmag,
+                                              gf, gc, vf, vc)
+            else:
+                gaps = (np.diff(positions, prepend=start - 1) - 1).astype(np.int64)
+                words = rans.encode_chunk(gaps, sym, bigneg, bigmag, gf, gc, vf, vc)
             record["na"] = int(words.size)
-            writer.append("ans", words.astype("<u2").view(np.uint8))
+            writer.append("ans", words.astype("<u2", copy=False).view(np.uint8))
         self.__init__()
 
 

@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 PREC = 12
 M = 1 << PREC
@@ -291,4 +294,231 @@ def encode_ops(freq, start, prec):
     at -= 2
     out[at] = x & 0xFFFF
     out[at + 1] = (x >> 16) & 0xFFFF
+    return out[at:].copy()
+
+
+# -- K: the encode side in whole-chunk kernels ------------------------------------------------------
+# Same bytes as values.step_symbols + entropy._buckets + np.bincount + encode_chunk (tests/test_kernels_encode.py
+# checks it): one pass per chunk for the symbols and the model counts, one pass for the message. Written out by
+# hand, like decode_chunk: inlined helper calls returning tuples cost ~3x here.
+
+@intrinsic
+def _clz(typingctx, x):
+    """Count of leading zero bits of a non-zero uint64 (llvm.ctlz)."""
+    sig = types.uint64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(1)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.ctlz.i64")
+        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
+
+    return sig, codegen
+
+
+@intrinsic
+def _mulhi(typingctx, a, b):
+    """High 64 bits of the 128-bit product of two uint64 (one ``mul`` instruction)."""
+    sig = types.uint64(types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        i128 = ir.IntType(128)
+        p = builder.mul(builder.zext(args[0], i128), builder.zext(args[1], i128))
+        return builder.trunc(builder.lshr(p, ir.Constant(i128, 64)), ir.IntType(64))
+
+    return sig, codegen
+
+
+_U = np.uint64
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _bits(v):
+    """Bit length of a uint64 (0 for 0)."""
+    return np.int64(64 - _clz(v)) if v else 0
+
+
+@numba.njit(cache=True, nogil=True)
+def chunk_symbols(positions, start, raw, values, gcount, vcount):
+    """One chunk's changes -> (value symbols uint8, BIG signs, BIG magnitudes ``|d| - 1 - SMALL``, raw words,
+    zero step found?), as ``values.step_symbols``; adds each gap's bucket (positions sorted, relative to
+    ``start``) to ``gcount`` and each symbol to ``vcount`` (unless a zero step was found). ``raw``/``values``: a :class:`Changes`' arrays."""
+    n = values.size
+    bits = values.itemsize * 8
+    half = _U(1) << _U(bits - 1)
+    mask = ~_U(0) if bits == 64 else (_U(1) << _U(bits)) - _U(1)
+    sym = np.empty(n, np.uint8)
+    bigneg = np.empty(n, np.bool_)
+    bigmag = np.empty(n, np.uint64)
+    raws = np.empty(n, values.dtype)
+    gl = np.zeros(N_GAP, np.int64)
+    vl = np.zeros(N_VAL, np.int64)
+    nb = 0
+    nr = 0
+    zero = False
+    prev = start - 1
+    for i in range(n):
+        p = positions[i]
+        gl[_bits(_U(p - prev - 1))] += 1
+        prev = p
+        if raw[i]:
+            s = RAW
+            raws[nr] = values[i]
+            nr += 1
+        else:
+            v = _U(values[i])
+            neg = v >= half
+            mag = ((~v + _U(1)) & mask) if neg else v
+            if mag == 0:
+                zero = True
+                s = 0
+            elif mag <= _U(SMALL):
+                s = np.int64(mag + mag - _U(2)) + (1 if neg else 0)
+            else:
+                s = BIG
+                bigneg[nb] = neg
+                bigmag[nb] = mag - _U(1 + SMALL)
+                nb += 1
+        sym[i] = s
+        vl[s] += 1
+    if not zero:  # counted only when the chunk is coded
+        for j in range(N_GAP):
+            gcount[j] += gl[j]
+        for j in range(N_VAL):
+            vcount[j] += vl[j]
+    return sym, bigneg[:nb].copy(), bigmag[:nb].copy(), raws[:nr].copy(), zero
+
+
+@numba.njit(cache=True, nogil=True)
+def word_symbols(positions, start, old, new, raw_limit, is_float, gcount, vcount):
+    """:func:`chunk_symbols` straight from the changed words (``values.changes_from_words``'s step-or-raw
+    choice fused in), same outputs; a word equal in ``old`` and ``new`` is a zero step (flagged)."""
+    n = old.size
+    bits = old.itemsize * 8
+    top = _U(bits - 1)
+    half = _U(1) << top
+    mask = ~_U(0) if bits == 64 else (_U(1) << _U(bits)) - _U(1)
+    lim = _U(raw_limit)
+    sym = np.empty(n, np.uint8)
+    bigneg = np.empty(n, np.bool_)
+    bigmag = np.empty(n, np.uint64)
+    raws = np.empty(n, old.dtype)
+    gl = np.zeros(N_GAP, np.int64)
+    vl = np.zeros(N_VAL, np.int64)
+    nb = 0
+    nr = 0
+    zero = False
+    prev = start - 1
+    for i in range(n):
+        p = positions[i]
+        gl[_bits(_U(p - prev - 1))] += 1
+        prev = p
+        a = _U(old[i])
+        b = _U(new[i])
+        d = (b - a) & mask
+        neg = d >= half
+        mag = ((~d + _U(1)) & mask) if neg else d
+        if mag > lim or (is_float and ((a ^ b) >> top) & _U(1)):
+            s = RAW
+            raws[nr] = new[i]
+            nr += 1
+        elif mag == 0:
+            zero = True
+            s = 0
+        elif mag <= _U(SMALL):
+            s = np.int64(mag + mag - _U(2)) + (1 if neg else 0)
+        else:
+            s = BIG
+            bigneg[nb] = neg
+            bigmag[nb] = mag - _U(1 + SMALL)
+            nb += 1
+        sym[i] = s
+        vl[s] += 1
+    if not zero:
+        for j in range(N_GAP):
+            gcount[j] += gl[j]
+        for j in range(N_VAL):
+            vcount[j] += vl[j]
+    return sym, bigneg[:nb].copy(), bigmag[:nb].copy(), raws[:nr].copy(), zero
+
+
+@numba.njit(cache=True, nogil=True)
+def _recips(freq):
+    """Per symbol (M - f, ceil(2**64 / f)): for f >= 2 and every x < 2**52, ``x // f == mulhi(x, r)``
+    (x * r / 2**64 = x / f + x * e / (f * 2**64) with e = r * f - 2**64 < f, and x * e < 2**64).
+    The coder's state stays below 2**32. Symbols with f < 2 are coded by a shift instead."""
+    cm = np.empty(freq.size, np.uint64)
+    rc = np.zeros(freq.size, np.uint64)
+    for s in range(freq.size):
+        f = _U(freq[s])
+        cm[s] = _U(M) - f
+        if f >= _U(2):
+            rc[s] = ~_U(0) // f + _U(1)
+    return cm, rc
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_chunk_pos(positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc):
+    """:func:`encode_chunk` from the sorted positions (gaps taken on the fly), the same words."""
+    n = positions.size
+    out = np.empty(14 * n + 64, dtype=np.uint16)
+    at = out.size
+    x = _U(L)
+    gcm, grc = _recips(gf)
+    vcm, vrc = _recips(vf)
+    nb = bigmag.size
+    for i in range(n - 1, -1, -1):
+        s = vsym[i]
+        if s == BIG:  # last in decoding order: the magnitude's low bits, then the 8-bit sign | q << 1
+            nb -= 1
+            m = bigmag[nb]
+            q = _bits(m)
+            r = q - 1
+            if r > 0:
+                for j in range((r + PREC - 1) // PREC - 1, -1, -1):
+                    kk = min(PREC, r - j * PREC)
+                    piece = (m >> _U(j * PREC)) & ((_U(1) << _U(kk)) - _U(1))
+                    if x >= (_U(1) << _U(32 - kk)):
+                        at -= 1
+                        out[at] = np.uint16(x & _U(0xFFFF))
+                        x >>= _U(16)
+                    x = (x << _U(kk)) + piece
+            if x >= (_U(1) << _U(24)):
+                at -= 1
+                out[at] = np.uint16(x & _U(0xFFFF))
+                x >>= _U(16)
+            x = (x << _U(8)) + _U((q << 1) | (1 if bigneg[nb] else 0))
+        f = _U(vf[s])
+        if x >= (f << _U(20)):  # ((L >> PREC) << 16) * f
+            at -= 1
+            out[at] = np.uint16(x & _U(0xFFFF))
+            x >>= _U(16)
+        if f == _U(1):
+            x = (x << _U(PREC)) + _U(vc[s])
+        else:  # (x // f << PREC) + x % f + c, with x // f by reciprocal
+            x = x + _U(vc[s]) + _mulhi(x, vrc[s]) * vcm[s]
+        g = positions[i] - (positions[i - 1] if i > 0 else start - 1) - 1
+        ug = _U(g)
+        b = _bits(ug)
+        r = b - 1
+        if r > 0:
+            for j in range((r + PREC - 1) // PREC - 1, -1, -1):
+                kk = min(PREC, r - j * PREC)
+                piece = (ug >> _U(j * PREC)) & ((_U(1) << _U(kk)) - _U(1))
+                if x >= (_U(1) << _U(32 - kk)):
+                    at -= 1
+                    out[at] = np.uint16(x & _U(0xFFFF))
+                    x >>= _U(16)
+                x = (x << _U(kk)) + piece
+        f = _U(gf[b])
+        if x >= (f << _U(20)):
+            at -= 1
+            out[at] = np.uint16(x & _U(0xFFFF))
+            x >>= _U(16)
+        if f == _U(1):
+            x = (x << _U(PREC)) + _U(gc[b])
+        else:
+            x = x + _U(gc[b]) + _mulhi(x, grc[b]) * gcm[b]
+    at -= 2
+    out[at] = np.uint16(x & _U(0xFFFF))
+    out[at + 1] = np.uint16((x >> _U(16)) & _U(0xFFFF))
     return out[at:].copy()

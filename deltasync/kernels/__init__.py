@@ -21,6 +21,8 @@ selection and returns exactly what its reference returns):
 =============================================  ===============================================
 ``diff_words(o, n, start, word_size,           changed words of a chunk: (positions, old, new,
 update_old=False)``                            fingerprint change); ``codec.diff_chunk`` on CPU
+``diff_span(o, n, first, last, word_size,      changed words of a span of a tensor, and the lanes
+want_lanes=, update_old=)``                    sum of its old words, one pass (numba only)
 ``changes_from_words(positions, old, new,      ``values.changes_from_words``
 is_float=)``
 ``encode_values(changes)`` /                   ``values.encode_values`` / ``decode_values``
@@ -166,6 +168,35 @@ def diff_words(o: np.ndarray, n: np.ndarray, start: int, word_size: int, update_
     if update_old:
         o[rel] = nw
     return p, ow, nw, fpd
+
+
+# -- K: whole spans ---------------------------------------------------------------------------------
+
+_DUMMY: dict[np.dtype, np.ndarray] = {}  # the kernel's write target when it writes nothing (o may be read-only)
+
+
+def diff_span(o: np.ndarray, n: np.ndarray, first: int, last: int, word_size: int, *, want_lanes: bool = False,
+              update_old: bool = False, cap: int = 0):
+    """Numba only: the changed words of ``o``/``n`` (one tensor's whole unsigned word arrays) in
+    [first, last), in one pass: (positions, old, new, fingerprint change, lanes sum of the old words or
+    None). Arrays are trimmed to the count (copied when the buffer was over twice that)."""
+    k = cpu_kernels()
+    ol = o if word_size <= 2 else o.view(np.uint16)
+    if cap <= 0:
+        cap = max(1024, (last - first) // 128)
+    if update_old:
+        dst = o
+    else:
+        dst = _DUMMY.get(o.dtype)
+        if dst is None:
+            dst = _DUMMY[o.dtype] = np.zeros(1, o.dtype)
+    pos, ow, nw, count, fpd, total = k.diff_span(o, n, ol, dst, first, last, _per(word_size), _table(), want_lanes,
+                                                 update_old, cap)
+    if pos.size > 2 * count + 1024:
+        pos, ow, nw = pos[:count].copy(), ow[:count].copy(), nw[:count].copy()
+    else:
+        pos, ow, nw = pos[:count], ow[:count], nw[:count]
+    return pos, ow, nw, int(fpd), int(total) if want_lanes else None
 
 
 # -- values ----------------------------------------------------------------------------------------

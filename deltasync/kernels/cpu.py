@@ -589,3 +589,168 @@ def copy_range_delta(dst, src, start, per, table):
             fpd += dd
             dst[i] = b
     return fpd
+
+
+# -- K: whole-span compare, gather and base fingerprint in one pass ------------------------------
+
+@_jit
+def _grow(a, size):
+    b = np.empty(size, a.dtype)
+    b[: a.size] = a
+    return b
+
+
+@_jit
+def _lanes_range(ol, l0, l1, table):
+    """lanes_sum of ol[l0:l1] at lane offset l0 (the unaligned head or tail of a span)."""
+    total = np.uint64(0)
+    for i in range(l0, l1):
+        total += np.uint64(ol[i]) * table[i & 0xFFFF] * _block_key(i >> 16)
+    return total
+
+
+@_jit
+def diff_span(o, n, ol, dst, first, last, per, table, want_lanes, update_old, cap):
+    """Changed words of ``o``/``n`` (one tensor's unsigned words) in [first, last), in one streaming pass:
+    (positions, old words, new words, how many, fingerprint change, lanes sum of the old words). The
+    outputs hold at least ``how many`` entries (they grow by doubling from ``cap``; the caller trims).
+
+    ``ol``: ``o``'s fingerprint lanes (``o`` itself for 1- and 2-byte words, its uint16 view for wider
+    ones). ``want_lanes``: also ``lanes_sum`` the old words' lanes (L = max(per, 1) per word, at lane
+    offset ``first * L``), so a base fingerprint costs no second read. ``update_old``: write each
+    changed new word into ``dst`` (``o`` itself; any writeable array otherwise, so ``o`` may be read-only). Words are compared 64 at a time into a bit mask; only set bits cost
+    more; output room is checked per batch of blocks, not per block."""
+    L = max(per, 1)
+    size = max(cap, 128)
+    pos = np.empty(size, np.int64)
+    ow = np.empty(size, o.dtype)
+    nw = np.empty(size, o.dtype)
+    k = 0
+    lb = np.int64(-1)  # fingerprint-delta block cache (_word_delta)
+    lk = np.uint64(0)
+    fpd = np.uint64(0)
+    total = np.uint64(0)  # lanes sum of the old words
+    b_first = min((first + 63) // 64 * 64, last)
+    b_last = max(last // 64 * 64, b_first)
+    if want_lanes:  # before any word is updated
+        total += _lanes_range(ol, first * L, b_first * L, table) + _lanes_range(ol, b_last * L, last * L, table)
+    for p in range(first, b_first):  # head, up to the first 64-word boundary (< 64 words: fits)
+        if o[p] != n[p]:
+            a = o[p]
+            b = n[p]
+            pos[k] = p
+            ow[k] = a
+            nw[k] = b
+            k += 1
+            dd, lb, lk = _word_delta(p, np.uint64(a), np.uint64(b), per, table, lb, lk)
+            fpd += dd
+            if update_old:
+                dst[p] = b
+    cb = np.int64(-1)  # lane block being summed, and its partial sum
+    acc = np.uint64(0)
+    nl = 64 * L
+    blk = b_first // 64
+    end = b_last // 64
+    while blk < end:
+        room = (pos.size - k) // 64  # blocks that fit whatever they hold
+        if room == 0:
+            size = 2 * pos.size
+            pos = _grow(pos, size)
+            ow = _grow(ow, size)
+            nw = _grow(nw, size)
+            continue
+        stop = min(end, blk + room)
+        if per <= 1:  # one lane per word: lane index = word index
+            for bb in range(blk, stop):
+                b0 = bb * 64
+                u0 = np.uint64(b0)
+                if want_lanes:
+                    lblk = b0 >> 16
+                    if lblk != cb:
+                        if cb >= 0:
+                            total += acc * _block_key(cb)
+                        cb = lblk
+                        acc = np.uint64(0)
+                    j0 = np.uint64(b0 & 0xFFFF)
+                    s = np.uint64(0)
+                    for j in range(64):
+                        uj = np.uint64(j)
+                        s += np.uint64(ol[u0 + uj]) * table[j0 + uj]
+                    acc += s
+                m = np.uint64(0)
+                for j in range(64):
+                    u = u0 + np.uint64(j)
+                    m |= np.uint64(o[u] != n[u]) << np.uint64(j)
+                while m:
+                    p = b0 + np.int64(_cttz(m))
+                    m &= m - _U1
+                    a = o[p]
+                    b = n[p]
+                    pos[k] = p
+                    ow[k] = a
+                    nw[k] = b
+                    k += 1
+                    wb = p >> 16
+                    if wb != lb:
+                        lb = wb
+                        lk = _block_key(wb)
+                    fpd += (np.uint64(b) - np.uint64(a)) * table[p & 0xFFFF] * lk
+                    if update_old:
+                        dst[p] = b
+        else:
+            for bb in range(blk, stop):
+                b0 = bb * 64
+                u0 = np.uint64(b0)
+                if want_lanes:
+                    l0 = b0 * L
+                    lblk = l0 >> 16
+                    if lblk != cb:
+                        if cb >= 0:
+                            total += acc * _block_key(cb)
+                        cb = lblk
+                        acc = np.uint64(0)
+                    j0 = np.uint64(l0 & 0xFFFF)
+                    ul0 = np.uint64(l0)
+                    s = np.uint64(0)
+                    for j in range(nl):
+                        uj = np.uint64(j)
+                        s += np.uint64(ol[ul0 + uj]) * table[j0 + uj]
+                    acc += s
+                m = np.uint64(0)
+                for j in range(64):
+                    u = u0 + np.uint64(j)
+                    m |= np.uint64(o[u] != n[u]) << np.uint64(j)
+                while m:
+                    p = b0 + np.int64(_cttz(m))
+                    m &= m - _U1
+                    a = o[p]
+                    b = n[p]
+                    pos[k] = p
+                    ow[k] = a
+                    nw[k] = b
+                    k += 1
+                    dd, lb, lk = _word_delta(p, np.uint64(a), np.uint64(b), per, table, lb, lk)
+                    fpd += dd
+                    if update_old:
+                        dst[p] = b
+        blk = stop
+    if want_lanes and cb >= 0:
+        total += acc * _block_key(cb)
+    if pos.size - k < 64:
+        size = pos.size + 64
+        pos = _grow(pos, size)
+        ow = _grow(ow, size)
+        nw = _grow(nw, size)
+    for p in range(b_last, last):  # tail (< 64 words)
+        if o[p] != n[p]:
+            a = o[p]
+            b = n[p]
+            pos[k] = p
+            ow[k] = a
+            nw[k] = b
+            k += 1
+            dd, lb, lk = _word_delta(p, np.uint64(a), np.uint64(b), per, table, lb, lk)
+            fpd += dd
+            if update_old:
+                dst[p] = b
+    return pos, ow, nw, k, fpd, total
