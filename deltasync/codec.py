@@ -32,7 +32,7 @@ from .errors import ChainError, FormatError, UnsupportedError
 from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, fp_hex, state_fingerprint, tensor_fingerprint,
                           update_fingerprint, words_range_delta)
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
-from .entropy import AnsBlobCoder, AnsTables, decode_ans_chunk
+from .entropy import AnsBlobCoder, AnsTables, decode_ans_chunk, word_symbols
 from .conditioned import (CODING_BASE_CONDITIONED, CODING_BASE_FREE, CODING_META, CODINGS, CondBlobCoder, CondTables,
                           PendingChanges, chunk_ranks, context_spec)
 from . import kernels
@@ -374,14 +374,14 @@ class ChunkPacker:
     Not thread-safe; one per encoding job.
     """
 
-    def __init__(self, options: EncodeOptions) -> None:
+    def __init__(self, options: EncodeOptions, *, executor: Executor | None = None) -> None:
         self.options = options
         self.writer = BlobWriter(level=options.level, version=options.blob_format)
         self.blobs: dict[str, bytes] = {}
         self.order: list[str] = []
         self.refs: dict[str, list[ChunkRef]] = {}
         self._pending: list[tuple[str, int]] = []  # (tensor, index in open blob)
-        self._ans = AnsBlobCoder()  # v2: the open blob's ans chunks, coded when it closes
+        self._ans = AnsBlobCoder(executor)  # v2: the open blob's ans chunks, coded when it closes (on executor's threads)
         self._cond = CondBlobCoder()  # v3: the open blob's ansx chunks
 
     def add(self, name: str, info: DtypeInfo, start: int, stop: int, changes: Changes,
@@ -422,16 +422,21 @@ class ChunkPacker:
         record.update(nt=int(tokens.size), ne=int(ext.size), nr=int(raw.size))
         self._add(name, record, streams)
 
-    def add_words(self, name: str, info: DtypeInfo, c: ChunkDiff) -> bool:
+    def takes_words(self, c: ChunkDiff) -> bool:
+        """Does :meth:`add_words` apply to this chunk (compiled kernels, format 2, not a rewrite)?"""
+        return (self.options.blob_format == 2 and 0 < c.positions.size < c.stop - c.start
+                and kernels.cpu_kernels() is not None)
+
+    def add_words(self, name: str, info: DtypeInfo, c: ChunkDiff, symbols=None) -> bool:
         """:meth:`add` of a chunk's changed words, ``ans``-coded straight from them (one compiled pass;
         the bytes :meth:`add` writes from ``changes_from_words``). Returns False, doing nothing, where
-        that path does not apply (no compiled kernels, format 1, a rewritten chunk): call :meth:`add`."""
-        count = int(c.positions.size)
-        if (self.options.blob_format != 2 or count == 0 or count >= c.stop - c.start
-                or kernels.cpu_kernels() is None):
+        that path does not apply (:meth:`takes_words`): call :meth:`add`. ``symbols``:
+        ``entropy.word_symbols`` of the chunk, computed ahead (on another thread)."""
+        if not self.takes_words(c):
             return False
+        count = int(c.positions.size)
         record: dict = {"tensor": name, "dtype": info.name, "start": c.start, "stop": c.stop, "count": count}
-        raw = self._ans.add_words(record, c.positions, c.start, c.old, c.new, is_float=info.is_float)
+        raw = self._ans.add_words(record, c.positions, c.start, c.old, c.new, is_float=info.is_float, symbols=symbols)
         self.writer.raw_bytes += 2 * count
         self._add(name, record, {f"raw{info.word_size}": raw})
         return True
@@ -564,17 +569,30 @@ def encode_delta(
     publisher does); otherwise they are computed. The new fingerprints are derived
     incrementally from the changes, so encoding reads each tensor once.
     ``progress(done_bytes, total_bytes)`` is called after each chunk; ``executor``: compare
-    chunks on its threads (:func:`diff_states`).
+    chunks and code them on its threads (:func:`diff_states`, :func:`encode_diff`).
     """
     options = options or EncodeOptions()
     diff = diff_states(old, new, base_fps=base_fps, chunk_words=options.chunk_words, progress=progress,
                        executor=executor)
     conditioned = options.coding == CODING_BASE_CONDITIONED
     return encode_diff(diff, model=model, version=version, parent=parent, options=options, meta=meta,
-                       base=old if conditioned else None)
+                       base=old if conditioned else None, executor=executor)
 
 
 RankTable = dict[tuple[str, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _chunk_symbols(packer: ChunkPacker, order, infos, executor: Executor | None) -> Iterator:
+    """Per chunk of ``order``, in order: its ``entropy.word_symbols`` where :meth:`ChunkPacker.takes_words`,
+    else None; on ``executor``'s threads when one is given (a chunk's symbols depend on it alone)."""
+    def one(item):
+        _, name, c = item
+        return word_symbols(c.positions, c.start, c.old, c.new, is_float=infos[name].is_float) \
+            if packer.takes_words(c) else None
+
+    if executor is None or len(order) < 2:
+        return map(one, order)
+    return iter(list(executor.map(one, order)))
 
 
 def diff_ranks(diff: StateDiff, base: Mapping[str, torch.Tensor]) -> RankTable:
@@ -601,18 +619,19 @@ def diff_ranks(diff: StateDiff, base: Mapping[str, torch.Tensor]) -> RankTable:
 
 def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, options: EncodeOptions | None = None,
                 meta: Mapping[str, str] | None = None, base: Mapping[str, torch.Tensor] | None = None,
-                ranks: RankTable | None = None) -> Encoded:
+                ranks: RankTable | None = None, executor: Executor | None = None) -> Encoded:
     """The delta ``parent → version`` from a :class:`StateDiff` (any thread; host only); unsigned.
 
     The base-conditioned coding (``options.coding``) also needs ``ranks`` (:func:`diff_ranks`) or the
-    ``base`` state to compute them from."""
+    ``base`` state to compute them from. ``executor``: code chunks on its threads (the compiled kernels
+    release the GIL); the bytes are the same as without."""
     options = options or EncodeOptions()
     if options.coding == CODING_BASE_CONDITIONED and ranks is None:
         if base is None:
             raise ValueError("the base-conditioned coding needs the base: pass base= (the state before) or "
                              "ranks=diff_ranks(diff, base)")
         ranks = diff_ranks(diff, base)
-    packer = ChunkPacker(options)
+    packer = ChunkPacker(options, executor=executor)
     names = sorted(diff.layout)
     # A blob holding at least ``cell_blob_min`` raw bytes closes where a tensor or one of its row cells
     # begins, so a tensor-parallel rank finds its rows of a tensor in few blobs of their own.
@@ -624,14 +643,16 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
     if options.pack == "cells":
         late = tuple(options.dim1_suffixes)
         order.sort(key=lambda x: (x[1].endswith(late), 0 if x[1].endswith(late) else x[0]))  # stable
+    infos = {name: dtype_info(diff.layout[name][0]) for name in names}
+    symbols = _chunk_symbols(packer, order, infos, executor)
     last = None
     for cell, name, c in order:
         if (name, cell) != last and packer.writer.raw_bytes >= options.cell_blob_min \
                 and (options.pack == "tensor" or last is None or cell != last[1] or name.endswith(options.dim1_suffixes)):
             packer.close_blob()
         last = (name, cell)
-        info = dtype_info(diff.layout[name][0])
-        if packer.add_words(name, info, c):
+        info = infos[name]
+        if packer.add_words(name, info, c, next(symbols)):
             continue
         ch = changes_from_words(c.positions, c.old, c.new, is_float=info.is_float)
         if c.positions.size == c.stop - c.start and ch.raw.mean() > 0.5:  # a rewritten chunk: ship it whole

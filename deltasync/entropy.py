@@ -77,7 +77,8 @@ class AnsBlobCoder:
     (:func:`rans.encode_chunk_pos`); the reference path is numpy's, the bytes are the same.
     Not thread-safe (one per :class:`~deltasync.codec.ChunkPacker`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, executor=None) -> None:
+        self._executor = executor  # codes a closing blob's chunks on its threads (same bytes)
         self._chunks: list[tuple[dict, np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]] = []
         self._gcount = np.zeros(rans.N_GAP, dtype=np.int64)
         self._vcount = np.zeros(rans.N_VAL, dtype=np.int64)
@@ -99,15 +100,15 @@ class AnsBlobCoder:
         return self._queue(record, rel, 0, sym, bigneg, bigmag, raw)
 
     def add_words(self, record: dict, positions: np.ndarray, start: int, old: np.ndarray, new: np.ndarray,
-                  *, is_float: bool) -> np.ndarray:
+                  *, is_float: bool, symbols=None) -> np.ndarray:
         """:meth:`add` straight from a chunk's changed words (sorted absolute ``positions``, the chunk
         starting at ``start``, old and new unsigned words that all differ): step or raw is chosen as
-        ``values.changes_from_words`` does. Compiled kernels only."""
-        sym, bigneg, bigmag, raw, zero = rans.word_symbols(positions, start, old, new,
-                                                           _raw_limit(old.dtype.itemsize * 8), bool(is_float),
-                                                           self._gcount, self._vcount)
-        if zero:
-            raise ValueError("a zero step is not a change")
+        ``values.changes_from_words`` does. ``symbols``: :func:`word_symbols` of the chunk, computed
+        ahead (e.g. on another thread). Compiled kernels only."""
+        sym, bigneg, bigmag, raw, gl, vl = symbols if symbols is not None else word_symbols(positions, start, old, new,
+                                                                                            is_float=is_float)
+        self._gcount += gl
+        self._vcount += vl
         return self._queue(record, positions, start, sym, bigneg, bigmag, raw)
 
     def _queue(self, record, positions, start, sym, bigneg, bigmag, raw) -> np.ndarray:
@@ -123,16 +124,35 @@ class AnsBlobCoder:
         writer.append("ansm", tables.to_bytes())
         (gf, gc, _), (vf, vc, _) = tables.g, tables.v
         fast = cpu_kernels() is not None
-        for record, positions, start, sym, bigneg, bigmag in self._chunks:
+
+        def code(item):
+            _, positions, start, sym, bigneg, bigmag = item
             if fast:
-                words = rans.encode_chunk_pos(np.ascontiguousarray(positions, np.int64), start, sym, bigneg, bigmag,
-                                              gf, gc, vf, vc)
-            else:
-                gaps = (np.diff(positions, prepend=start - 1) - 1).astype(np.int64)
-                words = rans.encode_chunk(gaps, sym, bigneg, bigmag, gf, gc, vf, vc)
+                return rans.encode_chunk_pos(np.ascontiguousarray(positions, np.int64), start, sym, bigneg, bigmag,
+                                             gf, gc, vf, vc)
+            gaps = (np.diff(positions, prepend=start - 1) - 1).astype(np.int64)
+            return rans.encode_chunk(gaps, sym, bigneg, bigmag, gf, gc, vf, vc)
+
+        if self._executor is not None and fast and len(self._chunks) > 1:
+            messages = self._executor.map(code, self._chunks)
+        else:
+            messages = map(code, self._chunks)
+        for (record, *_), words in zip(self._chunks, messages):
             record["na"] = int(words.size)
             writer.append("ans", words.astype("<u2", copy=False).view(np.uint8))
-        self.__init__()
+        self.__init__(self._executor)
+
+
+def word_symbols(positions: np.ndarray, start: int, old: np.ndarray, new: np.ndarray, *, is_float: bool):
+    """One chunk's symbols straight from its changed words (:func:`rans.word_symbols`, any thread):
+    (value symbols, BIG signs, BIG magnitudes, raw words, gap-bucket counts, symbol counts)."""
+    gl = np.zeros(rans.N_GAP, dtype=np.int64)
+    vl = np.zeros(rans.N_VAL, dtype=np.int64)
+    sym, bigneg, bigmag, raw, zero = rans.word_symbols(np.ascontiguousarray(positions, np.int64), start, old, new,
+                                                       _raw_limit(old.dtype.itemsize * 8), bool(is_float), gl, vl)
+    if zero:
+        raise ValueError("a zero step is not a change")
+    return sym, bigneg, bigmag, raw, gl, vl
 
 
 def decode_ans_chunk(tables: AnsTables, words: np.ndarray, raw: np.ndarray, count: int, length: int,

@@ -52,10 +52,11 @@ def normalize(counts: np.ndarray) -> np.ndarray:
     nz = counts > 0
     freq[nz] = np.maximum(1, counts[nz] * M // total)
     diff = M - int(freq.sum())
-    order = np.argsort(-freq, kind="stable")
+    order = np.argsort(-freq, kind="stable").tolist()
+    counted = int(nz.sum())
     i = 0
     while diff != 0:  # give the rounding error to the largest symbols, one at a time, never below 1
-        s = order[i % int(nz.sum())]
+        s = order[i % counted]
         if diff > 0:
             freq[s] += 1
             diff -= 1
