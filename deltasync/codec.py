@@ -262,14 +262,20 @@ def diff_states(
                 raise ValueError(f"{name}: update_old needs a contiguous old tensor")
             if o_t.device != n_t.device:
                 n_t = n_t.to(o_t.device)
-            ow = word_view(o_t if o_t.is_contiguous() else o_t.contiguous())
-            nw = word_view(n_t if n_t.is_contiguous() else n_t.contiguous())
-            ranges = tensor_chunk_ranges(tuple(n_t.shape), nw.numel(), chunk_words)
+            o_t = o_t if o_t.is_contiguous() else o_t.contiguous()
+            n_t = n_t if n_t.is_contiguous() else n_t.contiguous()
             host = None
-            if fast and ow.device.type == "cpu":
+            if fast and o_t.device.type == "cpu" and o_t.numel() > 1:  # host words without word_view's checks
                 ndt = numpy_word_dtype(info.word_size)
-                host = (ow.numpy().view(ndt), nw.numpy().view(ndt))
-            elif name not in fps_before:
+                ow, nw = (t.reshape(-1).view(torch.uint8).numpy().view(ndt) for t in (o_t, n_t))
+                host = (ow, nw)
+            else:
+                ow, nw = word_view(o_t), word_view(n_t)
+                if fast and ow.device.type == "cpu":
+                    ndt = numpy_word_dtype(info.word_size)
+                    host = (ow.numpy().view(ndt), nw.numpy().view(ndt))
+            ranges = tensor_chunk_ranges(tuple(n_t.shape), host[0].size if host is not None else nw.numel(), chunk_words)
+            if host is None and name not in fps_before:
                 fps_before[name] = tensor_fingerprint(o_t, executor=executor)
             prepared.append((name, info, ow, nw, ranges, host))
         pieces = _host_pieces(prepared, executor is not None)
@@ -311,7 +317,7 @@ def diff_states(
                     if progress:
                         progress(done, total)
                 if want:
-                    fps_before[name] = fingerprint_from_lane_sums([lanes], nw.numel() * max(info.word_size // 2, 1))
+                    fps_before[name] = fingerprint_from_lane_sums([lanes], host[0].size * max(info.word_size // 2, 1))
                 fps_after[name] = update_fingerprint(fps_before[name], fpd_total)
             else:
                 fp = fps_before[name]
