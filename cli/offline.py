@@ -40,7 +40,7 @@ def register(sub) -> None:
     p.add_argument("--chunk-words", type=int, default=EncodeOptions().chunk_words)
     p.add_argument("--level", type=int, default=1, help="zstd level (default 1)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="threads comparing chunks (default: one per core)")
+                   help="threads comparing and coding chunks (default: one per core)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_diff)
 
