@@ -180,31 +180,31 @@ async def _publish_files(args, token: str, signer, verifier: Verifier | None, st
         if head is not None and step <= head.version:
             print(f"deltasync publish: error: step {step} is not after the origin's head v{head.version}", file=sys.stderr)
             return 1
-        base_fps = None
+        delta = False
         side_error = None
         if head is not None:
             m = parse_manifest(head.body, verifier=verifier)
+            where = f"--base {args.base}"
             with MappedTensorFile(args.base) as bf:
                 base = bf.host  # numpy words over the map: no torch
                 try:
-                    base_fps = check_base_file(base, m, where=f"--base {args.base}")
+                    if state_layout(base) != state_layout(state):  # no delta; a wrong base is still an error
+                        check_base_file(base, m, where=where)
+                        _say(args, f"{args.state} holds other tensors than v{head.version} (names, dtypes or "
+                                   "shapes); publishing a keyframe")
+                    else:  # the base is checked against the head in the compare pass, before anything is sent
+                        res = await publish_delta(client, model=args.model, version=step, parent=head.version,
+                                                  base=base, state=state, head=m, where=where, signer=signer,
+                                                  options=EncodeOptions(coding=args.coding))
+                        delta = True
                 except BaseMismatchError as e:
                     if not args.keyframe_on_mismatch:
                         raise BaseMismatchError(f"{e}; pass the file v{head.version} was published from (e.g. the "
                                                 "last `subscribe --out` file), or --keyframe-on-mismatch to publish "
                                                 "a keyframe instead") from None
                     _say(args, f"{e}; publishing a keyframe (--keyframe-on-mismatch)")
-                    base_fps = None
-                if base_fps is not None and state_layout(base) != state_layout(state):
-                    _say(args, f"{args.state} holds other tensors than v{head.version} (names, dtypes or shapes); "
-                               "publishing a keyframe")
-                    base_fps = None
-                if base_fps is not None:
-                    res = await publish_delta(client, model=args.model, version=step, parent=head.version, base=base,
-                                              state=state, base_fps=base_fps, signer=signer,
-                                              options=EncodeOptions(coding=args.coding))
                 del base
-        if base_fps is None:
+        if not delta:
             res = await publish_keyframe(client, model=args.model, version=step, state=state, signer=signer)
             side = 0
         else:

@@ -79,28 +79,42 @@ def check_base_file(base: Mapping[str, torch.Tensor | HostTensor], head: Manifes
     state fingerprints otherwise (one full read of the base, on the page cache)."""
     with _pool() as pool:
         fps = {n: tensor_fingerprint(t, executor=pool) for n, t in base.items()}
+    _check_base(base, fps, head, where=where)
+    return fps
+
+
+def _check_base(base: Mapping[str, torch.Tensor | HostTensor], fps: Mapping[str, int], head: Manifest, *,
+                where: str) -> None:
     have = state_fingerprint_of(base, fps)
     if have != head.state_fp:
         raise BaseMismatchError(
             f"{where} has state fingerprint {have}, the origin's head {head.model} v{head.version} has "
             f"{head.state_fp}: it is not the state the head was published from")
-    return fps
 
 
 async def publish_delta(client: HttpClient, *, model: str, version: int, parent: int,
                         base: Mapping[str, torch.Tensor | HostTensor], state: Mapping[str, torch.Tensor | HostTensor],
-                        base_fps: Mapping[str, int],
-                        signer: Signer | None, options: EncodeOptions | None = None,
+                        base_fps: Mapping[str, int] | None = None, head: Manifest | None = None,
+                        where: str = "the base", signer: Signer | None, options: EncodeOptions | None = None,
                         meta: Mapping[str, str] | None = None, concurrency: int = 4) -> Published:
-    """Diff ``state`` against ``base`` (v``parent``, fingerprints ``base_fps``) and publish it as v``version``."""
+    """Diff ``state`` against ``base`` (v``parent``) and publish it as v``version``.
+
+    ``base_fps``: the base's fingerprints, already checked (:func:`check_base_file`). Without them,
+    ``head`` (the origin's head manifest) is required: the base's fingerprints come out of the compare
+    pass (``diff_states(base_fps=None)``) and the base's state fingerprint is checked against the head's
+    before anything is encoded or uploaded (BaseMismatchError naming ``where``, nothing sent)."""
     if state_layout(base) != state_layout(state):
         raise BaseMismatchError("the state's tensors differ from the base's (names, dtypes or shapes): publish a keyframe")
+    if base_fps is None and head is None:
+        raise ValueError("publish_delta needs the base's checked fingerprints (base_fps) or the head to check it against")
     options = options or EncodeOptions()
     loop = asyncio.get_running_loop()
     with _pool() as pool:  # chunks compared on two threads (the compiled kernels release the GIL)
         diff = await loop.run_in_executor(None, lambda: diff_states(base, state, base_fps=base_fps,
                                                                     chunk_words=options.chunk_words, update_old=False,
                                                                     executor=pool))
+    if base_fps is None:
+        _check_base(base, diff.fps_before, head, where=where)
     enc = await loop.run_in_executor(None, lambda: encode_diff(diff, model=model, version=version, parent=parent,
                                                                options=options, meta=dict(meta or {}), base=base))
     del diff
