@@ -186,6 +186,8 @@ def test_host_tensors_fingerprint_and_shard_as_torch_does(tmp_path):
     s0["c.complex64"] = torch.randn(5, 3, dtype=torch.complex64)
     s0["f.fp16"] = torch.randn(33, dtype=torch.float16)
     s0["bool"] = torch.rand(17) > 0.5
+    if hasattr(torch, "float8_e8m0fnu"):  # a dtype safetensors cannot name: a tagged U8 tensor in the header
+        s0["f8.e8m0"] = torch.randint(0, 255, (6, 5), dtype=torch.uint8).view(torch.float8_e8m0fnu)
     path = tmp_path / "s.safetensors"
     write_state_file(path, s0)
     with MappedTensorFile(path) as f:
