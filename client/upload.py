@@ -24,6 +24,7 @@ class PiecesPayload(payload.Payload):
     Reusable: a retried PUT sends the same pieces again. ``len()`` is its size."""
 
     WRITE_BYTES = 4 << 20  # handed to the transport at a time, so its send buffer never holds a whole piece
+    _autoclose = True  # views of memory the caller owns: nothing to close
 
     def __init__(self, pieces: Sequence[bytes | bytearray | memoryview]) -> None:
         views = tuple(memoryview(p).cast("B") if memoryview(p).format != "B" else memoryview(p) for p in pieces)

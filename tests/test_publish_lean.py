@@ -202,3 +202,22 @@ def test_host_tensors_fingerprint_and_shard_as_torch_does(tmp_path):
         assert joined == built and sp.size == len(built)
         assert sp.id == blob_id(built) and sp.digest == blob_digest(built)
         assert sp.fps == fps
+
+
+def test_lazy_parser_lists_the_same_commands_and_options():
+    """``main`` registers only the group of the command it runs: that command's parser (its --help) is the
+    one the full parser has, and the group table names every command the full parser has."""
+    import argparse
+
+    from deltasync.cli import main as cli_main
+
+    def subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        return next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+    full = subparsers(cli_main.build_parser())
+    assert sorted(full) == sorted(c for cmds in cli_main._GROUPS.values() for c in cmds)
+    for cmd, parser in full.items():
+        lazy = subparsers(cli_main.build_parser(cmd))
+        assert cmd in lazy and set(lazy) <= set(full)
+        assert lazy[cmd].format_help() == parser.format_help(), cmd
+    assert cli_main._command_of(["--version"]) is None and cli_main._command_of(["publish", "--help"]) == "publish"
