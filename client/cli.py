@@ -398,10 +398,10 @@ async def _stream_keyframe(args, client: HttpClient, target: FileTarget, head, v
         log.warning("cannot stream keyframe v%s into %s (%s); catching up the usual way", head.version, args.out, e)
         return
     try:
-        for ref in kf.blobs:
-            data = await client.get_blob(ref.id, ref.size, digest=ref.digest)
-            await loop.run_in_executor(None, w.add_shard, data)
-            del data
+        for ref in kf.blobs:  # each shard received straight into the new file (no copy of it in memory)
+            sink = w.shard_sink(ref.size)
+            await client.receive_blob(ref.id, ref.size, sink, digest=ref.digest)
+            w.add_received(sink)
         await loop.run_in_executor(None, w.commit)
     except BaseException as e:
         w.abort()
