@@ -14,6 +14,12 @@ not parse (FormatError) or does not verify (SignatureError, or a manifest for
 another model/version) is that URL's fault like a bad blob, and the next URL is
 tried. The check is the ``parse`` a caller passes, else ``check_manifest`` (the
 subscriber's driver sets it to parse-and-verify with its key).
+``receive_blob`` lands a blob in a caller's sink instead of memory (a keyframe shard into ``subscribe
+--out``'s file: ``client/blobrecv.py`` receives plain-HTTP bodies straight into it), checking its length,
+id and digest over the same bytes as they arrive; it is not hedged (one sink, one transfer at a time).
+Body reads are bounded per piece by ``Timeouts.read`` of our own: aiohttp 3.14.5 drops its read timer
+without waking the reader when its parser fails on a mangled chunk-size line (and a later read raises
+a bare RuntimeError, translated here into the source's UpstreamError).
 Writes (``put_*``) go to the first URL only, with the bearer token, and are retried
 a few times on transport errors and 5xx (blob and manifest PUTs are idempotent).
 Both loops are the core's (``deltasync.retry``); a server's error answer becomes the
