@@ -305,6 +305,14 @@ class KeyframeWriter:
                                      f"{self.manifest.version} says {rec.fp_after}")
             self.fps[e.name] = fp
 
+    @staticmethod
+    def warm() -> None:
+        """Load the compiled kernels a keyframe's receive runs (the fingerprint's lane sums, both lane widths):
+        numba loads each from its cache on first use, ~0.7 s here. Run it while waiting for the first version
+        (``subscribe --out`` does, on a thread), so that cost is not paid when the bytes arrive."""
+        lanes_sum(torch.zeros(8, dtype=torch.int16), 0)
+        lanes_sum(torch.zeros(8, dtype=torch.int8), 0)
+
     def shard_sink(self, size: int) -> ShardSink:
         """Where a shard blob of ``size`` bytes is received (``HttpClient.receive_blob``): its header into a small
         buffer, its tensors' bytes straight into their places in the new file's map, fingerprinted as they
