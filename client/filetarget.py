@@ -60,7 +60,7 @@ from deltasync.fingerprint import (
     tensor_fingerprint,
 )
 from deltasync.keyframe import copy_state
-from deltasync.tensorfile import MappedTensorFile, build_header, parse_header
+from deltasync.tensorfile import MAX_HEADER_BYTES, MappedTensorFile, build_header, parse_header
 
 from .appliers import TensorApplier
 
@@ -268,9 +268,11 @@ class _NewFile:
 
 class KeyframeWriter:
     """A keyframe streamed into a new file beside the target's, one shard at a time (the first version
-    of ``subscribe --out``): ``add_shard(bytes)`` per blob, in any order, each tensor's fingerprint
-    checked against the manifest as it lands; ``commit()`` checks the state fingerprint, fsyncs and
-    renames the file into place; ``abort()`` removes it. Memory: one shard (plus its parsed copy)."""
+    of ``subscribe --out``), in any order, each tensor's fingerprint checked against the manifest as it
+    lands: ``shard_sink(size)`` per blob for ``HttpClient.receive_blob`` (its bytes received straight into
+    the file; memory: the shard's header), then ``add_received(sink)``; or ``add_shard(bytes)`` for a shard
+    already in memory. ``commit()`` checks the state fingerprint, fsyncs and renames the file into place;
+    ``abort()`` removes it."""
 
     def __init__(self, target: FileTarget, manifest, *, version: int | None = None) -> None:
         if manifest.kind != "keyframe":
@@ -394,7 +396,7 @@ class ShardSink:
             end = offset + n
             if self._need is None and end >= 8:
                 (hlen,) = _U64.unpack_from(self._head, 0)
-                if 8 + hlen > self.size or hlen > (64 << 20):
+                if 8 + hlen > self.size or hlen > MAX_HEADER_BYTES:
                     raise FormatError(f"keyframe v{self._w.manifest.version} shard: a header of {hlen} bytes in a "
                                       f"{self.size}-byte shard")
                 self._need = 8 + hlen

@@ -57,7 +57,6 @@ from typing import TypeVar
 from urllib.parse import quote
 
 import aiohttp
-
 import xxhash
 
 from deltasync.blob import blob_id, check_blob_id
@@ -86,9 +85,9 @@ MAX_COOLDOWN = 60.0
 NETWORK_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 # a body cut off mid-transfer: resumed with Range when some bytes are in hand
 _CUT = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError, aiohttp.ClientOSError)
-#: a body read of aiohttp 3.14's after its parser failed on a mangled chunk-size line (the connection closed
-#: under the reader): a cut answer, the server's fault. A reader already waiting is never woken (every body
-#: read here has a bound of its own: the request's total, and ``_read``'s own limit)
+#: what a body read of aiohttp 3.14 raises (a bare RuntimeError) after its parser failed on a mangled chunk-size
+#: line and closed the connection under the reader: a cut answer, the server's fault. A reader already waiting
+#: then is never woken: every body read here has a bound of its own per piece (``HttpClient._piece``)
 _CLOSED_MID_BODY = "Connection closed."
 
 
