@@ -234,7 +234,7 @@ class _Conn(asyncio.BufferedProtocol):
 def supports(url: str) -> bool:
     """Plain HTTP to a host (no TLS, no path prefix): what :func:`receive` speaks."""
     u = urlsplit(url)
-    return u.scheme == "http" and bool(u.hostname) and u.path in ("", "/") and not u.query
+    return u.scheme == "http" and bool(u.hostname) and u.path in ("", "/") and not u.query and u.username is None
 
 
 async def receive(url: str, path: str, sink: BlobSink, offset: int, *, size: int | None, headers: dict[str, str],
