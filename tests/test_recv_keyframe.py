@@ -167,6 +167,7 @@ async def test_a_cut_body_is_resumed_with_range(tmp_path, enc, direct, faults):
             await _receive_all(c, w, enc)
             w.commit()
             assert c.stats.resumes == faults.count("cut")
+            assert (c._session is None) == direct, "the direct path opened aiohttp (or the other did not)"
         assert src.requests[0] == faults[0]
         assert all(r.endswith("-") for r in src.requests[1:]), src.requests  # every later GET asked a Range
         _same_file(target, _state())
