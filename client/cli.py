@@ -345,12 +345,14 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
         # a head that does not parse or verify is that source's fault: the next --from is tried
         client = HttpClient(args.sources, timeouts=timeouts, ssl=_ssl(args), read_token=_read_token_of(args),
                             check_manifest=lambda body: parse_manifest(body, verifier=verifier))
+        warm = asyncio.get_running_loop().run_in_executor(None, KeyframeWriter.warm)  # while nothing arrives yet
         try:
             deadline = time.monotonic() + args.timeout
             head = await client.get_head(args.model)
             while head is None and not args.once and time.monotonic() < deadline:
-                await asyncio.sleep(1.0)  # the model has no version yet: wait for the first
+                await asyncio.sleep(0.25)  # the model has no version yet: wait for the first
                 head = await client.get_head(args.model)
+            await warm
             if head is None:
                 raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
             m = parse_manifest(head.body, verifier=verifier)
@@ -431,10 +433,10 @@ async def _stream_keyframe(args, client: HttpClient, target: FileTarget, head, v
         log.warning("cannot stream keyframe v%s into %s (%s); catching up the usual way", head.version, args.out, e)
         return
     try:
-        for ref in kf.blobs:
-            data = await client.get_blob(ref.id, ref.size, digest=ref.digest)
-            await loop.run_in_executor(None, w.add_shard, data)
-            del data
+        for ref in kf.blobs:  # each shard received straight into the new file (no copy of it in memory)
+            sink = w.shard_sink(ref.size)
+            await client.receive_blob(ref.id, ref.size, sink, digest=ref.digest)
+            w.add_received(sink)
         await loop.run_in_executor(None, w.commit)
     except BaseException as e:
         w.abort()
