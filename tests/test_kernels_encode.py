@@ -282,3 +282,25 @@ def test_blobs_identical_to_the_reference_path(threads):
                                 options=opts)
         assert ref.manifest.to_json() == got.manifest.to_json() == again.manifest.to_json()
         assert ref.blobs == got.blobs == again.blobs
+
+
+def test_diff_states_of_host_tensors_fingerprints_the_base_in_the_pass():
+    """Torch-free states (``HostTensor`` words, as a publisher from files has them): the same diff, with the
+    base fingerprint from the compare pass, as for the torch tensors they view."""
+    from deltasync.dtypes import HostTensor, dtype_info, host_words
+
+    a, b = _states(7)
+
+    def host(state):
+        return {k: HostTensor(dtype=dtype_info(v.dtype).name, shape=tuple(v.shape), words=host_words(v))
+                for k, v in state.items()}
+
+    ref = diff_states(a, b, chunk_words=1 << 15)
+    got = diff_states(host(a), host(b), chunk_words=1 << 15)
+    assert got.fps_before == ref.fps_before == {k: tensor_fingerprint(v) for k, v in a.items()}
+    assert got.fps_after == ref.fps_after
+    assert got.layout == ref.layout
+    for name, cs in ref.chunks.items():
+        for x, y in zip(cs, got.chunks[name], strict=True):
+            assert (x.start, x.stop) == (y.start, y.stop) and np.array_equal(x.positions, y.positions)
+            assert np.array_equal(x.old, y.old) and np.array_equal(x.new, y.new)
