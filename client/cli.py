@@ -414,6 +414,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
         return 0
     finally:
         await sub.close()
+        timeline.debug("mono=%.6f subscriber-closed", time.monotonic())
         target.close()
         timeline.debug("mono=%.6f closed", time.monotonic())
 
