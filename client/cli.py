@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # each command imports what it runs: the parser (and `publish
     from .http import HttpClient
 
 log = logging.getLogger("deltasync.client.cli")
+timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps: benchmarks/step_timeline.py
 
 META_MODEL = "deltasync.model"
 META_VERSION = "deltasync.version"
@@ -384,11 +386,16 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
             raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
         goal = h.version
     deadline = time.monotonic() + args.timeout if (args.once or goal is not None) else None
+    changed = sub.driver.changed  # set on every step the driver delivers (and every apply result)
     try:
         while not stop.is_set():
+            changed.clear()  # before looking: a step delivered from here on sets it again
+            if len(sub.queue):
+                timeline.debug("mono=%.6f apply-start", time.monotonic())
             v = sub.apply_pending()  # patches the file in place (FileTarget), journaled
             if v is not None and v != written:
                 written = v
+                timeline.debug("mono=%.6f applied v%d", time.monotonic(), v)
                 st = sub.status
                 _say(args, f"{args.model} v{v} -> {out} (lag {st.lag}, {_mb(st.bytes_received)} received, verify {st.verify})")
             if goal is not None and written is not None and written >= goal:
@@ -398,14 +405,20 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
                 print(f"deltasync subscribe: error: still at v{written} after {args.timeout:.0f}s (wanted v{goal}; "
                       f"last error: {st.last_error})", file=sys.stderr)
                 return 1
+            # woken by the next delivered step or a signal; the 1 s bound only re-checks the deadline (this
+            # slept 0.2 s per turn: up to 0.2 s between a step being ready and its apply)
+            waits = [asyncio.ensure_future(changed.wait()), asyncio.ensure_future(stop.wait())]
             try:
-                await asyncio.wait_for(stop.wait(), 0.2)
-            except asyncio.TimeoutError:
-                pass
+                await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
         return 0
     finally:
         await sub.close()
+        timeline.debug("mono=%.6f subscriber-closed", time.monotonic())
         target.close()
+        timeline.debug("mono=%.6f closed", time.monotonic())
 
 
 async def _stream_keyframe(args, client: HttpClient, target: FileTarget, head, verifier: Verifier | None) -> None:
@@ -459,6 +472,11 @@ def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> i
         print("deltasync subscribe: error: a subscriber holds no signing key; give the public key (--verify-key)",
               file=sys.stderr)
         return 2
+    if os.environ.get("DELTASYNC_TIMELINE"):  # benchmarks/step_timeline.py: this process's critical-path stamps
+        timeline.setLevel(logging.DEBUG)
+    # --once/--until end the process: once the file is written and closed, run_command may skip the
+    # interpreter's teardown (see cli/run.py: ``exit_now``)
+    args.exit_now = args.once or args.until is not None
     return asyncio.run(_subscribe(args, _verifier(args), on_applied))
 
 

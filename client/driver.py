@@ -50,6 +50,10 @@ from .ready import ReadyQueue, ReadyStep
 __all__ = ["SyncDriver"]
 
 log = logging.getLogger("deltasync.client.driver")
+#: One line per step on the critical path, stamped with ``time.monotonic()`` (CLOCK_MONOTONIC, the same clock in
+#: every process of the machine): benchmarks/step_timeline.py lines them up. Silent unless this logger is enabled
+#: (``DELTASYNC_TIMELINE=1`` for ``deltasync subscribe``).
+timeline = logging.getLogger("deltasync.timeline")
 
 #: How long a squashed catch-up delta is waited for: this plus this per version it spans, at most
 #: ``squash_timeout``. A chain of small deltas is fetched in well under that.
@@ -200,6 +204,7 @@ class SyncDriver:
                 await self._check_not_behind(a.stream, a.after)
             elif head is not None:
                 self._quiet_since = None
+                timeline.debug("mono=%.6f woke %s v%d", time.monotonic(), a.stream, head.version)
         if head is None:
             return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=None)
         m = None
@@ -292,7 +297,10 @@ class SyncDriver:
                 digest = ref.digest if self.key is not None else None
                 return ref.id, await self.client.get_blob(ref.id, ref.size, digest=digest)
 
+        timeline.debug("mono=%.6f blobs-start %s v%d", time.monotonic(), m.model, m.version)
         blobs = dict(await asyncio.gather(*(one(r) for r in refs)))
+        timeline.debug("mono=%.6f blobs-end %s v%d %d", time.monotonic(), m.model, m.version,
+                      sum(len(b) for b in blobs.values()))
         return sm.BlobsReady(ticket=a.ticket, version=m.version, blobs=(blobs, only))
 
     async def _prepare(self, a: sm.Prepare) -> sm.StepPrepared:
@@ -300,6 +308,7 @@ class SyncDriver:
         loop = asyncio.get_running_loop()
         common = dict(version=a.version, base=a.base, state_fp=a.state_fp, manifest=a.manifest, generation=a.generation,
                       nbytes=a.manifest.total_bytes, squashed=a.squashed)
+        timeline.debug("mono=%.6f prepare-start v%d", time.monotonic(), a.version)
         if a.kind == "keyframe":
             state, fps = await loop.run_in_executor(self.pool, load_keyframe, a.manifest, blobs)
             step = ReadyStep(kind="keyframe", state=state, fps=fps, **common)
@@ -307,6 +316,7 @@ class SyncDriver:
             prepared = await loop.run_in_executor(
                 self.pool, lambda: prepare_delta(a.manifest, blobs, only=set(only) if only is not None else None))
             step = ReadyStep(kind="delta", prepared=prepared, **common)
+        timeline.debug("mono=%.6f prepare-end v%d", time.monotonic(), a.version)
         return sm.StepPrepared(ticket=a.ticket, version=a.version, payload=step)
 
     async def _check_initial(self, a: sm.CheckInitial) -> sm.InitialChecked:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 
 from deltasync.errors import DeltaSyncError, NotFoundError, UpstreamError, UpstreamTimeout
@@ -39,6 +40,7 @@ from .store import DiskStore
 from .upstream import NETWORK_ERRORS, Upstream
 
 log = logging.getLogger("deltasync.server.prefetch")
+timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps: benchmarks/step_timeline.py
 
 
 class Prefetcher:
@@ -164,6 +166,7 @@ class Prefetcher:
         if version <= known:
             return
         log.debug("parent has %s v%d (manifest %s)", model, version, "inline" if manifest else "not inline")
+        timeline.info("mono=%.6f event %s v%d", time.monotonic(), model, version)
         self.parent_heads[model] = version
         if isinstance(manifest, dict):
             for key in [k for k in self._inline if k[0] == model]:
@@ -219,6 +222,7 @@ class Prefetcher:
                 info = self.store.info(model, m.version)
                 self.metrics.inc("versions")
                 self.hub.publish(info, m.to_json())
+                timeline.info("mono=%.6f announced %s v%d", time.monotonic(), model, m.version)
                 log.info("announced %s v%d (%s, %d blobs, %d bytes)", model, m.version, m.kind, len(m.blobs),
                          m.total_bytes)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import re
 from collections.abc import AsyncIterator
 
@@ -42,6 +43,7 @@ from .tokens import bearer
 from .services import Services
 
 log = logging.getLogger("deltasync.server.routes")
+timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps: benchmarks/step_timeline.py
 
 SERVICES = web.AppKey("services", Services)
 IMMUTABLE = "public, max-age=31536000, immutable"
@@ -436,6 +438,7 @@ async def put_version(request: web.Request) -> web.Response:
         body = b"".join(parts)
         assert svc.intake is not None
         info, created = await svc.intake.commit(model, version, body)
+        timeline.info("mono=%.6f committed %s v%d", time.monotonic(), model, version)
     except DeltaSyncError:
         svc.metrics.inc("upload_rejections")
         raise

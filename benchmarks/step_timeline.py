@@ -1,0 +1,163 @@
+"""One step's critical path, stamp by stamp: from the ``publish --base`` command's start to the last subscriber's exit.
+
+Shardcast's scenario (benchmarks/bench_shardcast.py, its helpers): origin -> 2 relays -> 4 ``deltasync subscribe
+--out F --until V`` processes already running and idle, 2 per relay, servers ``--no-fsync``, everything on tmpfs.
+v0 (a keyframe) is published and written into the 4 files first, untimed; then the ~1%-changed step is published
+with ``publish --base`` and every process's stamps are lined up.
+
+Every stamp is ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of the machine) from a
+``deltasync.timeline`` log line: the origin's commit (server/routes.py), each relay's event from its parent and
+its announce (server/prefetch.py), each subscriber's wake-up, blobs, decode (client/driver.py), apply and close
+(client/cli.py, ``DELTASYNC_TIMELINE=1``); the publish start and every process's exit are this script's own
+(reaped with wait4). Times are printed in ms after the publish command's start.
+
+    python benchmarks/step_timeline.py [--size-mib 64] [--changed 0.01]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_shardcast import MODEL, _cli, _idle, make_state, step_state  # noqa: E402
+
+from deltasync.cli.cluster import LocalCluster  # noqa: E402
+
+MiB = 1 << 20
+STAMP = re.compile(r"mono=(\d+\.\d+) (\S+)(.*)$")
+
+
+class _Proc:
+    """A CLI process whose exit is stamped on the monotonic clock (wait4 on a thread)."""
+
+    def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log
+        self._log = open(log, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env)
+        self.ended: float | None = None
+        self.code: int | None = None
+        self._t = threading.Thread(target=self._reap, daemon=True)
+        self._t.start()
+
+    def anon_now(self) -> float:  # bench_shardcast._idle records it
+        return 0.0
+
+    def _reap(self) -> None:
+        _, status, _ = os.wait4(self.proc.pid, 0)
+        self.ended = time.monotonic()
+        self.code = os.waitstatus_to_exitcode(status)
+        self.proc.returncode = self.code
+
+    def wait(self, timeout: float) -> None:
+        self._t.join(timeout)
+        if self.code is None:
+            self.proc.kill()
+            self._t.join(5)
+            raise TimeoutError(f"{self.proc.args[:4]} did not finish within {timeout:.0f} s")
+        if self.code != 0:
+            raise RuntimeError(f"{' '.join(map(str, self.proc.args[:6]))} exited {self.code}: "
+                               f"{self.log_path.read_text(errors='replace')[-1500:]}")
+
+
+def stamps(path: Path, since: float) -> list[tuple[float, str, str]]:
+    """The ``mono=`` stamps of a log at or after ``since``: (time, what, the rest of the line)."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        m = STAMP.search(line)
+        if m and float(m.group(1)) >= since:
+            out.append((float(m.group(1)), m.group(2), m.group(3).strip()))
+    return out
+
+
+def run(size: int, changed: float, work: Path) -> list[tuple[str, str, float]]:
+    """Publish v0 and the step; returns the step's timeline rows (process, event, seconds after publish start)."""
+    state, step = work / "state.safetensors", work / "step.safetensors"
+    tensors = make_state(state, size)
+    step_state(tensors, step, changed)
+    del tensors
+    cluster = LocalCluster(work / "servers", key=os.urandom(32))
+    env = {**os.environ, "DELTASYNC_TIMELINE": "1"}
+    try:
+        cluster.start_tree({"r1": ["origin"], "r2": ["origin"]})
+        common = ["--model", MODEL, "--key-file", str(cluster.key_file)]
+        pub = ["--origin", cluster.origin, "--token-file", str(cluster.token_file), *common, "--quiet"]
+        outs = [work / f"sub{i}.safetensors" for i in range(4)]
+        rows: list[tuple[str, str, float]] = []
+        for version, path, extra in ((0, state, []), (1, step, ["--base", str(state)])):
+            subs = [_Proc(_cli("subscribe", "--from", cluster.url(f"r{1 + i % 2}"), *common, "--out", str(out),
+                               "--until", str(version), "--timeout", "600", "--quiet"), work / f"sub{i}-v{version}.log",
+                          env=env) for i, out in enumerate(outs)]
+            _idle(subs)
+            t0 = time.monotonic()
+            p = _Proc(_cli("publish", *pub, *extra, str(path)), work / f"publish-v{version}.log")
+            p.wait(600)
+            for s in subs:
+                s.wait(600)
+            if version == 0:
+                continue
+            rows.append(("publish", "exit", p.ended - t0))
+            for name in ("origin", "r1", "r2"):
+                for t, what, rest in stamps(cluster.servers[name].log_path, t0):
+                    if rest.endswith(f" v{version}") or f" v{version} " in rest:
+                        rows.append((name, what, t - t0))
+            for i, s in enumerate(subs):
+                for t, what, _ in stamps(s.log_path, t0):
+                    rows.append((f"sub{i}", what, t - t0))
+                rows.append((f"sub{i}", "exit", s.ended - t0))
+        return rows
+    finally:
+        cluster.close()
+
+
+def report(rows: list[tuple[str, str, float]], size: int, changed: float) -> str:
+    load = os.getloadavg()
+    out = [f"step timeline: {size / MiB:.0f} MiB state, ~{changed:.0%} changed, load average "
+           f"{load[0]:.1f}/{load[1]:.1f}; ms after `publish --base` started", ""]
+    for proc, what, t in sorted(rows, key=lambda r: r[2]):
+        out.append(f"{t * 1000:9.1f}  {proc:7s} {what}")
+    subs = sorted({p for p, _, _ in rows if p.startswith("sub")})
+    def at(p: str, w: str) -> float | None:
+        got = [t for q, x, t in rows if q == p and x == w]
+        return min(got) if got else None
+    commit = at("origin", "committed")
+    out += ["", "per subscriber (ms): woke, blobs received, decoded, applied, closed, exited"]
+    for s in subs:
+        cells = [at(s, w) for w in ("woke", "blobs-end", "prepare-end", "applied", "closed", "exit")]
+        out.append(f"  {s}: " + "  ".join("-" if c is None else f"{c * 1000:.0f}" for c in cells))
+    last = max((t for p, w, t in rows if w == "exit" and p.startswith("sub")), default=None)
+    if commit is not None and last is not None:
+        out.append(f"\ncommit at the origin {commit * 1000:.0f} ms; last subscriber exited {last * 1000:.0f} ms "
+                   f"(after the commit: {(last - commit) * 1000:.0f} ms)")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mib", type=int, default=64)
+    ap.add_argument("--changed", type=float, default=0.01)
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (logs) and print its path")
+    a = ap.parse_args()
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    work = Path(tempfile.mkdtemp(prefix="deltasync-step-timeline-", dir=base))
+    try:
+        rows = run(a.size_mib * MiB, a.changed, work)
+        print(report(rows, a.size_mib * MiB, a.changed))
+    finally:
+        if a.keep:
+            print(f"logs in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
