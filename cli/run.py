@@ -70,8 +70,8 @@ def _is_the_program() -> bool:
 def _exit_now(rc: int) -> None:
     """End the process at once, skipping the interpreter's teardown.
 
-    A command that set ``args.exit_now`` (``subscribe --once/--until``) has written, fsynced and closed its
-    file, and closed its connections, before it returns: what is left is tearing down an interpreter with
+    A command that set ``args.exit_now`` (``subscribe --once/--until``, ``publish``) has written, fsynced and
+    closed its file (or committed its version), and closed its connections, before it returns: what is left is tearing down an interpreter with
     torch and numba loaded (module finalisers, the GC over every object, their atexit hooks), measured at
     ~1.1 s wall under load against 0.05 s for ``os._exit`` (benchmarks/step_timeline.py times the exit). Only
     our own buffers can still hold anything: the log handlers and stdout/stderr are flushed first, then

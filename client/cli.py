@@ -237,6 +237,9 @@ def _side_failed(args, version: int, error: str | None) -> None:
 
 def cmd_publish(args) -> int:
     _setup_logging(args)
+    # the command ends when it returns: every upload and the commit are awaited (and the Publisher closed)
+    # first, so run_command may skip the interpreter's teardown (cli/run.py: ``exit_now``)
+    args.exit_now = True
     token = _read_token(args.token_file)
     signer = _signer(args)
     verifier = _verifier(args, signer)
@@ -319,7 +322,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
     from deltasync.atomic import remove_temp_files
     from deltasync.manifest import parse_manifest
 
-    from .filetarget import FileTarget, recover
+    from .filetarget import FileTarget, KeyframeWriter, recover
     from .http import HttpClient, Timeouts
     from .subscriber import Subscriber, SyncEvent
 

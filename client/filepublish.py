@@ -109,14 +109,15 @@ async def publish_delta(client: HttpClient, *, model: str, version: int, parent:
         raise ValueError("publish_delta needs the base's checked fingerprints (base_fps) or the head to check it against")
     options = options or EncodeOptions()
     loop = asyncio.get_running_loop()
-    with _pool() as pool:  # chunks compared on two threads (the compiled kernels release the GIL)
+    with _pool() as pool:  # chunks compared and coded on two threads (the compiled kernels release the GIL)
         diff = await loop.run_in_executor(None, lambda: diff_states(base, state, base_fps=base_fps,
                                                                     chunk_words=options.chunk_words, update_old=False,
                                                                     executor=pool))
-    if base_fps is None:
-        _check_base(base, diff.fps_before, head, where=where)
-    enc = await loop.run_in_executor(None, lambda: encode_diff(diff, model=model, version=version, parent=parent,
-                                                               options=options, meta=dict(meta or {}), base=base))
+        if base_fps is None:
+            _check_base(base, diff.fps_before, head, where=where)
+        enc = await loop.run_in_executor(None, lambda: encode_diff(diff, model=model, version=version, parent=parent,
+                                                                   options=options, meta=dict(meta or {}), base=base,
+                                                                   executor=pool))
     del diff
     manifest = enc.manifest.with_digests(enc.blobs) if signer is not None else enc.manifest  # signed: every digest
     await upload_blobs(client, enc.blobs, concurrency=concurrency)

@@ -62,12 +62,20 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 # runs the real CLI entry point (as ``python -m deltasync.cli.main``), then reports at exit which modules are loaded
-_RUN = ("import runpy, sys\n"
+# (also when the command ends with os._exit, skipping the interpreter's teardown: cli/run.py ``exit_now``)
+_RUN = ("import os, runpy, sys\n"
         "sys.argv = ['deltasync', *sys.argv[1:]]\n"
+        "def _report():\n"
+        "    print('LOADED ' + ' '.join(sorted(sys.modules)), file=sys.stderr, flush=True)\n"
+        "_real_exit = os._exit\n"
+        "def _exit(rc):\n"
+        "    _report()\n"
+        "    _real_exit(rc)\n"
+        "os._exit = _exit\n"
         "try:\n"
         "    runpy.run_module('deltasync.cli.main', run_name='__main__', alter_sys=True)\n"
         "finally:\n"
-        "    print('LOADED ' + ' '.join(sorted(sys.modules)), file=sys.stderr)\n")
+        "    _report()\n")
 
 
 def _loaded(stderr: str) -> set[str]:
