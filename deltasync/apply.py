@@ -202,13 +202,24 @@ def find_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return aliases
 
 
+_INFO: dict[torch.dtype, object] = {}
+
+
+def _info(dtype: torch.dtype):
+    """``dtype_info`` of a torch dtype, memoised (the apply path asks once per tensor, several times)."""
+    info = _INFO.get(dtype)
+    if info is None:
+        info = _INFO[dtype] = dtype_info(dtype)
+    return info
+
+
 def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Mapping[str, int]) -> None:
     """Refuse unless the tracked state is exactly the delta's base."""
     for rec in manifest.tensors:
         t = tensors.get(rec.name)
         if t is None:
             raise BaseMismatchError(f"{rec.name}: in the delta but not in the target")
-        if dtype_info(t.dtype).name != rec.dtype or tuple(t.shape) != rec.shape:
+        if _info(t.dtype).name != rec.dtype or tuple(t.shape) != rec.shape:
             raise BaseMismatchError(
                 f"{rec.name}: target is {dtype_info(t.dtype).name} {tuple(t.shape)}, delta expects {rec.dtype} {rec.shape}")
         if rec.name not in fps:
@@ -217,7 +228,7 @@ def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Map
             raise BaseMismatchError(
                 f"{rec.name}: target fingerprint {fp_hex(fps[rec.name])} is not the delta's base {rec.fp_before} "
                 f"(state is not v{manifest.parent}; already applied, or diverged: resync from a keyframe)")
-    have = state_fingerprint((n, dtype_info(t.dtype).name, tuple(t.shape), fps[n]) for n, t in tensors.items())
+    have = state_fingerprint((n, _info(t.dtype).name, tuple(t.shape), fps[n]) for n, t in tensors.items())
     if have != manifest.state_fp_before:
         raise BaseMismatchError(
             f"target state {have} is not v{manifest.parent} ({manifest.state_fp_before}); the tensor sets differ")
@@ -328,7 +339,7 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
 
 
 def _patch_tensor(live: torch.Tensor, chunks: list[ChunkPatch], fp: int, undo: _Undo) -> int:
-    info = dtype_info(live.dtype)
+    info = _info(live.dtype)
     sdt = signed_word_dtype(info.word_size)
     work = live if live.is_contiguous() else live.contiguous()
     words = word_view(work)
