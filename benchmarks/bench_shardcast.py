@@ -43,6 +43,8 @@ SHARDCAST = "shardcast==0.3.2"
 MODEL = "sc"
 MiB = 1 << 20
 CHANGED = 0.01
+SIDECAR_MODEL = "sc-sidecar"
+SIDECAR_POLL = 0.1  # the sidecar's folder scan interval: at most this much of each sidecar row is waiting
 
 
 def _shardcast_python() -> Path:
@@ -96,6 +98,9 @@ class _Child:
         self.rss_mb = 0.0
         self.code: int | None = None
         self.anon_mb = 0.0  # peak anonymous RSS (RssAnon, sampled every 20 ms: the kernel keeps no peak of it)
+        # peak RSS of the program itself: VmHWM, sampled. wait4's ru_maxrss is no use here: a child forked from
+        # this (big) benchmark process carries the parent's RSS as its high-water mark until it execs
+        self.hwm_mb = 0.0
         self.idle_anon_mb = 0.0  # RssAnon when _idle() saw it quiet (imports done): the process's baseline
         self._t = threading.Thread(target=self._reap, daemon=True)
         self._t.start()
@@ -110,17 +115,34 @@ class _Child:
             pass
         return 0.0
 
+    def _status(self) -> dict[str, float]:
+        got = {}
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith(("RssAnon:", "VmHWM:")):
+                    got[line.split(":")[0]] = int(line.split()[1]) / 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return got
+
     def _sample(self) -> None:
         while self.ended is None:
-            self.anon_mb = max(self.anon_mb, self.anon_now())
+            st = self._status()
+            self.anon_mb = max(self.anon_mb, st.get("RssAnon", 0.0))
+            self.hwm_mb = max(self.hwm_mb, st.get("VmHWM", 0.0))
             time.sleep(0.02)
+
+    def reset_peaks(self) -> None:
+        """Start a new peak window (a long-running child measured run by run); VmHWM cannot be reset, so the
+        program's peak RSS stays the whole-life figure."""
+        self.anon_mb = self.anon_now()
 
     def _reap(self) -> None:
         _, status, ru = os.wait4(self.proc.pid, 0)
         self.ended = time.perf_counter()
         self.code = os.waitstatus_to_exitcode(status)
         self.proc.returncode = self.code
-        self.rss_mb = ru.ru_maxrss / 1024
+        self.rss_mb = self.hwm_mb or ru.ru_maxrss / 1024
 
     def wait(self, timeout: float) -> None:
         self._t.join(timeout)
@@ -187,12 +209,58 @@ def _deltasync(work: Path, state: Path, step: Path) -> dict:
                            "publish_anon": pub.anon_mb, "sub_anon": [s.anon_mb for s in subs],
                            "sub_idle_anon": [s.idle_anon_mb for s in subs],
                            "server_cpu_s": {n: cpu_seconds(cluster.servers[n].proc.pid) - c for n, c in cpu0.items()}}
+        rows["sidecar"] = _sidecar_rows(cluster, work, state, step, outs)
         rows["servers_rss"] = {n: max_rss_mb(p.pid) for n, p in
                                ((n, cluster.servers[n].proc) for n in ("origin", "r1", "r2"))}
         rows["base"] = base_flag
         return rows
     finally:
         cluster.close()
+
+
+def _drop(src: Path, folder: Path, step: int) -> None:
+    """A trainer's checkpoint appearing atomically in the watched folder (a hard link renamed into place: no copy)."""
+    tmp = folder / f".step-{step}.safetensors.tmp"
+    os.link(src, tmp)
+    os.rename(tmp, folder / f"step-{step}.safetensors")
+
+
+def _sidecar_rows(cluster: LocalCluster, work: Path, state: Path, step: Path, outs: list[Path]) -> dict:
+    """The same two versions through ``deltasync sidecar`` (already running, as shardcast's origin is before its
+    broadcast()): timed from the checkpoint's rename into the watched folder until all 4 subscribers exited."""
+    watch = work / "watch"
+    watch.mkdir()
+    common = ["--model", SIDECAR_MODEL, "--key-file", str(cluster.key_file)]
+    car = _Child(_cli("sidecar", "--watch", str(watch), "--origin", cluster.origin, "--token-file",
+                      str(cluster.token_file), *common, "--keyframe-every", "0", "--poll", str(SIDECAR_POLL),
+                      "--quiet"), work / "sidecar.log")
+    rows: dict = {}
+    try:
+        for label, version, path in (("full", 0, state), ("step", 1, step)):
+            if label == "full":
+                for out in outs:
+                    out.unlink(missing_ok=True)  # the CLI rows' files are another stream's; the step patches v0's
+            subs = [_Child(_cli("subscribe", "--from", cluster.url(f"r{1 + i % 2}"), *common, "--out", str(out),
+                                "--until", str(version), "--timeout", "600", "--quiet"),
+                           work / f"car-sub{i}-{label}.log") for i, out in enumerate(outs)]
+            _idle([car, *subs])
+            car.reset_peaks()
+            cpu_car = cpu_seconds(car.proc.pid)
+            t0 = time.perf_counter()
+            _drop(path, watch, version)
+            for sub in subs:
+                sub.wait(600)
+            rows[label] = {"seconds": max(x.ended for x in subs) - t0, "sidecar_cpu_s": cpu_seconds(car.proc.pid) - cpu_car,
+                           "sidecar_anon": car.anon_mb, "sidecar_idle_anon": car.idle_anon_mb,
+                           "sub_anon": [x.anon_mb for x in subs], "sub_idle_anon": [x.idle_anon_mb for x in subs]}
+        rows["sidecar_rss"] = car.hwm_mb
+        return rows
+    finally:
+        car.proc.terminate()
+        try:
+            car.wait(30)
+        except (TimeoutError, RuntimeError):
+            pass
 
 
 def _shardcast(work: Path, state: Path) -> dict | str:
@@ -211,10 +279,27 @@ def _shardcast(work: Path, state: Path) -> dict | str:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+WORK_PREFIX = "deltasync-bench-shardcast-"
+
+
+def _sweep_stale(base: str | None) -> None:
+    """Remove work folders of earlier runs that were killed (their owner pid is gone): on tmpfs they are RAM."""
+    for d in Path(base or tempfile.gettempdir()).glob(WORK_PREFIX + "*"):
+        try:
+            pid = int((d / "owner.pid").read_text())
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (OSError, ValueError):
+            pass  # not ours to judge (no pid file yet, or another user's)
+
+
 def run(quick: bool = False) -> str:
     size = (64 if quick else 512) * MiB
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    work = Path(tempfile.mkdtemp(prefix="deltasync-bench-shardcast-", dir=base))
+    _sweep_stale(base)
+    work = Path(tempfile.mkdtemp(prefix=WORK_PREFIX, dir=base))
+    (work / "owner.pid").write_text(str(os.getpid()))
     try:
         state, step = work / "state.safetensors", work / "step.safetensors"
         tensors = make_state(state, size)
@@ -260,7 +345,29 @@ def _report(sc, ds: dict, size: int, quick: bool, load: tuple[float, float], wor
             x = t_sc / r["seconds"]
             ratio = f"{x:.2f}x (target {target:.0f}x: {'met' if x >= target else 'not met'})"
         out.append(f"| {name} | {r['seconds']:.2f} | {ratio} | {r['publish_rss']:.0f} | {max(r['sub_rss']):.0f} |")
+    car = ds.get("sidecar")
+    for label, name in (("full", "deltasync sidecar: full copy (keyframe)"),
+                        ("step", f"deltasync sidecar: ~{CHANGED:.0%}-changed step")):
+        if not car:
+            break
+        r = car[label]
+        ratio = f"{t_sc / r['seconds']:.2f}x" if t_sc else ""
+        out.append(f"| {name} | {r['seconds']:.2f} | {ratio} | {car['sidecar_rss']:.0f} (sidecar, whole life) | "
+                   f"{max(ds[label]['sub_rss']):.0f} (CLI row) |")
     out.append("")
+    if car:
+        out.append(
+            f"The sidecar rows: `deltasync sidecar --watch DIR --poll {SIDECAR_POLL}` already running (as shardcast's "
+            "origin is before broadcast()), timed from the checkpoint's rename into DIR until all 4 subscribers "
+            "exited; it holds the previous checkpoint mapped and its fingerprints, so nothing is re-read but the two "
+            "files' pages. The targets are the CLI rows'; these show what the ends cost without a command's start-up. "
+            + "Sidecar CPU seconds: " + ", ".join(f"{lb} {car[lb]['sidecar_cpu_s']:.2f}" for lb in ("full", "step"))
+            + "; its peak anonymous MiB above idle: " + ", ".join(
+                f"{lb} {car[lb]['sidecar_anon'] - car[lb]['sidecar_idle_anon']:+.0f}" for lb in ("full", "step"))
+            + "; subscribers' (max of 4): " + ", ".join(
+                f"{lb} {max(a - i for a, i in zip(car[lb]['sub_anon'], car[lb]['sub_idle_anon'])):+.0f}"
+                for lb in ("full", "step")) + ".")
+        out.append("")
     # Memory target: anonymous memory (not the mapped files, not tmpfs pages) above what the same CLI process
     # holds idle (its imports: the idle subscribers' RssAnon, sampled before the clock) stays a small fraction
     # of the state; here "small" is at most a quarter of it.

@@ -9,7 +9,10 @@ same blob after each round (best of them), so both see the same load. ``--key``:
 manifest carrying its BLAKE3 digest (the relay checks it); ``--perf FILE``: record the relay with
 ``perf record -g`` during the reads (py-spy 0.4.3 cannot read this machine's Python processes).
 
-``python benchmarks/relay_coldcpu.py [--size-mib 256] [--runs 3] [--key] [--perf perf.data]``
+``--before PYTHON``: a second relay run by another interpreter (e.g. main's venv), its rounds interleaved with
+this one's, so a change is measured side by side under the same load.
+
+``python benchmarks/relay_coldcpu.py [--size-mib 256] [--runs 3] [--key] [--perf perf.data] [--before PY]``
 """
 
 from __future__ import annotations
@@ -33,7 +36,18 @@ from relay_procs import cpu_seconds, origin, relay, start, stop  # noqa: E402
 KEY_HEX = bytes(range(32)).hex()
 
 
-async def _run(size: int, runs: int, key: bool, pyspy: str | None, relay_args: tuple[str, ...] = ()) -> dict:
+def _relay_with(python: str, work: Path, name: str, parents: list[str], *extra: str):
+    """A relay run by another interpreter (another checkout's venv: the "before" of a side-by-side)."""
+    real = sys.executable
+    sys.executable = python  # relay_procs builds its command from it
+    try:
+        return relay(work, name, parents, *extra)
+    finally:
+        sys.executable = real
+
+
+async def _run(size: int, runs: int, key: bool, pyspy: str | None, relay_args: tuple[str, ...] = (),
+               before: str | None = None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="deltasync-coldcpu-"))
     try:
         extra: list[str] = list(relay_args)
@@ -44,16 +58,31 @@ async def _run(size: int, runs: int, key: bool, pyspy: str | None, relay_args: t
         start(o)
         r = relay(work, "relay", [o.url], *extra)
         start(r)
+        if before is not None:
+            rb = _relay_with(before, work, "relay-before", [o.url], *extra)
+            start(rb)
         spy = None
         if pyspy:
-            spy = subprocess.Popen(["perf", "record", "-F", "499", "-g", "-p", str(r.pid), "-o", pyspy],
+            spy = subprocess.Popen(["perf", "record", "-F", "2999", "-g", "-p", str(r.pid), "-o", pyspy],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             await asyncio.sleep(1.0)
         best = floor = None
+        best_before = None
         src = None
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
                 for i in range(runs):
+                    if before is not None:  # the same round through the "before" relay, on its own blob
+                        bid, data = _data(size, 900 + i)
+                        await _put_blob(s, o.url, bid, data)
+                        del data
+                        await asyncio.to_thread(os.sync)
+                        c0 = cpu_seconds(rb.pid, split=True)
+                        await _get_ok(rb.url, bid, size)
+                        c1 = cpu_seconds(rb.pid, split=True)
+                        run = ((c1[0] - c0[0]) / (size / 1e9), (c1[1] - c0[1]) / (size / 1e9))
+                        if best_before is None or sum(run) < sum(best_before):
+                            best_before = run
                     bid, data = _data(size, 700 + i)
                     await _put_blob(s, o.url, bid, data)
                     if key:  # a signed manifest names it (with its digest): the relay checks the digest
@@ -85,9 +114,9 @@ async def _run(size: int, runs: int, key: bool, pyspy: str | None, relay_args: t
             if spy is not None:
                 spy.send_signal(2)
                 spy.wait(30)
-            stop(r, o)
+            stop(r, o, *([rb] if before is not None else []))
         return {"relay": best, "floor": floor, "size": size, "runs": runs, "key": key,
-                "load": os.getloadavg()[0]}
+                "load": os.getloadavg()[0], "before": best_before}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -99,12 +128,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--key", action="store_true")
     p.add_argument("--perf", dest="pyspy", metavar="FILE")
     p.add_argument("--no-fsync", action="store_true", help="the relay without fsync (to see what it costs)")
+    p.add_argument("--before", metavar="PYTHON", help="also a relay run by this interpreter (another checkout's "
+                   "venv, e.g. main's), its rounds interleaved with this one's (no key rounds only)")
     a = p.parse_args(argv)
+    go = _run(a.size_mib << 20, a.runs, a.key, a.pyspy, ("--no-fsync",) if a.no_fsync else (),
+              None if a.key else a.before)
     try:
         import uvloop
-        res = uvloop.run(_run(a.size_mib << 20, a.runs, a.key, a.pyspy, ("--no-fsync",) if a.no_fsync else ()))
+        res = uvloop.run(go)
     except ImportError:
-        res = asyncio.run(_run(a.size_mib << 20, a.runs, a.key, a.pyspy, ("--no-fsync",) if a.no_fsync else ()))
+        res = asyncio.run(go)
     ru, rk = res["relay"]
     fu, fk = res["floor"]
     what = "prefetch with BLAKE3 digest check (key)" if a.key else "cold GET through the relay (no key)"
@@ -112,6 +145,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{what}: relay {ru + rk:.3f} CPU-s/GB (user {ru:.3f}, sys {rk:.3f}); floor {fu + fk:.3f} "
           f"(user {fu:.3f}, sys {fk:.3f}); ratio {(ru + rk) / (fu + fk):.2f}x; {res['size'] >> 20} MiB, best of "
           f"{res['runs']}, load {res['load']:.1f}")
+    if res["before"] is not None:
+        bu, bk = res["before"]
+        print(f"before ({a.before}): relay {bu + bk:.3f} CPU-s/GB (user {bu:.3f}, sys {bk:.3f}); ratio to the floor "
+              f"{(bu + bk) / (fu + fk):.2f}x; after / before {(ru + rk) / (bu + bk):.2f}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""``deltasync``: the command line. Wires the core, the servers and the client together."""
+"""``deltasync``: the command line. Wires the core, the servers and the client together.
+
+Start-up is lazy: ``main(argv)`` imports only the module that registers the command it runs
+(``deltasync publish ...`` never imports the servers, the offline tools or the budget code), and
+that module imports what the command needs when it runs. ``build_parser()`` without a command (and
+``deltasync --help``, or an unknown command) registers every group, so the help lists them all.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +13,42 @@ import importlib
 import sys
 
 from deltasync import __version__
-from . import keys, offline
 from .run import run_command
 
-# Subcommand groups owned by the server and client packages; each module has register(subparsers).
-_PLUGINS = ("deltasync.server.cli", "deltasync.client.cli")
+# Subcommand groups: module -> the commands its register(subparsers) adds (tests/test_cli_lazy* pins the table).
+# The server and client groups are optional packages; a group whose module is absent is left out.
+_GROUPS: dict[str, tuple[str, ...]] = {
+    "deltasync.cli.offline": ("diff", "replay", "squash", "inspect", "verify"),
+    "deltasync.cli.keys": ("keygen",),
+    "deltasync.server.cli": ("origin", "relay"),
+    "deltasync.client.cli": ("publish", "subscribe", "sidecar"),
+}
+_OPTIONAL = frozenset({"deltasync.server.cli", "deltasync.client.cli"})
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _group_of(command: str | None) -> str | None:
+    return next((m for m, cmds in _GROUPS.items() if command in cmds), None)
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word not an option (the top level has only options without values)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``command``, only that command's group is registered (imported)."""
     parser = argparse.ArgumentParser(prog="deltasync", description="Sparse, verified, per-step weight deltas for RL inference fleets.")
     parser.add_argument("--version", action="version", version=f"deltasync {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    offline.register(sub)
-    keys.register(sub)
-    for name in _PLUGINS:
+    only = _group_of(command)
+    for name in _GROUPS:
+        if only is not None and name != only:
+            continue
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as e:
-            if e.name != name:
+            if e.name != name or name not in _OPTIONAL:
                 raise
             continue
         register = getattr(mod, "register", None)
@@ -35,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(build_parser(), argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return run_command(build_parser(_command_of(argv)), argv)
 
 
 if __name__ == "__main__":

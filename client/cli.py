@@ -9,6 +9,10 @@ blob that does not verify; ``--key-file`` (a shared HMAC secret, hex) is the clo
 alternative. ``--ca-file`` trusts a CA for https URLs; ``--read-token-file`` sends a read
 token (origins and relays that require one). Exit codes:
 0 success, 1 an error (printed on stderr), 2 bad usage, 130 interrupted.
+
+Start-up: this module imports only argparse and the error tree; each command imports what it runs.
+``publish`` from files (``--base``, or the first keyframe; no ``--budget``) reads the states as numpy
+words over their memory maps (``MappedTensorFile.host``) and never imports torch.
 """
 
 from __future__ import annotations
@@ -22,25 +26,18 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from deltasync.atomic import remove_temp_files
-from deltasync.cli.keys import signer_from_options, verifier_from_options
-from deltasync.tls import client_ssl_context
 from deltasync.cli.run import run_command
-from deltasync.codec import EncodeOptions, state_layout
 from deltasync.errors import BaseMismatchError, DeltaSyncError, NotFoundError
-from deltasync.manifest import parse_manifest
-from deltasync.signing import Verifier
-from deltasync.tensorfile import MappedTensorFile, read_state_file
 
-from .http import HttpClient, Timeouts
-from .publisher import Publisher
-from .filetarget import FileTarget, KeyframeWriter, recover
-from .served import load_served, save_served
-from .sidecar import Sidecar, SidecarEvent
-from .subscriber import Subscriber, SyncEvent
+if TYPE_CHECKING:  # each command imports what it runs: the parser (and `publish` from files) never loads torch
+    import torch
+
+    from deltasync.signing import Verifier
+
+    from .filetarget import FileTarget
+    from .http import HttpClient
 
 log = logging.getLogger("deltasync.client.cli")
 
@@ -62,11 +59,15 @@ def _read_token(path: str) -> str:
 
 
 def _signer(args):
+    from deltasync.cli.keys import signer_from_options
+
     return signer_from_options(getattr(args, "signing_key", None), args.key_file)
 
 
 def _verifier(args, signer=None) -> Verifier | None:
     """The command's Verifier: --verify-key, else the signer's own public half, else --key-file."""
+    from deltasync.cli.keys import verifier_from_options
+
     if getattr(args, "verify_key", None):
         return verifier_from_options(args.verify_key, None if getattr(args, "signing_key", None) else args.key_file)
     if signer is not None and hasattr(signer, "verifier"):
@@ -75,6 +76,8 @@ def _verifier(args, signer=None) -> Verifier | None:
 
 
 def _ssl(args):
+    from deltasync.tls import client_ssl_context
+
     return client_ssl_context(getattr(args, "ca_file", None))
 
 
@@ -98,6 +101,11 @@ async def _head_state(url: str, model: str, verifier: Verifier | None, like: dic
                       *, ssl=None, token: str | None = None):
     """The head version's state, rebuilt from the servers into tensors shaped like ``like``;
     None when the origin has no version or the layout differs."""
+    import torch
+
+    from .http import HttpClient
+    from .subscriber import Subscriber
+
     client = HttpClient([url], ssl=ssl, read_token=token)
     try:
         head = await client.get_head(model)
@@ -133,6 +141,8 @@ def _served_base(args, budgeter):
     """The served view kept in --state-dir, if it is the origin's head: (version, tensors, fps)."""
     if budgeter is None or not args.state_dir:
         return None
+    from .http import HttpClient
+    from .served import load_served
 
     async def head():
         async with HttpClient([args.origin], ssl=_ssl(args), read_token=_read_token(args.token_file)) as h:
@@ -150,7 +160,12 @@ async def _publish_files(args, token: str, signer, verifier: Verifier | None, st
     """Publish from files, O(changed): a keyframe streamed shard by shard when the origin has no version
     (or ``--base`` is not its head and ``--keyframe-on-mismatch`` says so), else a delta against ``--base``.
     None: no ``--base`` and the origin has a head (the caller rebuilds the head state from the servers)."""
+    from deltasync.codec import EncodeOptions, state_layout
+    from deltasync.manifest import parse_manifest
+    from deltasync.tensorfile import MappedTensorFile
+
     from .filepublish import check_base_file, publish_delta, publish_keyframe
+    from .http import HttpClient
     from .streams import keyframe_stream
 
     async with HttpClient([args.origin], token=token, ssl=_ssl(args), read_token=token) as client:
@@ -166,31 +181,31 @@ async def _publish_files(args, token: str, signer, verifier: Verifier | None, st
         if head is not None and step <= head.version:
             print(f"deltasync publish: error: step {step} is not after the origin's head v{head.version}", file=sys.stderr)
             return 1
-        base_fps = None
+        delta = False
         side_error = None
         if head is not None:
             m = parse_manifest(head.body, verifier=verifier)
+            where = f"--base {args.base}"
             with MappedTensorFile(args.base) as bf:
-                base = bf.tensors
+                base = bf.host  # numpy words over the map: no torch
                 try:
-                    base_fps = check_base_file(base, m, where=f"--base {args.base}")
+                    if state_layout(base) != state_layout(state):  # no delta; a wrong base is still an error
+                        check_base_file(base, m, where=where)
+                        _say(args, f"{args.state} holds other tensors than v{head.version} (names, dtypes or "
+                                   "shapes); publishing a keyframe")
+                    else:  # the base is checked against the head in the compare pass, before anything is sent
+                        res = await publish_delta(client, model=args.model, version=step, parent=head.version,
+                                                  base=base, state=state, head=m, where=where, signer=signer,
+                                                  options=EncodeOptions(coding=args.coding))
+                        delta = True
                 except BaseMismatchError as e:
                     if not args.keyframe_on_mismatch:
                         raise BaseMismatchError(f"{e}; pass the file v{head.version} was published from (e.g. the "
                                                 "last `subscribe --out` file), or --keyframe-on-mismatch to publish "
                                                 "a keyframe instead") from None
                     _say(args, f"{e}; publishing a keyframe (--keyframe-on-mismatch)")
-                    base_fps = None
-                if base_fps is not None and state_layout(base) != state_layout(state):
-                    _say(args, f"{args.state} holds other tensors than v{head.version} (names, dtypes or shapes); "
-                               "publishing a keyframe")
-                    base_fps = None
-                if base_fps is not None:
-                    res = await publish_delta(client, model=args.model, version=step, parent=head.version, base=base,
-                                              state=state, base_fps=base_fps, signer=signer,
-                                              options=EncodeOptions(coding=args.coding))
                 del base
-        if base_fps is None:
+        if not delta:
             res = await publish_keyframe(client, model=args.model, version=step, state=state, signer=signer)
             side = 0
         else:
@@ -238,14 +253,22 @@ def cmd_publish(args) -> int:
     if args.keyframe_on_mismatch and not args.base:
         print("deltasync publish: error: --keyframe-on-mismatch needs --base", file=sys.stderr)
         return 2
-    state = read_state_file(args.state)
+    from deltasync.tensorfile import MappedTensorFile
+
+    state_file = MappedTensorFile(args.state)
     if policy is None:
-        done = asyncio.run(asyncio.wait_for(_publish_files(args, token, signer, verifier, state), args.timeout))
+        done = asyncio.run(asyncio.wait_for(_publish_files(args, token, signer, verifier, state_file.host), args.timeout))
         if done is not None:
             return done
         log.info("no --base: rebuilding %s's head state from %s to diff against (pass --base to skip that)",
                  args.model, args.origin)
+    state = state_file.tensors  # torch from here on (the head rebuilt from the servers, or a budget)
     from deltasync.budget import Budgeter
+    from deltasync.codec import EncodeOptions
+
+    from .publisher import Publisher
+    from .served import save_served
+
     budgeter = Budgeter(policy) if policy is not None else None
     base = _served_base(args, budgeter)
     head_v = base[0] if base is not None else None
@@ -292,6 +315,13 @@ def cmd_publish(args) -> int:
 # -- subscribe -------------------------------------------------------------------------------------
 
 async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int], None] | None) -> int:
+    from deltasync.atomic import remove_temp_files
+    from deltasync.manifest import parse_manifest
+
+    from .filetarget import FileTarget, recover
+    from .http import HttpClient, Timeouts
+    from .subscriber import Subscriber, SyncEvent
+
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_temp_files(out)  # a killed earlier run's; only one subscriber writes a file
@@ -316,12 +346,14 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
         # a head that does not parse or verify is that source's fault: the next --from is tried
         client = HttpClient(args.sources, timeouts=timeouts, ssl=_ssl(args), read_token=_read_token_of(args),
                             check_manifest=lambda body: parse_manifest(body, verifier=verifier))
+        warm = asyncio.get_running_loop().run_in_executor(None, KeyframeWriter.warm)  # while nothing arrives yet
         try:
             deadline = time.monotonic() + args.timeout
             head = await client.get_head(args.model)
             while head is None and not args.once and time.monotonic() < deadline:
-                await asyncio.sleep(1.0)  # the model has no version yet: wait for the first
+                await asyncio.sleep(0.25)  # the model has no version yet: wait for the first
                 head = await client.get_head(args.model)
+            await warm
             if head is None:
                 raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
             m = parse_manifest(head.body, verifier=verifier)
@@ -387,6 +419,9 @@ async def _stream_keyframe(args, client: HttpClient, target: FileTarget, head, v
     """The first version streamed into the file shard by shard, when the head is a keyframe or has a side
     keyframe (``M.kf``, same state fingerprint): one shard in memory at a time. Otherwise (or on any
     error: logged) the subscriber catches up the usual way, a keyframe then deltas."""
+    from deltasync.manifest import parse_manifest
+
+    from .filetarget import KeyframeWriter
     from .streams import keyframe_stream
 
     kf = head if head.kind == "keyframe" else None
@@ -405,10 +440,10 @@ async def _stream_keyframe(args, client: HttpClient, target: FileTarget, head, v
         log.warning("cannot stream keyframe v%s into %s (%s); catching up the usual way", head.version, args.out, e)
         return
     try:
-        for ref in kf.blobs:
-            data = await client.get_blob(ref.id, ref.size, digest=ref.digest)
-            await loop.run_in_executor(None, w.add_shard, data)
-            del data
+        for ref in kf.blobs:  # each shard received straight into the new file (no copy of it in memory)
+            sink = w.shard_sink(ref.size)
+            await client.receive_blob(ref.id, ref.size, sink, digest=ref.digest)
+            w.add_received(sink)
         await loop.run_in_executor(None, w.commit)
     except BaseException as e:
         w.abort()
@@ -437,6 +472,8 @@ def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> i
 # -- sidecar ----------------------------------------------------------------------------------------
 
 def cmd_sidecar(args) -> int:
+    from .sidecar import Sidecar, SidecarEvent
+
     _setup_logging(args)
     token = _read_token(args.token_file)
     signer = _signer(args)

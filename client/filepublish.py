@@ -13,6 +13,13 @@ is page cache, not anonymous memory, and nothing is copied whole.
   before the next but one is built.
 
 The manifest goes last, signed by the caller's signer, as ``Publisher`` does.
+
+States here are :class:`~deltasync.dtypes.HostTensor` words over the mapped files
+(``MappedTensorFile.host``) or CPU torch tensors; with HostTensors nothing imports torch, so
+``deltasync publish`` from files starts in a fraction of a second. A keyframe of HostTensors is
+sent without building its shards (:func:`shard_pieces`): each shard is its header plus
+memoryviews of the mapped tensors, and its blob id, digest and tensor fingerprints are computed
+in one pass over those bytes, slice by slice while they are in cache.
 """
 
 from __future__ import annotations
@@ -22,25 +29,32 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+import xxhash
 
 from deltasync.blob import blob_id
 from deltasync.codec import EncodeOptions, diff_states, encode_diff, state_layout
-from deltasync.digest import blob_digest
-from deltasync.dtypes import dtype_info
+from deltasync.digest import DigestHasher, blob_digest
+from deltasync.dtypes import HostTensor, dtype_info
 from deltasync.errors import BaseMismatchError
-from deltasync.fingerprint import fp_hex, state_fingerprint, state_fingerprint_of, tensor_fingerprint
+from deltasync.fingerprint import (fingerprint_from_lane_sums, fp_hex, host_lanes, host_lanes_sum, state_fingerprint,
+                                   state_fingerprint_of, tensor_fingerprint)
 from deltasync.manifest import BlobRef, ChunkRef, Manifest, TensorRecord
 from deltasync.signing import Signer
-from deltasync.tensorfile import shard_bytes
+from deltasync.tensorfile import build_header
 
 from .http import HttpClient
-from .upload import commit_manifest, upload_blobs
+from .upload import PiecesPayload, commit_manifest, upload_blobs
 
-__all__ = ["FILE_SHARD_BYTES", "Published", "check_base_file", "publish_delta", "publish_keyframe"]
+if TYPE_CHECKING:
+    import torch
 
-FILE_SHARD_BYTES = 64 << 20  # keyframe shards from files: peak memory is about two of them
+__all__ = ["FILE_SHARD_BYTES", "HASH_SLICE_BYTES", "Published", "ShardPieces", "check_base_file", "publish_delta",
+           "publish_keyframe", "shard_pieces"]
+
+FILE_SHARD_BYTES = 64 << 20  # keyframe shards from files: peak memory is about two of them (none for HostTensors)
+HASH_SLICE_BYTES = 1 << 20  # one-pass shard hashing: id, digest and fingerprint of each slice while it is in cache
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,36 +70,51 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="deltasync-publish")
 
 
-def _raw(state: Mapping[str, torch.Tensor]) -> int:
+def _raw(state: Mapping[str, torch.Tensor | HostTensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def check_base_file(base: Mapping[str, torch.Tensor], head: Manifest, *, where: str) -> dict[str, int]:
+def check_base_file(base: Mapping[str, torch.Tensor | HostTensor], head: Manifest, *, where: str) -> dict[str, int]:
     """The base's fingerprints when it is exactly ``head``'s state; BaseMismatchError naming both
     state fingerprints otherwise (one full read of the base, on the page cache)."""
     with _pool() as pool:
         fps = {n: tensor_fingerprint(t, executor=pool) for n, t in base.items()}
+    _check_base(base, fps, head, where=where)
+    return fps
+
+
+def _check_base(base: Mapping[str, torch.Tensor | HostTensor], fps: Mapping[str, int], head: Manifest, *,
+                where: str) -> None:
     have = state_fingerprint_of(base, fps)
     if have != head.state_fp:
         raise BaseMismatchError(
             f"{where} has state fingerprint {have}, the origin's head {head.model} v{head.version} has "
             f"{head.state_fp}: it is not the state the head was published from")
-    return fps
 
 
 async def publish_delta(client: HttpClient, *, model: str, version: int, parent: int,
-                        base: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], base_fps: Mapping[str, int],
-                        signer: Signer | None, options: EncodeOptions | None = None,
+                        base: Mapping[str, torch.Tensor | HostTensor], state: Mapping[str, torch.Tensor | HostTensor],
+                        base_fps: Mapping[str, int] | None = None, head: Manifest | None = None,
+                        where: str = "the base", signer: Signer | None, options: EncodeOptions | None = None,
                         meta: Mapping[str, str] | None = None, concurrency: int = 4) -> Published:
-    """Diff ``state`` against ``base`` (v``parent``, fingerprints ``base_fps``) and publish it as v``version``."""
+    """Diff ``state`` against ``base`` (v``parent``) and publish it as v``version``.
+
+    ``base_fps``: the base's fingerprints, already checked (:func:`check_base_file`). Without them,
+    ``head`` (the origin's head manifest) is required: the base's fingerprints come out of the compare
+    pass (``diff_states(base_fps=None)``) and the base's state fingerprint is checked against the head's
+    before anything is encoded or uploaded (BaseMismatchError naming ``where``, nothing sent)."""
     if state_layout(base) != state_layout(state):
         raise BaseMismatchError("the state's tensors differ from the base's (names, dtypes or shapes): publish a keyframe")
+    if base_fps is None and head is None:
+        raise ValueError("publish_delta needs the base's checked fingerprints (base_fps) or the head to check it against")
     options = options or EncodeOptions()
     loop = asyncio.get_running_loop()
     with _pool() as pool:  # chunks compared on two threads (the compiled kernels release the GIL)
         diff = await loop.run_in_executor(None, lambda: diff_states(base, state, base_fps=base_fps,
                                                                     chunk_words=options.chunk_words, update_old=False,
                                                                     executor=pool))
+    if base_fps is None:
+        _check_base(base, diff.fps_before, head, where=where)
     enc = await loop.run_in_executor(None, lambda: encode_diff(diff, model=model, version=version, parent=parent,
                                                                options=options, meta=dict(meta or {}), base=base))
     del diff
@@ -96,7 +125,7 @@ async def publish_delta(client: HttpClient, *, model: str, version: int, parent:
                      changed=enc.manifest.changed_words)
 
 
-def _groups(state: Mapping[str, torch.Tensor], shard_bytes_: int) -> list[list[str]]:
+def _groups(state: Mapping[str, torch.Tensor | HostTensor], shard_bytes_: int) -> list[list[str]]:
     shards: list[list[str]] = []
     size = 0
     for name in sorted(state):
@@ -109,18 +138,99 @@ def _groups(state: Mapping[str, torch.Tensor], shard_bytes_: int) -> list[list[s
     return shards
 
 
-async def publish_keyframe(client: HttpClient, *, model: str, version: int, state: Mapping[str, torch.Tensor],
-                           signer: Signer | None, fps: Mapping[str, int] | None = None,
-                           shard_bytes_: int = FILE_SHARD_BYTES, meta: Mapping[str, str] | None = None,
-                           commit: bool = True) -> Published:
-    """Publish ``state`` as keyframe v``version`` of ``model``, one shard in memory at a time (plus the
-    one uploading). ``commit=False``: upload the blobs only (the caller commits ``manifest``, unsigned)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardPieces:
+    """A keyframe shard of HostTensors, not built: ``pieces`` (header, then each tensor's bytes as a
+    memoryview of its words) concatenate to exactly what :func:`~deltasync.tensorfile.shard_bytes` makes."""
+
+    id: str  # blob id (xxh3-128 of the concatenation)
+    size: int
+    digest: str | None  # ALG:HEX when asked for
+    pieces: tuple[memoryview, ...]
+    fps: dict[str, int]  # each tensor's fingerprint
+
+
+def shard_pieces(tensors: Mapping[str, HostTensor], *, digest: bool, slice_bytes: int = HASH_SLICE_BYTES) -> ShardPieces:
+    """The shard of ``tensors`` as pieces, with its blob id, digest (``digest=True``) and tensor fingerprints
+    from one pass over its bytes, ``slice_bytes`` at a time (each slice hashed, digested and summed while
+    it is in cache). Copies nothing."""
+    layout = {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+    header, offsets = build_header(layout)
+    order = sorted(tensors, key=lambda n: offsets[n])
+    xh = xxhash.xxh3_128()
+    dh = DigestHasher() if digest else None
+    xh.update(header)
+    if dh is not None:
+        dh.update(header)
+    pieces = [memoryview(header)]
+    fps: dict[str, int] = {}
+    for name in order:
+        t = tensors[name]
+        lanes = host_lanes(t)
+        raw = memoryview(t.words).cast("B") if t.words.size else memoryview(b"")
+        per = max(1, slice_bytes // lanes.itemsize)
+        sums = []
+        for at in range(0, lanes.size, per):
+            piece = raw[at * lanes.itemsize : (at + per) * lanes.itemsize]
+            xh.update(piece)
+            if dh is not None:
+                dh.update(piece)
+            sums.append(host_lanes_sum(lanes[at : at + per], at))
+        fps[name] = fingerprint_from_lane_sums(sums, lanes.size)
+        pieces.append(raw)
+    size = sum(len(p) for p in pieces)
+    return ShardPieces(id=xh.hexdigest(), size=size, digest=dh.digest() if dh is not None else None,
+                       pieces=tuple(pieces), fps=fps)
+
+
+async def _publish_pieces(client: HttpClient, state: Mapping[str, HostTensor], groups: list[list[str]], *,
+                          digest: bool, fps: dict[str, int], where: dict[str, str], refs: list[BlobRef],
+                          concurrency: int = 2) -> None:
+    """Hash the shards on a pool (slices in cache, GIL released by the hashers and kernels) while the
+    ones already hashed upload; nothing is copied, so memory is the mapped file's pages."""
+    loop = asyncio.get_running_loop()
+    sem = asyncio.Semaphore(max(1, concurrency))
+    with _pool() as pool:
+        hashed = [loop.run_in_executor(pool, lambda g=g: shard_pieces({n: state[n] for n in g}, digest=digest))
+                  for g in groups]
+
+        async def send(k: int) -> ShardPieces:
+            sp = await hashed[k]
+            async with sem:
+                await client.put_blob(sp.id, PiecesPayload(sp.pieces))
+            return sp
+
+        try:
+            done = await asyncio.gather(*(send(k) for k in range(len(groups))))
+        finally:
+            for f in hashed:
+                f.cancel()
+    for group, sp in zip(groups, done):
+        refs.append(BlobRef(id=sp.id, size=sp.size, digest=sp.digest))
+        for n in group:
+            fps.setdefault(n, sp.fps[n])
+            where[n] = sp.id
+
+
+async def publish_keyframe(client: HttpClient, *, model: str, version: int,
+                           state: Mapping[str, torch.Tensor | HostTensor], signer: Signer | None,
+                           fps: Mapping[str, int] | None = None, shard_bytes_: int = FILE_SHARD_BYTES,
+                           meta: Mapping[str, str] | None = None, commit: bool = True) -> Published:
+    """Publish ``state`` as keyframe v``version`` of ``model``: HostTensors (a mapped file) as pieces of the
+    file, never copied (:func:`shard_pieces`); torch tensors one shard in memory at a time (plus the one
+    uploading). ``commit=False``: upload the blobs only (the caller commits ``manifest``, unsigned)."""
     loop = asyncio.get_running_loop()
     fps = dict(fps) if fps is not None else {}
     where: dict[str, str] = {}
     refs: list[BlobRef] = []
 
     groups = _groups(state, shard_bytes_)
+    if all(isinstance(t, HostTensor) for t in state.values()):
+        await _publish_pieces(client, state, groups, digest=signer is not None and commit, fps=fps, where=where,
+                              refs=refs)
+        return await _keyframe_manifest(client, model=model, version=version, state=state, signer=signer, fps=fps,
+                                        where=where, refs=refs, meta=meta, commit=commit)
+    from deltasync.tensorfile import shard_bytes
     # two shard buffers, reused in turn: one is built while the other uploads (no fresh allocation, and no
     # first-touch page faults, per shard); each tensor is fingerprinted in the pass that copies it
     size = max((sum(state[n].numel() * state[n].element_size() for n in g) for g in groups), default=0)
@@ -149,6 +259,13 @@ async def publish_keyframe(client: HttpClient, *, model: str, version: int, stat
     finally:
         if uploading is not None and not uploading.done():
             uploading.cancel()
+    return await _keyframe_manifest(client, model=model, version=version, state=state, signer=signer, fps=fps,
+                                    where=where, refs=refs, meta=meta, commit=commit)
+
+
+async def _keyframe_manifest(client: HttpClient, *, model: str, version: int, state, signer: Signer | None,
+                             fps: Mapping[str, int], where: Mapping[str, str], refs: list[BlobRef],
+                             meta: Mapping[str, str] | None, commit: bool) -> Published:
     names = sorted(state)
     tensors = tuple(
         TensorRecord(name=n, dtype=dtype_info(state[n].dtype).name, shape=tuple(state[n].shape), fp_before=None,

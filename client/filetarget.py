@@ -52,15 +52,23 @@ from deltasync.apply import PreparedDelta, check_base, stage_prepared
 from deltasync.atomic import fsync_dir
 from deltasync.dtypes import dtype_info, word_view
 from deltasync.errors import BaseMismatchError, FormatError, IntegrityError, StorageError
-from deltasync.fingerprint import copy_fingerprint, fp_hex, state_fingerprint, tensor_fingerprint
+from deltasync.fingerprint import (
+    copy_fingerprint,
+    fingerprint_from_lane_sums,
+    fp_hex,
+    lanes_sum,
+    state_fingerprint,
+    tensor_fingerprint,
+)
 from deltasync.keyframe import copy_state
-from deltasync.tensorfile import MappedTensorFile, build_header, parse_header
+from deltasync.tensorfile import MAX_HEADER_BYTES, MappedTensorFile, build_header, parse_header
 
 from .appliers import TensorApplier
 
 log = logging.getLogger("deltasync.client.filetarget")
 
-__all__ = ["META_MODEL", "META_STATE_FP", "META_VERSION", "FileTarget", "KeyframeWriter", "journal_path", "recover"]
+__all__ = ["META_MODEL", "META_STATE_FP", "META_VERSION", "FileTarget", "KeyframeWriter", "ShardSink", "journal_path",
+           "recover"]
 
 META_VERSION = "deltasync.version"
 META_STATE_FP = "deltasync.state_fp"
@@ -261,9 +269,11 @@ class _NewFile:
 
 class KeyframeWriter:
     """A keyframe streamed into a new file beside the target's, one shard at a time (the first version
-    of ``subscribe --out``): ``add_shard(bytes)`` per blob, in any order, each tensor's fingerprint
-    checked against the manifest as it lands; ``commit()`` checks the state fingerprint, fsyncs and
-    renames the file into place; ``abort()`` removes it. Memory: one shard (plus its parsed copy)."""
+    of ``subscribe --out``), in any order, each tensor's fingerprint checked against the manifest as it
+    lands: ``shard_sink(size)`` per blob for ``HttpClient.receive_blob`` (its bytes received straight into
+    the file; memory: the shard's header), then ``add_received(sink)``; or ``add_shard(bytes)`` for a shard
+    already in memory. ``commit()`` checks the state fingerprint, fsyncs and renames the file into place;
+    ``abort()`` removes it."""
 
     def __init__(self, target: FileTarget, manifest, *, version: int | None = None) -> None:
         if manifest.kind != "keyframe":
@@ -298,6 +308,30 @@ class KeyframeWriter:
                                      f"{self.manifest.version} says {rec.fp_after}")
             self.fps[e.name] = fp
 
+    @staticmethod
+    def warm() -> None:
+        """Load the compiled kernels a keyframe's receive runs (the fingerprint's lane sums, both lane widths):
+        numba loads each from its cache on first use, ~0.7 s here. Run it while waiting for the first version
+        (``subscribe --out`` does, on a thread), so that cost is not paid when the bytes arrive."""
+        lanes_sum(torch.zeros(8, dtype=torch.int16), 0)
+        lanes_sum(torch.zeros(8, dtype=torch.int8), 0)
+
+    def shard_sink(self, size: int) -> ShardSink:
+        """Where a shard blob of ``size`` bytes is received (``HttpClient.receive_blob``): its header into a small
+        buffer, its tensors' bytes straight into their places in the new file's map, fingerprinted as they
+        land; then :meth:`add_received` checks them. Memory: the shard's header."""
+        return ShardSink(self, size)
+
+    def add_received(self, sink: ShardSink) -> None:
+        """A shard received whole into ``sink`` (its blob's hash checked): every tensor's fingerprint
+        against the manifest."""
+        for name, fp in sink.fingerprints().items():
+            rec = self._records[name]
+            if fp_hex(fp) != rec.fp_after:
+                raise IntegrityError(f"{name}: fingerprint {fp_hex(fp)} in {self._tmp}, keyframe v"
+                                     f"{self.manifest.version} says {rec.fp_after}")
+            self.fps[name] = fp
+
     def commit(self) -> None:
         missing = sorted(set(self._records) - set(self.fps))
         if missing:
@@ -312,6 +346,99 @@ class KeyframeWriter:
     def abort(self) -> None:
         self._file.close()
         self._tmp.unlink(missing_ok=True)
+
+
+class _Slot:
+    """One tensor of a shard being received: its bytes ``[start, stop)`` of the shard, its room in the map."""
+
+    __slots__ = ("name", "start", "stop", "room", "lanes", "lane_bytes", "done", "sum")
+
+    def __init__(self, name: str, start: int, stop: int, dst: torch.Tensor) -> None:
+        self.name, self.start, self.stop = name, start, stop
+        flat = dst.detach().reshape(-1)
+        self.lane_bytes = 1 if dtype_info(dst.dtype).word_size == 1 else 2
+        if not flat.numel():
+            self.lanes = torch.empty(0, dtype=torch.int16)
+        else:  # the fingerprint's lanes (``deltasync.fingerprint``): int8 for 1-byte dtypes, else int16
+            self.lanes = flat.view(torch.int8) if self.lane_bytes == 1 else flat.view(torch.int16)
+        self.room = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(bytearray())
+        self.done = 0  # lanes fingerprinted
+        self.sum = 0
+
+
+class ShardSink:
+    """A keyframe shard received straight into the new file (see :meth:`KeyframeWriter.shard_sink`); a
+    ``client.blobrecv.BlobSink``. The shard's safetensors header is parsed and checked against the manifest
+    as soon as it is in; each tensor's bytes then go to the tensor's place in the map, and the lanes
+    received are summed into its fingerprint while they are in cache."""
+
+    def __init__(self, writer: KeyframeWriter, size: int) -> None:
+        self._w = writer
+        self.size = size
+        self.restart()
+
+    def restart(self) -> None:
+        self._head = bytearray(8)
+        self._need: int | None = None  # 8 + the header's length, once known
+        self._slots: list[_Slot] | None = None
+        self._at = 0
+
+    def buffer(self, offset: int) -> memoryview:
+        if self._slots is None:
+            return memoryview(self._head)[offset:]
+        s = self._slots[self._at]
+        while s.stop <= offset:
+            self._at += 1
+            s = self._slots[self._at]
+        return s.room[offset - s.start:]
+
+    def received(self, offset: int, n: int) -> None:
+        if self._slots is None:
+            end = offset + n
+            if self._need is None and end >= 8:
+                (hlen,) = _U64.unpack_from(self._head, 0)
+                if 8 + hlen > self.size or hlen > MAX_HEADER_BYTES:
+                    raise FormatError(f"keyframe v{self._w.manifest.version} shard: a header of {hlen} bytes in a "
+                                      f"{self.size}-byte shard")
+                self._need = 8 + hlen
+                head = bytearray(self._need)
+                head[:8] = self._head[:8]
+                self._head = head
+            if self._need is not None and end >= self._need:
+                self._plan()
+            return
+        s = self._slots[self._at]
+        upto = (offset + n - s.start) // s.lane_bytes
+        if upto > s.done:
+            s.sum += lanes_sum(s.lanes[s.done:upto], s.done)
+            s.done = upto
+
+    def _plan(self) -> None:
+        w = self._w
+        header = parse_header(self._head, size=self.size, where=f"keyframe v{w.manifest.version} shard: ")
+        slots = []
+        for e in header.entries:
+            rec = w._records.get(e.name)
+            if rec is None or e.dtype != rec.dtype or tuple(e.shape) != tuple(rec.shape):
+                raise FormatError(f"keyframe v{w.manifest.version}: shard tensor {e.name} {e.dtype} "
+                                  f"{tuple(e.shape)} is not in the manifest as such")
+            slots.append(_Slot(e.name, e.start, e.stop, w._file.tensors[e.name]))
+        slots.sort(key=lambda s: s.start)  # parse_header checked: no holes, no overlaps, up to the end
+        slots.append(_Slot("", self.size, self.size + 1, torch.empty(0, dtype=torch.int16)))  # never reached
+        self._slots = slots
+        self._at = 0
+
+    def fingerprints(self) -> dict[str, int]:
+        """Every tensor's fingerprint, once the whole shard is in."""
+        if self._slots is None:
+            raise IntegrityError(f"keyframe v{self._w.manifest.version}: a shard whose header never arrived")
+        out = {}
+        for s in self._slots[:-1]:
+            n = s.lanes.numel()
+            if s.done != n:
+                raise IntegrityError(f"{s.name}: {s.done} of {n} lanes received")
+            out[s.name] = fingerprint_from_lane_sums([s.sum], n)
+        return out
 
 
 class FileTarget(TensorApplier):

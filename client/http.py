@@ -14,6 +14,12 @@ not parse (FormatError) or does not verify (SignatureError, or a manifest for
 another model/version) is that URL's fault like a bad blob, and the next URL is
 tried. The check is the ``parse`` a caller passes, else ``check_manifest`` (the
 subscriber's driver sets it to parse-and-verify with its key).
+``receive_blob`` lands a blob in a caller's sink instead of memory (a keyframe shard into ``subscribe
+--out``'s file: ``client/blobrecv.py`` receives plain-HTTP bodies straight into it), checking its length,
+id and digest over the same bytes as they arrive; it is not hedged (one sink, one transfer at a time).
+Body reads are bounded per piece by ``Timeouts.read`` of our own: aiohttp 3.14.5 drops its read timer
+without waking the reader when its parser fails on a mangled chunk-size line (and a later read raises
+a bare RuntimeError, translated here into the source's UpstreamError).
 Writes (``put_*``) go to the first URL only, with the bearer token, and are retried
 a few times on transport errors and 5xx (blob and manifest PUTs are idempotent).
 Both loops are the core's (``deltasync.retry``); a server's error answer becomes the
@@ -51,9 +57,10 @@ from typing import TypeVar
 from urllib.parse import quote
 
 import aiohttp
+import xxhash
 
 from deltasync.blob import blob_id, check_blob_id
-from deltasync.digest import check_digest
+from deltasync.digest import DigestHasher, check_digest, parse_digest
 from deltasync.errors import (
     AuthError,
     DeltaSyncError,
@@ -67,6 +74,9 @@ from deltasync.errors import (
 from deltasync.failover import Backoff, Failover
 from deltasync.retry import RESUME_NOW, RETRY_BACKOFF, answering, describe, first_source, retry
 
+from . import blobrecv
+from .blobrecv import BlobSink
+
 log = logging.getLogger("deltasync.client.http")
 T = TypeVar("T")
 
@@ -75,6 +85,10 @@ MAX_COOLDOWN = 60.0
 NETWORK_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 # a body cut off mid-transfer: resumed with Range when some bytes are in hand
 _CUT = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError, aiohttp.ClientOSError)
+#: what a body read of aiohttp 3.14 raises (a bare RuntimeError) after its parser failed on a mangled chunk-size
+#: line and closed the connection under the reader: a cut answer, the server's fault. A reader already waiting
+#: then is never woken: every body read here has a bound of its own per piece (``HttpClient._piece``)
+_CLOSED_MID_BODY = "Connection closed."
 
 
 def is_outage(e: BaseException) -> bool:
@@ -198,7 +212,8 @@ class HttpClient:
     def __init__(self, urls: str | Sequence[str], *, token: str | None = None, timeouts: Timeouts | None = None,
                  write_retries: int = 3, check_manifest: Callable[[bytes], object] | None = None,
                  failover: Failover | None = None,
-                 ssl: ssl_module.SSLContext | None = None, read_token: str | None = None) -> None:
+                 ssl: ssl_module.SSLContext | None = None, read_token: str | None = None,
+                 direct_receive: bool = True) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("at least one server URL is needed")
@@ -220,6 +235,8 @@ class HttpClient:
             raise ValueError(f"the failover policy's sources {list(self.failover.sources)} are not the URLs {self.urls}")
         self._bytes_in = self._bytes_out = self._requests = self._failovers = self._corrupt = self._resumes = 0
         self.last_url: str | None = None  # the URL that answered the last read
+        #: ``receive_blob`` from plain-HTTP URLs straight into the sink (``blobrecv``); False: through aiohttp
+        self.direct_receive = direct_receive
 
     # -- lifecycle ---------------------------------------------------------------------
     def _sess(self) -> aiohttp.ClientSession:
@@ -272,6 +289,37 @@ class HttpClient:
         answering()
         return r
 
+    async def _piece(self, r: aiohttp.ClientResponse, where: str) -> bytes:
+        """The next piece of a body (b"" at its end), as received: at most ``Timeouts.read`` of silence.
+        The bound is our own, because aiohttp (3.14) drops its read timer without waking the reader when its
+        parser fails on a mangled chunk-size line; a read after that raises a bare RuntimeError, which is
+        translated here: either way a cut answer, the server's fault (UpstreamError/UpstreamTimeout)."""
+        try:
+            async with asyncio.timeout(self.timeouts.read):
+                return await r.content.readany()
+        except TimeoutError:
+            raise UpstreamTimeout(f"{where}: the body stalled (nothing for {self.timeouts.read:g} s)") from None
+        except RuntimeError as e:
+            if str(e) != _CLOSED_MID_BODY:
+                raise
+            raise UpstreamError(f"{where}: the connection was closed mid-answer") from None
+
+    async def _body(self, r: aiohttp.ClientResponse, where: str, *, limit: int | None = None,
+                    keep: int | None = None) -> bytes:
+        """A whole body, each piece read with :meth:`_piece`'s bound. ``limit``: a longer body is that server's
+        fault (UpstreamError); ``keep``: only the first ``keep`` bytes are wanted (an error answer's text),
+        the rest is not read."""
+        parts: list[bytes] = []
+        n = 0
+        while piece := await self._piece(r, where):
+            parts.append(piece)
+            n += len(piece)
+            if keep is not None and n >= keep:
+                break
+            if limit is not None and n > limit:
+                raise UpstreamError(f"{where}: a body of more than {limit:,} bytes")
+        return b"".join(parts)[:keep]
+
     async def _each_url(self, attempt: Callable[[str], Awaitable[T]], *, what: str, checked: bool = False,
                         hedge: bool = True) -> T:
         """``attempt(url)`` on each URL in failover order until one delivers; that URL is ``last_url``.
@@ -301,13 +349,13 @@ class HttpClient:
             r = await self._open("GET", url + path, ttfb=ttfb, **({} if timeout is None else {"timeout": timeout}))
             async with r:
                 if r.status == 200:
-                    body = await r.read()
+                    body = await self._body(r, url + path, limit=MAX_MANIFEST)
                     self._bytes_in += len(body)
                     headers = dict(r.headers)
                 elif r.status in (204, 304):
                     return b"", url, r.status, dict(r.headers), None
                 else:
-                    raise from_wire(r.status, (await r.read())[:500], r.headers, where=url + path)
+                    raise from_wire(r.status, await self._body(r, url + path, keep=500), r.headers, where=url + path)
             return body, url, 200, headers, (check(body) if check is not None else None)
 
         return await self._each_url(attempt, what=f"GET {path}", checked=check is not None, hedge=ttfb is None)
@@ -385,10 +433,10 @@ class HttpClient:
             headers = {"Range": f"bytes={len(buf)}-"} if buf else {}
             async with await self._open("GET", full, headers=headers) as r:
                 if r.status not in (200, 206):
-                    raise from_wire(r.status, (await r.read())[:300], r.headers, where=full)
+                    raise from_wire(r.status, await self._body(r, full, keep=300), r.headers, where=full)
                 if buf and r.status == 200:
                     buf.clear()  # the server ignored Range: start over
-                async for piece in r.content.iter_chunked(1 << 20):
+                while piece := await self._piece(r, full):
                     buf.extend(piece)
                     self._bytes_in += len(piece)
                     if size is not None and len(buf) > size:
@@ -410,6 +458,72 @@ class HttpClient:
             check_digest(bid, data, digest)  # crafted bytes that match the xxh3 id: this URL's fault
         return data
 
+    async def receive_blob(self, bid: str, size: int, sink: BlobSink, *, digest: str | None = None) -> None:
+        """A blob of ``size`` bytes (its manifest's) received into ``sink`` in order, its hash (and its signed
+        ``digest``, when given) checked over the same bytes as they land; fails over to the next URL (the sink
+        restarts from byte 0) on bad bytes or an outage, resumes cut transfers with Range. Plain-HTTP URLs
+        are received by the kernel straight into the sink's room (``blobrecv``); others through aiohttp with
+        one copy. Not hedged: a sink takes one transfer at a time. When this returns, the sink holds
+        exactly the blob's bytes; on an error it holds garbage (the caller discards it)."""
+        check_blob_id(bid)
+        checked = _CheckedSink(sink, bid, size, digest)
+        await self._each_url(lambda url: self._receive_from(url, checked), what=f"blob {bid}", hedge=False)
+
+    async def _receive_from(self, url: str, c: _CheckedSink, attempts: int = 3) -> None:
+        full = f"{url}/v1/blobs/{c.bid}"
+        if c.started:
+            c.restart()  # another source: from byte 0 (its bytes may be another copy)
+        direct = self.direct_receive and blobrecv.supports(url)
+
+        async def transfer() -> None:
+            self._requests += 1
+            before = c.have
+            try:
+                if direct:
+                    await self._transfer_direct(url, full, c)
+                else:
+                    await self._transfer_aiohttp(full, c)
+            finally:
+                self._bytes_in += max(0, c.have - before)
+
+        def resumed(n: int, e: BaseException, delay: float) -> None:
+            self._resumes += 1
+            log.info("%s: transfer cut at %d bytes (%s); resuming with Range", full, c.have, type(e).__name__)
+
+        def again(e: BaseException) -> bool:
+            return c.have > 0 and (isinstance(e, _CUT) or type(e) in (UpstreamError, UpstreamTimeout))
+
+        await retry(transfer, backoff=RESUME_NOW, attempts=attempts, again=again, on_retry=resumed)
+        c.check()
+
+    async def _transfer_direct(self, url: str, full: str, c: _CheckedSink) -> None:
+        t = self.timeouts
+        ttfb = t.ttfb if len(self.urls) > 1 else max(t.ttfb, t.read)
+        headers = {"Authorization": f"Bearer {self.read_token}"} if self.read_token else {}
+
+        try:
+            a = await blobrecv.receive(url, f"/v1/blobs/{c.bid}", c, c.have, size=c.size, headers=headers,
+                                       connect=t.connect, ttfb=ttfb, read=t.read, total=t.request,
+                                       on_head=lambda _: answering())
+        except OSError as e:  # refused, reset: the source's outage
+            raise UpstreamError(f"GET {full}: {describe(e)}") from e
+        if a.status not in (200, 206):
+            raise from_wire(a.status, a.error_body[:300], a.headers, where=full)
+
+    async def _transfer_aiohttp(self, full: str, c: _CheckedSink) -> None:
+        headers = {"Range": f"bytes={c.have}-"} if c.have else {}
+        async with await self._open("GET", full, headers=headers) as r:
+            if r.status not in (200, 206):
+                raise from_wire(r.status, await self._body(r, full, keep=300), r.headers, where=full)
+            if r.status == 200:
+                if c.have:
+                    c.restart()  # the server ignored Range: start over
+                if r.content_length is not None and r.content_length != c.size:
+                    raise IntegrityError(f"blob {c.bid}: {full} says {r.content_length} bytes, the manifest "
+                                         f"says {c.size}")
+            while piece := await self._piece(r, full):
+                c.feed(piece)
+
     # -- writes (origin only) -----------------------------------------------------------------
     async def _write(self, method: str, path: str, data: bytes, *, content_type: str) -> int:
         url = self.urls[0]
@@ -420,7 +534,7 @@ class HttpClient:
         async def once() -> int:
             self._requests += 1
             async with self._sess().request(method, url + path, data=data, headers=headers) as r:
-                body = (await r.read())[:500]
+                body = await self._body(r, url + path, keep=500)
                 if r.status in (200, 201, 204):
                     self._bytes_out += len(data)
                     return r.status
@@ -443,3 +557,63 @@ class HttpClient:
 
     async def put_manifest(self, model: str, version: int, data: bytes) -> None:
         await self._write("PUT", f"/v1/models/{quote(model)}/versions/{version}", data, content_type="application/json")
+
+
+class _CheckedSink:
+    """A caller's sink with the blob's checks on the same bytes: its length, its xxh3 id, its signed digest."""
+
+    __slots__ = ("sink", "bid", "size", "have", "started", "_digest", "_alg", "_xxh", "_dig", "_room")
+
+    def __init__(self, sink: BlobSink, bid: str, size: int, digest: str | None) -> None:
+        self.sink, self.bid, self.size = sink, bid, size
+        self._digest = digest
+        self._alg = parse_digest(digest)[0] if digest is not None else None
+        self._xxh = xxhash.xxh3_128()
+        self._dig = DigestHasher(self._alg) if self._alg is not None else None
+        self.have = 0
+        self.started = False
+        self._room: memoryview | None = None
+
+    def buffer(self, offset: int) -> memoryview:
+        if offset != self.have:
+            raise IntegrityError(f"blob {self.bid}: bytes from {offset} offered, {self.have} are in")
+        if offset >= self.size:
+            raise IntegrityError(f"blob {self.bid} is longer than the {self.size} bytes the manifest says")
+        self._room = room = self.sink.buffer(offset)
+        return room
+
+    def received(self, offset: int, n: int) -> None:
+        piece = self._room[:n]
+        self._xxh.update(piece)
+        if self._dig is not None:
+            self._dig.update(piece)
+        self.started = True
+        self.have = offset + n
+        self.sink.received(offset, n)
+
+    def feed(self, data) -> None:
+        """Bytes that arrived elsewhere (aiohttp's pieces), copied into the sink's room."""
+        view = memoryview(data)
+        while view:
+            room = self.buffer(self.have)
+            k = min(len(room), len(view))
+            room[:k] = view[:k]
+            self.received(self.have, k)
+            view = view[k:]
+
+    def restart(self) -> None:
+        self._xxh.reset()
+        self._dig = DigestHasher(self._alg) if self._alg is not None else None
+        self.have = 0
+        self.started = False
+        self.sink.restart()
+
+    def check(self) -> None:
+        if self.have != self.size:
+            raise IntegrityError(f"blob {self.bid}: {self.have} bytes, the manifest says {self.size}")
+        found = self._xxh.hexdigest()
+        if found != self.bid:
+            raise IntegrityError(f"blob {self.bid}: content hashes to {found}")
+        if self._dig is not None and (got := self._dig.digest()) != self._digest:
+            raise IntegrityError(f"blob {self.bid}: bytes hash to {got} but the signed manifest says {self._digest} "
+                                 "(crafted or corrupted bytes; fetch it from another source)")

@@ -19,15 +19,17 @@ decode: its :class:`ChunkPatch` is *pending* until :meth:`ChunkPatch.resolve` ge
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .blob import BlobReader, BlobWriter, blob_id
-from .dtypes import DtypeInfo, dtype_info, numpy_word_dtype, word_count, word_view
+from .dtypes import DtypeInfo, HostTensor, dtype_info, host_words, numpy_word_dtype, word_count, word_view
 from .errors import ChainError, FormatError, UnsupportedError
 from .fingerprint import fingerprint_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint, words_range_delta
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
@@ -38,6 +40,9 @@ from . import kernels
 from .kernels import changes_from_words, decode_bitmap, decode_gaps, decode_values, encode_bitmap, encode_gaps, encode_values
 from .positions import choose_position_mode
 from .values import Changes
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CHUNK_WORDS = 4 << 20
 DEFAULT_BLOB_TARGET = 32 << 20
@@ -136,8 +141,24 @@ class ChunkPatch:
 
 # -- finding changes -------------------------------------------------------------------
 
-def _host_words(t: torch.Tensor, info: DtypeInfo) -> np.ndarray:
-    return word_view(t).numpy().view(numpy_word_dtype(info.word_size))
+def _host_words(t: torch.Tensor | HostTensor, info: DtypeInfo | None = None) -> np.ndarray:
+    """The unsigned host words of a CPU tensor or a :class:`HostTensor` (numpy over a mapped file: no torch)."""
+    return host_words(t)
+
+
+def _chunk_words(t):
+    """What :func:`diff_chunk` reads of a tensor: host words (numpy) for a HostTensor or a CPU tensor,
+    a flat signed word view on its device otherwise."""
+    if isinstance(t, HostTensor) or t.device.type == "cpu":
+        return host_words(t)
+    t = t.detach()
+    return word_view(t if t.is_contiguous() else t.contiguous())
+
+
+def _no_grad():
+    """``torch.no_grad()`` once torch is loaded (device tensors), else nothing: host words need none."""
+    torch = sys.modules.get("torch")
+    return torch.no_grad() if torch is not None else contextlib.nullcontext()
 
 
 DENSE_FP = 16  # above one change in this many words, fingerprint the range instead of each change
@@ -172,7 +193,7 @@ class StateDiff:
         return sum(c.positions.nbytes + c.old.nbytes + c.new.nbytes for cs in self.chunks.values() for c in cs)
 
 
-def state_layout(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+def state_layout(state: Mapping[str, torch.Tensor | HostTensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in state.items()}
 
 
@@ -186,23 +207,27 @@ def diff_chunk(old_words: torch.Tensor, new_words: torch.Tensor, start: int, sto
     """
     ndt = numpy_word_dtype(word_size)
     sdt = np.dtype(f"i{word_size}")
-    if old_words.device.type == "cpu" and kernels.cpu_kernels() is not None:  # one fused compiled pass
-        found = kernels.diff_words(old_words[start:stop].numpy().view(ndt), new_words[start:stop].numpy().view(ndt),
+    host = isinstance(old_words, np.ndarray)  # host words (_chunk_words); else a word view on a device
+    if host and kernels.cpu_kernels() is not None:  # one fused compiled pass
+        found = kernels.diff_words(old_words[start:stop].view(ndt), new_words[start:stop].view(ndt),
                                    start, word_size, update_old)
         if found is None:
             return None, 0
         p, ow, nw, fpd = found
         return ChunkDiff(start=start, stop=stop, positions=p, old=ow, new=nw), fpd
-    if old_words.device.type == "cpu":
-        o = old_words[start:stop].numpy().view(ndt)
-        n = new_words[start:stop].numpy().view(ndt)
+    if host:
+        import torch
+
+        o = old_words[start:stop].view(ndt)
+        n = new_words[start:stop].view(ndt)
         rel = np.flatnonzero(o != n)
         if rel.size == 0:
             return None, 0
         p = rel + start
         ow, nw = o[rel], n[rel]
         if rel.size * DENSE_FP > stop - start:
-            fpd = words_range_delta(old_words[start:stop], new_words[start:stop], start, word_size)
+            fpd = words_range_delta(torch.from_numpy(np.require(o.view(sdt), requirements="W")),
+                                    torch.from_numpy(np.require(n.view(sdt), requirements="W")), start, word_size)
         else:
             fpd = fingerprint_delta(torch.from_numpy(p), torch.from_numpy(ow.view(sdt)),
                                     torch.from_numpy(nw.view(sdt)), word_size)
@@ -212,7 +237,7 @@ def diff_chunk(old_words: torch.Tensor, new_words: torch.Tensor, start: int, sto
     o = old_words[start:stop]
     n = new_words[start:stop]
     g = kernels.gpu_kernels(o)
-    rel = g.changed_positions(o, n) if g is not None else torch.nonzero(o != n).squeeze(1)
+    rel = g.changed_positions(o, n) if g is not None else (o != n).nonzero().squeeze(1)
     if rel.numel() == 0:
         return None, 0
     ow, nw = o.index_select(0, rel), n.index_select(0, rel)
@@ -249,19 +274,18 @@ def diff_states(
     chunks: dict[str, list[ChunkDiff]] = {}
     total = sum(new[n].numel() * new[n].element_size() for n in names)
     done = 0
-    with torch.no_grad():
+    with _no_grad():
         for name in names:
-            o_t, n_t = old[name].detach(), new[name].detach()
+            o_t, n_t = old[name], new[name]
             info = dtype_info(n_t.dtype)
             if update_old and not o_t.is_contiguous():
                 raise ValueError(f"{name}: update_old needs a contiguous old tensor")
-            if o_t.device != n_t.device:
+            if not isinstance(o_t, HostTensor) and not isinstance(n_t, HostTensor) and o_t.device != n_t.device:
                 n_t = n_t.to(o_t.device)
-            ow = word_view(o_t if o_t.is_contiguous() else o_t.contiguous())
-            nw = word_view(n_t if n_t.is_contiguous() else n_t.contiguous())
+            ow, nw = _chunk_words(o_t), _chunk_words(n_t)
             fp = fps_before[name]
             out = []
-            ranges = tensor_chunk_ranges(tuple(n_t.shape), nw.numel(), chunk_words)
+            ranges = tensor_chunk_ranges(tuple(n_t.shape), len(nw), chunk_words)
             if executor is not None and len(ranges) > 1:
                 results = executor.map(lambda r: diff_chunk(ow, nw, r[0], r[1], info.word_size, update_old=update_old),
                                        ranges)
@@ -491,12 +515,12 @@ def diff_ranks(diff: StateDiff, base: Mapping[str, torch.Tensor]) -> RankTable:
         spec = context_spec(info.name)
         if spec is None:
             continue
-        t = base[name].detach()
-        words = word_view(t if t.is_contiguous() else t.contiguous())
+        words = _chunk_words(base[name])
         for c in chunks:
             part = words[c.start : c.stop]
-            host = (part if part.device.type == "cpu" else part.cpu()).numpy().view(numpy_word_dtype(info.word_size))
-            out[(name, c.start)] = chunk_ranks(host, c.positions - c.start, c.old, *spec)
+            host = part if isinstance(part, np.ndarray) else part.cpu().numpy()
+            out[(name, c.start)] = chunk_ranks(host.view(numpy_word_dtype(info.word_size)), c.positions - c.start,
+                                               c.old, *spec)
     return out
 
 

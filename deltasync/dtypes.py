@@ -7,6 +7,10 @@ complex dtypes have two (real, imaginary). Wire names are torch's own
 
 The table itself needs no torch, so code that only reads manifests (the servers)
 does not import it; the torch views below import it when first used.
+
+:class:`HostTensor` is a tensor as host words without torch (numpy over a mapped file:
+``MappedTensorFile.host``): the codec and the fingerprints take it wherever they take a CPU
+tensor, so ``deltasync publish`` from files never imports torch.
 """
 
 from __future__ import annotations
@@ -71,6 +75,52 @@ def dtype_info(dtype: Any) -> DtypeInfo:
             f"dtype {dtype!r} is not supported; supported: {', '.join(sorted(DTYPES))}"
         )
     return info
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class HostTensor:
+    """A tensor as flat unsigned host words (``numpy_word_dtype(word_size)``), row-major, little-endian:
+    what the codec reads of a CPU tensor, without torch. ``dtype`` is the deltasync dtype name; the few
+    tensor-like methods (``numel``, ``element_size``, ``is_contiguous``) are what shared code asks of one."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    words: np.ndarray
+
+    def __post_init__(self) -> None:
+        info = dtype_info(self.dtype)
+        want = word_count(self.shape, info)
+        if self.words.ndim != 1 or self.words.size != want or self.words.dtype != numpy_word_dtype(info.word_size):
+            raise ValueError(f"HostTensor {self.dtype} {self.shape}: needs {want} words of "
+                             f"{numpy_word_dtype(info.word_size)}, found {self.words.size} of {self.words.dtype}")
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def element_size(self) -> int:
+        return dtype_info(self.dtype).element_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.words.nbytes
+
+    def is_contiguous(self) -> bool:
+        return True
+
+
+def host_words(t: Any) -> np.ndarray:
+    """The flat unsigned host words of a :class:`HostTensor` or a CPU torch tensor (shared memory for
+    a contiguous tensor; a torch tensor elsewhere is copied to the host)."""
+    if isinstance(t, HostTensor):
+        return t.words
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    words = word_view(t if t.is_contiguous() else t.contiguous())
+    return words.numpy().view(numpy_word_dtype(dtype_info(t.dtype).word_size))
 
 
 def signed_word_dtype(word_size: int) -> torch.dtype:

@@ -26,15 +26,16 @@ records of every tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import xxhash
 
-from .dtypes import dtype_info, word_view
+from .dtypes import HostTensor, dtype_info, word_view
 from .kernels import cpu_kernels, gpu_kernels
 
-_UNSIGNED = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+if TYPE_CHECKING:
+    import torch
 
 BLOCK_BITS = 16
 BLOCK = 1 << BLOCK_BITS
@@ -59,16 +60,18 @@ def _splitmix64_np(x: np.ndarray) -> np.ndarray:
 
 
 _T_NP = _splitmix64_np(np.arange(BLOCK, dtype=np.uint64) + np.uint64(_SEED_T)) | np.uint64(1)
-_T_CPU = torch.from_numpy(_T_NP.view(np.int64).copy())
-_T_BY_DEVICE: dict[torch.device, torch.Tensor] = {}
+_T_BY_DEVICE: dict = {}  # torch.device -> the table as int64 on it (torch imported on first use)
 
 
 def _table(device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return _T_CPU
-    t = _T_BY_DEVICE.get(device)
+    t = _T_BY_DEVICE.get(device.type if device.type == "cpu" else device)
     if t is None:
-        t = _T_BY_DEVICE[device] = _T_CPU.to(device)
+        import torch
+
+        cpu = _T_BY_DEVICE.get("cpu")
+        if cpu is None:
+            cpu = _T_BY_DEVICE["cpu"] = torch.from_numpy(_T_NP.view(np.int64).copy())
+        t = _T_BY_DEVICE[device] = cpu if device.type == "cpu" else cpu.to(device)
     return t
 
 
@@ -87,6 +90,8 @@ def _block_keys(blocks: torch.Tensor) -> torch.Tensor:
 
 def _lanes(tensor: torch.Tensor) -> torch.Tensor:
     """Flat signed view of a contiguous tensor's lanes (int8 or int16)."""
+    import torch
+
     info = dtype_info(tensor.dtype)
     words = word_view(tensor)
     if info.word_size == 1 or words.numel() == 0:
@@ -108,7 +113,10 @@ def tensor_fingerprint(tensor: torch.Tensor, *, executor=None) -> int:
     never copied to the host. Non-contiguous tensors are made contiguous first.
     ``executor``: sum pieces of ``FP_SPLIT_LANES`` lanes on its threads (the compiled CPU
     kernel releases the GIL; the sum is order-free, so the result is the same).
+    ``tensor`` may be a :class:`~deltasync.dtypes.HostTensor` (numpy words, no torch: :func:`host_lanes`).
     """
+    if isinstance(tensor, HostTensor):
+        return _host_fingerprint(tensor, executor)
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     lanes = _lanes(tensor)
@@ -117,6 +125,34 @@ def tensor_fingerprint(tensor: torch.Tensor, *, executor=None) -> int:
         parts = executor.map(lambda s: lanes_sum(lanes[s : s + FP_SPLIT_LANES], s), range(0, n, FP_SPLIT_LANES))
         return (sum(parts) + n * _C0) & _MASK64
     return (lanes_sum(lanes, 0) + n * _C0) & _MASK64
+
+
+def host_lanes(t: HostTensor) -> np.ndarray:
+    """A HostTensor's words as unsigned fingerprint lanes (uint8 for 1-byte words, else uint16), shared."""
+    return t.words.view(np.uint8 if t.words.itemsize == 1 else np.uint16)
+
+
+def host_lanes_sum(lanes: np.ndarray, offset: int) -> int:
+    """:func:`lanes_sum` of unsigned uint8/uint16 host lanes: the compiled kernel, else the reference
+    (which imports torch)."""
+    if lanes.size == 0:
+        return 0
+    k = cpu_kernels()
+    if k is not None:
+        return int(k.lanes_sum(lanes, offset, _T_NP)) & _MASK64
+    import torch
+
+    signed = lanes.view(np.int8 if lanes.dtype == np.uint8 else np.int16)
+    return lanes_sum(torch.from_numpy(np.require(signed, requirements="W")), offset)
+
+
+def _host_fingerprint(t: HostTensor, executor) -> int:
+    lanes = host_lanes(t)
+    n = lanes.size
+    if executor is not None and n > FP_SPLIT_LANES:
+        parts = executor.map(lambda s: host_lanes_sum(lanes[s : s + FP_SPLIT_LANES], s), range(0, n, FP_SPLIT_LANES))
+        return (sum(parts) + n * _C0) & _MASK64
+    return (host_lanes_sum(lanes, 0) + n * _C0) & _MASK64
 
 
 def copy_fingerprint(dst: torch.Tensor, src: torch.Tensor | np.ndarray, *, executor=None) -> int:
@@ -136,6 +172,8 @@ def copy_fingerprint(dst: torch.Tensor, src: torch.Tensor | np.ndarray, *, execu
     k = cpu_kernels()
     if k is None or dst.device.type != "cpu" or not dst.is_contiguous() or nbytes == 0 or \
             (not isinstance(src, np.ndarray) and src.device.type != "cpu"):
+        import torch
+
         with torch.no_grad():
             if isinstance(src, np.ndarray):
                 _lanes(dst).view(torch.uint8).copy_(torch.from_numpy(np.require(src, requirements="W")))
@@ -162,6 +200,8 @@ def words_range_delta(old_words: torch.Tensor, new_words: torch.Tensor, start: i
     """Fingerprint change when words [start, start+len) go from ``old_words`` to ``new_words``
     (both flat signed word views of that range). Two streaming passes: cheaper than
     :func:`fingerprint_delta` once more than a few percent of the words change."""
+    import torch
+
     per = max(word_size // 2, 1)
     lane_dt = torch.int8 if word_size == 1 else torch.int16
     lo = start * per
@@ -179,6 +219,8 @@ def lanes_sum(lanes: torch.Tensor, offset: int) -> int:
     n = lanes.numel()
     if n == 0:
         return 0
+    import torch
+
     if lanes.device.type == "cpu" and (k := cpu_kernels()) is not None:  # compiled: one pass, no buffers
         lanes = lanes.contiguous().view(torch.uint8 if lanes.dtype == torch.int8 else torch.uint16)
         return int(k.lanes_sum(lanes.numpy(), offset, _T_NP)) & _MASK64
@@ -226,6 +268,8 @@ def lanes_sum(lanes: torch.Tensor, offset: int) -> int:
 
 def lane_keys(index: torch.Tensor) -> torch.Tensor:
     """K(i) for int64 lane indices, on their device."""
+    import torch
+
     table = _table(index.device)
     blocks = index >> BLOCK_BITS
     if index.numel() > 256:
@@ -238,6 +282,8 @@ def lane_keys(index: torch.Tensor) -> torch.Tensor:
 
 def _word_lanes(positions: torch.Tensor, words: torch.Tensor, word_size: int):
     """Split words at word positions into (lane indices, lane values as int64)."""
+    import torch
+
     w = words.to(torch.int64)
     if word_size == 1:
         return positions, w & 0xFF
@@ -265,7 +311,9 @@ def fingerprint_delta(
     if positions.numel() == 0:
         return 0
     if positions.device.type == "cpu" and (k := cpu_kernels()) is not None:
-        udt = _UNSIGNED[word_size]
+        import torch
+
+        udt = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[word_size]
         return int(k.fingerprint_delta(positions.contiguous().numpy(), old_words.contiguous().view(udt).numpy(),
                                        new_words.contiguous().view(udt).numpy(), 0 if word_size == 1 else word_size // 2,
                                        _T_NP)) & _MASK64

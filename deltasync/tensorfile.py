@@ -19,7 +19,9 @@ restore them, other tools see bytes.
 
 * :func:`save_shard` / :func:`load_shard`: bytes in memory (keyframe shards).
 * :class:`MappedTensorFile`: a file through ``mmap`` (copy-on-write), its tensors views
-  of the mapped pages: nothing is read until used, nothing is copied.
+  of the mapped pages: nothing is read until used, nothing is copied. ``.host`` gives them as
+  :class:`~deltasync.dtypes.HostTensor` numpy words without importing torch (``.tensors``, the
+  torch views, are made on first use).
 * :func:`read_state_file` / :func:`write_state_file`: whole states on disk (atomic writes).
 * :func:`build_header` / :func:`shard_bytes`: a header laid out here (metadata first, in the caller's
   order; data start aligned; a fixed length on request, padded with spaces as the spec allows), and
@@ -38,13 +40,16 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save as _save_safetensors
+import numpy as np
 
 from .atomic import write_atomic
-from .dtypes import dtype_info
+from .dtypes import HostTensor, dtype_info, numpy_word_dtype, word_count
 from .errors import FormatError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DTYPE_META_PREFIX", "MAX_HEADER_BYTES", "MappedTensorFile", "ST_DTYPES", "TensorEntry", "TensorHeader",
@@ -159,6 +164,8 @@ def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHead
 
 def _tensor(whole: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     """The entry's tensor as a view of ``whole`` (the buffer as uint8), copied only if misaligned."""
+    import torch
+
     info = dtype_info(e.dtype)
     if e.stop == e.start:
         return torch.empty(e.shape, dtype=info.torch_dtype)
@@ -173,9 +180,25 @@ def tensors_of(whole: torch.Tensor, header: TensorHeader) -> dict[str, torch.Ten
     return {e.name: _tensor(whole, e) for e in header.entries}
 
 
+def host_tensors_of(whole: np.ndarray, header: TensorHeader) -> dict[str, HostTensor]:
+    """Every tensor of a parsed buffer (``whole``: the buffer as a flat uint8 numpy array) as
+    :class:`HostTensor` words viewing it (copied only where misaligned to its words). No torch."""
+    out: dict[str, HostTensor] = {}
+    for e in header.entries:
+        info = dtype_info(e.dtype)
+        wdt = numpy_word_dtype(info.word_size)
+        raw = whole[e.start : e.stop]
+        if e.start % info.word_size:
+            raw = raw.copy()
+        out[e.name] = HostTensor(dtype=info.name, shape=e.shape, words=raw.view(wdt) if raw.size else np.empty(0, wdt))
+    return out
+
+
 # -- in memory ---------------------------------------------------------------------------------
 
 def _storable(name: str, t: torch.Tensor, meta: dict[str, str]) -> torch.Tensor:
+    import torch
+
     t = t.detach().cpu().contiguous()
     info = dtype_info(t.dtype)
     if info.name in _NATIVE:
@@ -186,14 +209,18 @@ def _storable(name: str, t: torch.Tensor, meta: dict[str, str]) -> torch.Tensor:
 
 def save_shard(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
     """Tensors (any device, any supported dtype) as safetensors bytes, with ``metadata``."""
+    from safetensors.torch import save as save_safetensors
+
     meta = dict(metadata or {})
     data = {n: _storable(n, t, meta) for n, t in tensors.items()}
-    return _save_safetensors(data, metadata=meta or None)
+    return save_safetensors(data, metadata=meta or None)
 
 
 def load_shard(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     """Tensors of safetensors bytes, exotic dtypes restored, in one buffer the caller owns (one copy
     of the data). Malformed input raises FormatError."""
+    import torch
+
     header = parse_header(data)
     whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # parse_header saw at least 8 bytes
     return tensors_of(whole, header)
@@ -234,11 +261,38 @@ class MappedTensorFile:
                     if e.stop > e.start and e.start % dtype_info(e.dtype).element_size:
                         raise FormatError(f"{self.path}: {e.name} starts at byte {e.start}, not aligned to its "
                                           f"{e.dtype} elements; it cannot be patched in place (rewrite the file)")
-            self.tensors: dict[str, torch.Tensor] = tensors_of(torch.frombuffer(self._mm, dtype=torch.uint8), self.header)
         except BaseException:
             self.close()
             raise
+        self._tensors: dict[str, torch.Tensor] | None = None
+        self._host: dict[str, HostTensor] | None = None
         self.metadata: dict[str, str] = self.header.metadata
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors as torch views of the map (imports torch; made on first use)."""
+        if self._tensors is None:
+            if self._mm is None:
+                return {}
+            import torch
+
+            self._tensors = tensors_of(torch.frombuffer(self._mm, dtype=torch.uint8), self.header)
+        return self._tensors
+
+    @property
+    def host(self) -> dict[str, HostTensor]:
+        """The tensors as :class:`HostTensor` numpy words viewing the map (no torch)."""
+        if self._host is None:
+            if self._mm is None:
+                return {}
+            self._host = host_tensors_of(np.frombuffer(self._mm, dtype=np.uint8), self.header)
+        return self._host
+
+    def buffer(self) -> memoryview:
+        """The whole mapped file as a read-only memoryview (header included; valid until close)."""
+        if self._mm is None:
+            raise FormatError(f"{self.path}: closed")
+        return memoryview(self._mm).toreadonly()
 
     def flush(self) -> None:
         """``msync`` the map: every write to the tensors (and the header) is on disk when this returns."""
@@ -262,7 +316,7 @@ class MappedTensorFile:
         self.metadata = check.metadata
 
     def close(self) -> None:
-        self.tensors = {}
+        self._tensors = self._host = None
         mm, self._mm = getattr(self, "_mm", None), None
         if mm is not None:
             try:
@@ -345,6 +399,8 @@ def shard_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
     (:func:`~deltasync.fingerprint.copy_fingerprint`). ``into``: a reused buffer, grown when too small;
     the shard is then ``memoryview(into)[:size]`` (no fresh allocation and first-touch page faults per
     shard; valid until the caller reuses ``into``); a fresh bytearray when ``into`` is too small."""
+    import torch
+
     from .fingerprint import copy_fingerprint, tensor_fingerprint
 
     layout = {n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in tensors.items()}

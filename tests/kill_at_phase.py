@@ -72,12 +72,12 @@ def main(argv: list[str]) -> int:
             die()
         tensorfile.MappedTensorFile.write_header = header
     elif phase == "keyframe":
-        real_add = filetarget.KeyframeWriter.add_shard
+        real_add = filetarget.KeyframeWriter.add_received
 
-        def add_shard(self, data):  # the streamed first version: a shard written, not renamed into place
-            real_add(self, data)
+        def add_received(self, sink):  # the streamed first version: a shard written, not renamed into place
+            real_add(self, sink)
             die()
-        filetarget.KeyframeWriter.add_shard = add_shard
+        filetarget.KeyframeWriter.add_received = add_received
         def copy(tensors, state, fps, **k):
             names = sorted(state)
             for n in names[: len(names) // 2]:

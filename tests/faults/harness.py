@@ -71,7 +71,9 @@ def _fork_ctx():
     global _FORK_CTX
     if _FORK_CTX is None:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["deltasync.client.cli", "safetensors.torch"])
+        # the CLI module imports each command's modules lazily: preload what subscribe and publish run
+        ctx.set_forkserver_preload(["deltasync.client.cli", "deltasync.client.subscriber", "deltasync.client.filetarget",
+                                    "deltasync.client.publisher", "deltasync.client.filepublish", "safetensors.torch"])
         _FORK_CTX = ctx
     return _FORK_CTX
 
