@@ -318,7 +318,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
     from deltasync.atomic import remove_temp_files
     from deltasync.manifest import parse_manifest
 
-    from .filetarget import FileTarget, recover
+    from .filetarget import FileTarget, KeyframeWriter, recover
     from .http import HttpClient, Timeouts
     from .subscriber import Subscriber, SyncEvent
 

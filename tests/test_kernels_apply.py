@@ -1,4 +1,4 @@
-"""Helper A's kernels (decode of whole ans chunks, the one-pass patch, the journal's gather and scatter)
+"""The kernels of the decode and apply path (decode of whole ans chunks, the one-pass patch, the journal's gather and scatter)
 against the reference, bit for bit, and the threaded decode and apply against the serial ones.
 
 * ``kernels.decode_ans_chunks`` (numba: one call per word size) must give exactly the Changes that

@@ -35,7 +35,15 @@ raw, word_size)``
 ``copy_lanes_sum_np(dst, src, offset)``        ``dst[:] = src`` and the ``lanes_sum`` of it, one pass
 ``fingerprint_delta_np(positions, old, new,    ``fingerprint.fingerprint_delta`` on the host
 word_size)``
+``decode_ans_chunks(tables, ans, raws,         ``entropy.decode_ans_chunk`` for each of a blob's ans
+chunks, executor=)``                           chunks: one compiled call per word size (in parts on
+                                               the executor's threads), Changes as views of it
+``patch_chunk(words, changes, word_size)``     ``patch_words`` in one prefetching pass (apply.py)
+``gather_words`` / ``scatter_words``           ``out[:] = words[pos]`` / ``words[pos] = src`` (the
+                                               ``--out`` journal, undo records)
 =============================================  ===============================================
+
+The whole-chunk decode, the one-pass patch and gather/scatter are tested in ``tests/test_kernels_apply.py``.
 """
 
 from __future__ import annotations
