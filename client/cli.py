@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -381,6 +382,10 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await sub.start()
+    # Everything imported and opened so far (torch, numba, the file's map: ~10**6 objects) lives as long as
+    # the process: out of the cyclic GC's sight, a step no longer pays full collections over it (they were
+    # half of a `--out` process's CPU from a step's manifest to exit, the collection at exit included).
+    gc.freeze()
     written = version
     goal = args.until
     if args.once:

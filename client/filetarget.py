@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import xxhash
 
+from deltasync import kernels
 from deltasync.apply import PreparedDelta, check_base, stage_prepared
 from deltasync.atomic import fsync_dir
 from deltasync.dtypes import dtype_info, word_view
@@ -580,31 +581,9 @@ class FileTarget(TensorApplier):
         check_base(m, tensors, fps)  # before any I/O
         if self.before_write is not None:
             self.before_write(m.version)
-        regions: list[dict] = []
-        payload: list[bytes | memoryview] = []
-        starts = {e.name: e.start for e in self.file.header.entries}
-        for name, chunks in prepared.patches.items():
-            t = tensors[name]
-            w = dtype_info(t.dtype).word_size
-            words = word_view(t).numpy()
-            for k, c in enumerate(chunks):
-                if c.pending is not None:  # base-conditioned coding: decode against the file's words, once
-                    c = chunks[k] = c.resolve(words[c.start : c.stop].view(f"<u{w}"))
-                if c.dense is not None:
-                    regions.append({"kind": "bytes", "offset": starts[name] + c.start * w, "length": (c.stop - c.start) * w})
-                    payload.append(words[c.start : c.stop].tobytes())
-                else:
-                    pos = np.ascontiguousarray(c.changes.positions, dtype="<i8")
-                    regions.append({"kind": "words", "offset": starts[name], "words": words.size, "word": w,
-                                    "count": int(pos.size)})
-                    payload.append(pos.tobytes())
-                    payload.append(words[pos].tobytes())
-        hdr = self.file.header.data_start
-        with open(self.path, "rb") as f:
-            regions.append({"kind": "bytes", "offset": 0, "length": hdr})
-            payload.append(f.read(hdr))
+        regions, payload = self._journal_payload(prepared)
         _write_journal(journal_path(self.path), {"from": self.version, "to": m.version, "size": self.file.size},
-                       regions, payload)
+                       regions, [memoryview(payload)])
         try:
             inner = stage_prepared(tensors, prepared, fps, verify=verify)
         except BaseException:
@@ -612,6 +591,53 @@ class FileTarget(TensorApplier):
             self.end_journal()
             raise
         return _JournaledPatch(self, inner, m.version, m.state_fp)
+
+    def _journal_payload(self, prepared: PreparedDelta) -> tuple[list[dict], np.ndarray]:
+        """The undo journal's regions and payload for ``prepared``, in one buffer: O(changed) in time and
+        memory (the positions and old words of each sparse chunk, the old bytes of each dense one, the
+        header), old words gathered by a compiled kernel straight into it."""
+        tensors = self.file.tensors
+        starts = {e.name: e.start for e in self.file.header.entries}
+        regions: list[dict] = []
+        parts: list[tuple] = []  # (host words, chunk) in region order
+        total = 0
+        for name, chunks in prepared.patches.items():
+            t = tensors[name]
+            w = dtype_info(t.dtype).word_size
+            host = word_view(t).numpy().view(f"<u{w}")
+            for k, c in enumerate(chunks):
+                if c.pending is not None:  # base-conditioned coding: decode against the file's words, once
+                    c = chunks[k] = c.resolve(host[c.start : c.stop])
+                if c.dense is not None:
+                    regions.append({"kind": "bytes", "offset": starts[name] + c.start * w, "length": (c.stop - c.start) * w})
+                    total += (c.stop - c.start) * w
+                else:
+                    n = int(c.changes.positions.size)
+                    regions.append({"kind": "words", "offset": starts[name], "words": host.size, "word": w, "count": n})
+                    total += n * (8 + w)
+                parts.append((host, c))
+        hdr = self.file.header.data_start
+        regions.append({"kind": "bytes", "offset": 0, "length": hdr})
+        payload = np.empty(total + hdr, dtype=np.uint8)
+        at = 0
+        for host, c in parts:
+            if c.dense is not None:
+                n = (c.stop - c.start) * host.itemsize
+                payload[at : at + n] = host[c.start : c.stop].view(np.uint8)
+                at += n
+                continue
+            pos = c.changes.positions
+            n = int(pos.size)
+            if n and (int(pos.min()) < 0 or int(pos.max()) >= host.size):
+                raise FormatError(f"{self.path}: a change position leaves its tensor of {host.size} words")
+            payload[at : at + 8 * n] = np.ascontiguousarray(pos, dtype="<i8").view(np.uint8)
+            at += 8 * n
+            kernels.gather_words(host, pos, payload[at : at + n * host.itemsize].view(host.dtype))
+            at += n * host.itemsize
+        with open(self.path, "rb") as f:
+            head = f.read(hdr)
+        payload[at : at + hdr] = np.frombuffer(head, dtype=np.uint8)
+        return regions, payload
 
     def stage_keyframe(self, state: Mapping[str, torch.Tensor], fps: Mapping[str, int], *,
                        version: int | None = None) -> _NewFile:

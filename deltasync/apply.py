@@ -147,17 +147,28 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
 
 
 class _Undo:
-    """Old words of everything patched so far, to restore in reverse order."""
+    """Old words of everything patched so far, to restore in reverse order.
+
+    Entries are torch records ``(words, where, old, live, work)`` or, from the compiled CPU path, host
+    records ``(None, host words, positions or a slice, old words, live, work)``."""
 
     def __init__(self) -> None:
-        self.entries: list[tuple[torch.Tensor, torch.Tensor | slice, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+        self.entries: list[tuple] = []
 
     def rollback(self) -> None:
-        for words, where, old, live, work in reversed(self.entries):
-            if isinstance(where, slice):
-                words[where] = old
+        for entry in reversed(self.entries):
+            if entry[0] is None:  # host words, restored by the compiled scatter
+                _, host, where, old, live, work = entry
+                if isinstance(where, slice):
+                    host[where] = old
+                else:
+                    kernels.scatter_words(host, where, old)
             else:
-                words.index_copy_(0, where, old)
+                words, where, old, live, work = entry
+                if isinstance(where, slice):
+                    words[where] = old
+                else:
+                    words.index_copy_(0, where, old)
             if live is not None:
                 live.copy_(work)
         self.entries.clear()
@@ -191,13 +202,24 @@ def find_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return aliases
 
 
+_INFO: dict[torch.dtype, object] = {}
+
+
+def _info(dtype: torch.dtype):
+    """``dtype_info`` of a torch dtype, memoised (the apply path asks once per tensor, several times)."""
+    info = _INFO.get(dtype)
+    if info is None:
+        info = _INFO[dtype] = dtype_info(dtype)
+    return info
+
+
 def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Mapping[str, int]) -> None:
     """Refuse unless the tracked state is exactly the delta's base."""
     for rec in manifest.tensors:
         t = tensors.get(rec.name)
         if t is None:
             raise BaseMismatchError(f"{rec.name}: in the delta but not in the target")
-        if dtype_info(t.dtype).name != rec.dtype or tuple(t.shape) != rec.shape:
+        if _info(t.dtype).name != rec.dtype or tuple(t.shape) != rec.shape:
             raise BaseMismatchError(
                 f"{rec.name}: target is {dtype_info(t.dtype).name} {tuple(t.shape)}, delta expects {rec.dtype} {rec.shape}")
         if rec.name not in fps:
@@ -206,7 +228,7 @@ def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Map
             raise BaseMismatchError(
                 f"{rec.name}: target fingerprint {fp_hex(fps[rec.name])} is not the delta's base {rec.fp_before} "
                 f"(state is not v{manifest.parent}; already applied, or diverged: resync from a keyframe)")
-    have = state_fingerprint((n, dtype_info(t.dtype).name, tuple(t.shape), fps[n]) for n, t in tensors.items())
+    have = state_fingerprint((n, _info(t.dtype).name, tuple(t.shape), fps[n]) for n, t in tensors.items())
     if have != manifest.state_fp_before:
         raise BaseMismatchError(
             f"target state {have} is not v{manifest.parent} ({manifest.state_fp_before}); the tensor sets differ")
@@ -282,19 +304,28 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
     # tied weights: the primary's patch writes the shared words once
     work = [(name, chunks) for name, chunks in prepared.patches.items() if name not in aliases]
     try:
-        if executor is None or len(work) < 2:
+        groups = _balanced(work, PATCH_TASKS) if executor is not None else [work]
+        if len(groups) < 2:
             for name, chunks in work:
                 new_fps[name] = patch_one(name, chunks)
         else:
-            futures = [(name, executor.submit(patch_one, name, chunks)) for name, chunks in work]
+            # A few tasks of about equal change counts (a future per tensor costs more in GIL
+            # hand-offs than most tensors' patches); each returns its first failure, if any.
+            futures = [executor.submit(_patch_group, patch_one, group) for group in groups]
             try:
-                wait([f for _, f in futures])
+                wait(futures)
             finally:
                 # Whatever happens here (even an interrupt), every worker must be done writing
                 # before anything is rolled back.
-                wait([f for _, f in futures])
-            for name, f in futures:
-                new_fps[name] = f.result()  # raises the first failure, in tensor order
+                wait(futures)
+            first = None
+            for f in futures:  # groups are contiguous runs of the tensors, in order
+                done, failure = f.result()
+                new_fps.update(done)
+                if failure is not None and first is None:
+                    first = failure
+            if first is not None:
+                raise first  # the first failure in tensor order
         for alias, primary in aliases.items():
             new_fps[alias] = new_fps[primary]
     except BaseException as e:
@@ -308,7 +339,7 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
 
 
 def _patch_tensor(live: torch.Tensor, chunks: list[ChunkPatch], fp: int, undo: _Undo) -> int:
-    info = dtype_info(live.dtype)
+    info = _info(live.dtype)
     sdt = signed_word_dtype(info.word_size)
     work = live if live.is_contiguous() else live.contiguous()
     words = word_view(work)
@@ -358,22 +389,52 @@ def _patch_tensor_compiled(live: torch.Tensor, work: torch.Tensor, words: torch.
     """:func:`_patch_tensor` on CPU with the compiled kernels: one pass per chunk gathers the old
     words, writes the new ones and sums the fingerprint change from the words read back."""
     host = words.detach().numpy().view(numpy_word_dtype(word_size))
-    sdt = np.dtype(f"i{word_size}")
     restore = None if work is live else live
     for c in chunks:
         if c.dense is not None:
             where = slice(c.start, c.stop)
-            undo.entries.append((words, where, words[where].clone(), restore, work))
+            undo.entries.append((None, host, where, host[where].copy(), restore, work))
             fp = update_fingerprint(fp, kernels.copy_range_delta(host[where], c.dense, c.start, word_size))
             continue
         if c.pending is not None:  # base-conditioned chunk: decoded against the words it patches
             c = c.resolve(host[c.start : c.stop])
-        old, fpd = kernels.patch_words(host, c.changes, word_size)  # all or nothing: bounds checked first
-        undo.entries.append((words, torch.from_numpy(c.changes.positions), torch.from_numpy(old.view(sdt)), restore, work))
+        old, fpd = kernels.patch_chunk(host, c.changes, word_size)  # all or nothing: bounds checked first
+        undo.entries.append((None, host, c.changes.positions, old, restore, work))
         fp = update_fingerprint(fp, fpd)
     if work is not live:
         live.copy_(work)
     return fp
+
+
+PATCH_TASKS = 4  # stage_prepared with an executor: tensors in this many tasks of about equal change counts
+
+
+def _balanced(work: list[tuple[str, list[ChunkPatch]]], parts: int) -> list[list[tuple[str, list[ChunkPatch]]]]:
+    """``work`` (in order) cut into at most ``parts`` contiguous groups of about equal change counts."""
+    counts = [sum(c.count for c in chunks) for _, chunks in work]
+    total = sum(counts)
+    if len(work) < 2 or total == 0:
+        return [work] if work else []
+    groups: list[list[tuple[str, list[ChunkPatch]]]] = [[]]
+    acc = 0
+    for item, n in zip(work, counts):
+        if groups[-1] and acc * parts >= total * len(groups):
+            groups.append([])
+        groups[-1].append(item)
+        acc += n
+    return groups
+
+
+def _patch_group(patch_one, group):
+    """Patch a group's tensors in order: ({name: fingerprint}, None), or (what was done, the exception)
+    at the first failure (the caller raises it once every task is done)."""
+    done: dict[str, int] = {}
+    for name, chunks in group:
+        try:
+            done[name] = patch_one(name, chunks)
+        except Exception as e:  # noqa: BLE001
+            return done, e
+    return done, None
 
 
 def apply_delta(target, manifest: Manifest, blobs: BlobSource, fps: Mapping[str, int] | None = None, *,

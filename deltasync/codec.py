@@ -34,7 +34,7 @@ from .errors import ChainError, FormatError, UnsupportedError
 from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, fp_hex, state_fingerprint, tensor_fingerprint,
                           update_fingerprint, words_range_delta)
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
-from .entropy import AnsBlobCoder, AnsTables, decode_ans_chunk, word_symbols
+from .entropy import AnsBlobCoder, AnsChunk, AnsTables, decode_ans_chunks, word_symbols
 from .conditioned import (CODING_BASE_CONDITIONED, CODING_BASE_FREE, CODING_META, CODINGS, CondBlobCoder, CondTables,
                           PendingChanges, chunk_ranks, context_spec)
 from . import kernels
@@ -756,7 +756,8 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
     tables: list[AnsTables] = []  # the blob's models, parsed at its first ans chunk
     ctables: list[CondTables] = []  # v3: the blob's per-context models, parsed at its first ansx chunk
 
-    jobs: list[Callable[[], ChunkPatch]] = []
+    jobs: list[Callable[[], ChunkPatch] | None] = []
+    ans_batch: list[tuple[int, str, str, int, AnsChunk]] = []  # (index in jobs, tensor, dtype, stop, its streams)
     for rec in reader.chunks:
         if set(rec) != keys:
             raise FormatError(f"blob chunk fields must be {sorted(keys)} (blob format version {reader.version}), "
@@ -799,11 +800,13 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
             if not tables:
                 tables.append(AnsTables.parse(reader.stream("ansm")))
                 cursors["ansm"] = reader.stream("ansm").size
-            words = np.array(take("ans", 2 * _nonneg(rec, "na"))).view("<u2")
-            raw = take(f"raw{w}", _nonneg(rec, "nr"), wdt)
-            jobs.append(lambda name=name, info=info, start=start, stop=stop, count=count, words=words, raw=raw:
-                        ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, changes=decode_ans_chunk(
-                            tables[0], words, raw, count, stop - start, start, info.word_size)))
+            at, r0 = cursors.get("ans", 0), cursors.get(f"raw{w}", 0)
+            na, nr = _nonneg(rec, "na"), _nonneg(rec, "nr")
+            take("ans", 2 * na)
+            take(f"raw{w}", nr, wdt)
+            ans_batch.append((len(jobs), name, info.name, stop,
+                              AnsChunk(count=count, length=length, start=start, at=at, na=na, r0=r0, nr=nr, word_size=w)))
+            jobs.append(None)  # decoded with the blob's other ans chunks, below
             continue
         if mode == "gap":
             pos = ("gap", take("gap", _nonneg(rec, "ng")), take("gapx", _nonneg(rec, "ngx")))
@@ -821,9 +824,21 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
     for stream in reader.stream_names:
         if stream not in cursors:
             raise FormatError(f"blob stream {stream!r} has bytes no chunk uses")
-    if executor is None or len(jobs) < 2:
-        return [job() for job in jobs]
-    return list(executor.map(lambda job: job(), jobs))
+    out: list[ChunkPatch | None] = [None] * len(jobs)
+    if ans_batch:  # (format 2 blobs have no gap/bitmap chunks, so errors still come in chunk order)
+        raws = {w: reader.stream(f"raw{w}", numpy_word_dtype(w)) for w in {b[-1].word_size for b in ans_batch}}
+        decoded = decode_ans_chunks(tables[0], reader.stream("ans"), raws, [b[-1] for b in ans_batch],
+                                    executor=executor)
+        for (i, name, dtname, stop, a), ch in zip(ans_batch, decoded):
+            out[i] = ChunkPatch(tensor=name, dtype=dtname, start=a.start, stop=stop, changes=ch)
+    todo = [i for i, job in enumerate(jobs) if job is not None]
+    if executor is None or len(todo) < 2:
+        for i in todo:
+            out[i] = jobs[i]()
+    else:
+        for i, p in zip(todo, executor.map(lambda i: jobs[i](), todo)):
+            out[i] = p
+    return out
 
 
 def _decode_chunk(name: str, info: DtypeInfo, start: int, stop: int, count: int, pos, parts) -> ChunkPatch:

@@ -164,3 +164,31 @@ def decode_ans_chunk(tables: AnsTables, words: np.ndarray, raw: np.ndarray, coun
         raise FormatError(f"ans chunk: {_ERRORS.get(err, f'error {err}')}")
     return changes_from_symbols(pos + start, sym, bneg[:nbig], bmag[:nbig], raw, word_size,
                                 rans.SMALL, rans.BIG, rans.RAW)
+
+
+# -- A: a blob's ans chunks decoded in a few compiled calls ---------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AnsChunk:
+    """Where one ans chunk's message and raw words lie in its blob's streams (byte offset ``at`` and word
+    count ``na`` in ``ans``; word offset ``r0`` and count ``nr`` in ``raw{word_size}``)."""
+
+    count: int
+    length: int
+    start: int
+    at: int
+    na: int
+    r0: int
+    nr: int
+    word_size: int
+
+
+def decode_ans_chunks(tables: AnsTables, ans: np.ndarray, raws: dict[int, np.ndarray], chunks: list[AnsChunk],
+                      *, executor=None) -> list[Changes]:
+    """Every chunk of ``chunks`` decoded (:func:`decode_ans_chunk` each, same results and errors: the first
+    failing chunk in list order raises). With the compiled kernels, chunks of one word size are decoded in
+    one call into shared arrays (each chunk's Changes are views of them); ``executor``: in a few parts on
+    its threads."""
+    from . import kernels
+
+    return kernels.decode_ans_chunks(tables, ans, raws, chunks, executor=executor)

@@ -37,7 +37,15 @@ raw, word_size)``
 ``copy_lanes_sum_np(dst, src, offset)``        ``dst[:] = src`` and the ``lanes_sum`` of it, one pass
 ``fingerprint_delta_np(positions, old, new,    ``fingerprint.fingerprint_delta`` on the host
 word_size)``
+``decode_ans_chunks(tables, ans, raws,         ``entropy.decode_ans_chunk`` for each of a blob's ans
+chunks, executor=)``                           chunks: one compiled call per word size (in parts on
+                                               the executor's threads), Changes as views of it
+``patch_chunk(words, changes, word_size)``     ``patch_words`` in one prefetching pass (apply.py)
+``gather_words`` / ``scatter_words``           ``out[:] = words[pos]`` / ``words[pos] = src`` (the
+                                               ``--out`` journal, undo records)
 =============================================  ===============================================
+
+The whole-chunk decode, the one-pass patch and gather/scatter are tested in ``tests/test_kernels_apply.py``.
 """
 
 from __future__ import annotations
@@ -359,3 +367,126 @@ def fingerprint_delta_np(positions: np.ndarray, old: np.ndarray, new: np.ndarray
         return fingerprint_delta(torch.from_numpy(positions), torch.from_numpy(old.view(sdt)),
                                  torch.from_numpy(new.view(sdt)), word_size)
     return int(k.fingerprint_delta(positions, old, new, _per(word_size), _table())) & _MASK64
+
+
+# -- A: whole-chunk decode, fused patch, journal gather ------------------------------------------------
+
+_PARTS = 4  # an executor's share of a blob's ans chunks: this many parts of about equal change counts
+_PART_MIN = 1 << 15  # fewer changes than this in all: one part
+
+
+def _packed_tables(tables):
+    (gf, gc, gl), (vf, vc, vl) = tables.g, tables.v
+    return _cpu.ans_slot_table(gf, gc, gl), _cpu.ans_slot_table(vf, vc, vl)
+
+
+def _ans_error(code: int, detail: int, chunk) -> FormatError:
+    from ..entropy import _ERRORS
+
+    if code == _cpu.E_ANS_NRAW:
+        return FormatError(f"values: {detail} raw symbols but {chunk.nr} raw words")
+    if code == _cpu.E_ANS_STEPBIG:
+        return FormatError(f"values: a step larger than half a {chunk.word_size * 8}-bit word")
+    return FormatError(f"ans chunk: {_ERRORS.get(code, f'error {code}')}")
+
+
+def _split(counts: list[int], parts: int) -> list[tuple[int, int]]:
+    """Contiguous [a, b) ranges of ``counts`` with about equal sums, at most ``parts`` of them."""
+    total = sum(counts)
+    out, a, acc = [], 0, 0
+    for i, c in enumerate(counts):
+        acc += c
+        if acc * parts >= total * (len(out) + 1) and i + 1 < len(counts):
+            out.append((a, i + 1))
+            a = i + 1
+    out.append((a, len(counts)))
+    return [r for r in out if r[0] < r[1]]
+
+
+def decode_ans_chunks(tables, ans: np.ndarray, raws: dict, chunks: list, *, executor=None) -> list:
+    """:func:`deltasync.entropy.decode_ans_chunks` (see there): one compiled call per word size (and part)."""
+    from ..dtypes import numpy_word_dtype
+    from ..entropy import decode_ans_chunk
+    from ..values import Changes
+
+    for c in chunks:
+        if c.at < 0 or c.at + 2 * c.na > ans.size or c.r0 < 0 or c.r0 + c.nr > raws[c.word_size].size:
+            raise FormatError("blob stream 'ans' or its raw words are shorter than its chunks need (truncated or corrupt)")
+    k = cpu_kernels()
+    if k is None:
+        out = []
+        for c in chunks:
+            words = np.array(ans[c.at : c.at + 2 * c.na]).view("<u2")
+            out.append(decode_ans_chunk(tables, words, raws[c.word_size][c.r0 : c.r0 + c.nr], c.count, c.length,
+                                        c.start, c.word_size))
+        return out
+    if ans.size % 2:
+        raise FormatError(f"blob stream 'ans' has {ans.size} bytes, not a whole number of 16-bit words")
+    words16 = ans.view("<u2") if ans.size else np.zeros(0, np.uint16)
+    gtab, vtab = _packed_tables(tables)
+    result: list = [None] * len(chunks)
+    failures: list[tuple[int, int, int]] = []  # (chunk index, code, detail)
+    for w in sorted({c.word_size for c in chunks}):
+        idx = [i for i, c in enumerate(chunks) if c.word_size == w]
+        jobs = np.empty((len(idx), 8), dtype=np.int64)
+        o = 0
+        for row, i in enumerate(idx):
+            c = chunks[i]
+            jobs[row] = (c.at // 2, c.na, c.count, c.length, c.start, c.r0, c.nr, o)
+            o += c.count
+        wdt = numpy_word_dtype(w)
+        pos = np.empty(o, np.int64)
+        rawf = np.empty(o, np.bool_)
+        vals = np.empty(o, wdt)
+        raw_words = np.ascontiguousarray(raws.get(w, np.zeros(0, wdt)), wdt)
+        ranges = [(0, len(idx))]
+        if executor is not None and o >= _PART_MIN and len(idx) > 1:
+            ranges = _split([chunks[i].count for i in idx], _PARTS)
+
+        def run(r, jobs=jobs, pos=pos, rawf=rawf, vals=vals, raw_words=raw_words, w=w):
+            return k.ans_decode_chunks(words16, jobs[r[0] : r[1]], gtab, vtab, raw_words, pos, rawf, vals, w * 8)
+
+        got = list(executor.map(run, ranges)) if len(ranges) > 1 else [run(ranges[0])]
+        for (a, _), (code, j, detail) in zip(ranges, got):
+            if code != 0:
+                failures.append((idx[a + j], int(code), int(detail)))
+        for row, i in enumerate(idx):
+            a = int(jobs[row, 7])
+            b = a + chunks[i].count
+            result[i] = Changes(positions=pos[a:b], raw=rawf[a:b], values=vals[a:b])
+    if failures:
+        i, code, detail = min(failures)
+        raise _ans_error(code, detail, chunks[i])
+    return result
+
+
+def patch_chunk(words: np.ndarray, changes, word_size: int):
+    """:func:`patch_words` in one pass (the compiled kernel ``patch_chunk``): (old words, fingerprint change
+    from the words read back). Numba only; raises IndexError, writing nothing, on a position out of range."""
+    k = cpu_kernels()
+    if k is None:
+        raise RuntimeError("patch_chunk needs the numba kernels")
+    old = np.empty(changes.positions.size, words.dtype)
+    fpd, bad = k.patch_chunk(words, changes.positions, changes.raw, changes.values.astype(words.dtype, copy=False),
+                             old, _per(word_size), _table())
+    if bad >= 0:
+        raise IndexError(f"change position {int(changes.positions[bad])} is outside a tensor of {words.size} words")
+    return old, int(fpd)
+
+
+def gather_words(words: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = words[positions]`` (positions in range: the caller checks); compiled when selected."""
+    k = cpu_kernels()
+    if k is None:
+        np.take(words, positions, out=out)
+    else:
+        k.gather_words(words, positions, out)
+
+
+def scatter_words(words: np.ndarray, positions: np.ndarray, src: np.ndarray) -> None:
+    """``words[positions] = src``; compiled when selected."""
+    k = cpu_kernels()
+    if k is None:
+        words[positions] = src
+    else:
+        k.scatter_words(words, positions, src)

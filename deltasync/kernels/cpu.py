@@ -755,3 +755,233 @@ def diff_span(o, n, ol, dst, first, last, per, table, want_lanes, update_old, ca
             if update_old:
                 dst[p] = b
     return pos, ow, nw, k, fpd, total
+
+
+# -- A: whole-chunk decode, fused patch and journal kernels --------------------------------------
+# The ``ans`` chunk mode (docs/FORMAT.md §4.3) decoded straight into Changes, chunk after chunk in
+# one call; the patch of a chunk in one pass over its positions; the journal's old words gathered.
+
+from .. import rans as _rans  # noqa: E402  (constants of the ans coding; frozen into the kernels)
+
+_A_PREC = _rans.PREC
+_A_SLOTS = (1 << _rans.PREC) - 1
+_A_L = _rans.L
+_A_SMALL = _rans.SMALL
+_A_BIG = _rans.BIG
+_A_RAW = _rans.RAW
+# error codes of ans_decode_chunks beyond rans's (OK, E_SHORT, E_SYMBOL, E_END, E_GAP)
+E_ANS_NRAW, E_ANS_STEPBIG = 40, 41
+
+
+def ans_slot_table(freq: np.ndarray, cum: np.ndarray, lut: np.ndarray) -> np.ndarray:
+    """A model's decode table, one int32 per slot: symbol | freq << 6 | (slot - start) << 19, so one load
+    gives all three (rans.tables' freq, cumulative starts and slot lookup)."""
+    slots = np.arange(lut.size, dtype=np.int64)
+    s = lut.astype(np.int64)
+    return (s | (freq.astype(np.int64)[s] << 6) | ((slots - cum.astype(np.int64)[s]) << 19)).astype(np.int32)
+
+
+@_jit
+def ans_decode_chunks(ans, jobs, gtab, vtab, raws, pos, rawf, vals, bits):
+    """Decode ans chunks into Changes arrays: ``jobs`` int64[n, 8] rows of (word offset in ``ans``, word
+    count, change count, chunk length, chunk start, offset in ``raws``, raw word count, offset in the
+    outputs). Writes absolute positions, raw flags and values (unsigned words) at each chunk's output
+    offset. Returns (error code, job index, detail): the first failing chunk in job order, with the checks
+    (and their order) of ``rans.decode_chunk`` then ``values.changes_from_symbols``.
+
+    Renormalisation is branch-free (a select: whether a symbol crosses a 16-bit word is a coin toss the
+    branch predictor loses), and a gap's low bits take one step unless the gap is 2**13 or more."""
+    mask_w = ~np.uint64(0) if bits == 64 else (np.uint64(1) << np.uint64(bits)) - _U1
+    bigmax = (np.uint64(1) << np.uint64(bits - 1)) - np.uint64(1 + _A_SMALL)
+    for j in range(jobs.shape[0]):
+        w0 = jobs[j, 0]
+        nw = jobs[j, 1]
+        count = jobs[j, 2]
+        length = jobs[j, 3]
+        start = jobs[j, 4]
+        r0 = jobs[j, 5]
+        nr = jobs[j, 6]
+        o = jobs[j, 7]
+        if nw < 2:
+            return _rans.E_SHORT, j, 0
+        last = w0 + nw - 1
+        x = np.int64(ans[w0]) | (np.int64(ans[w0 + 1]) << 16)
+        at = w0 + 2  # absolute index of the next word; past ``last``: zeros are fed, caught at the end
+        p = np.int64(-1)
+        ir = 0
+        too_big = False
+        for i in range(count):
+            e = np.int64(gtab[x & _A_SLOTS])
+            b = e & 63
+            x = ((e >> 6) & 0x1FFF) * (x >> _A_PREC) + (e >> 19)
+            nx = (x << 16) | (np.int64(ans[min(at, last)]) if at <= last else np.int64(0))
+            lo = x < _A_L
+            x = nx if lo else x
+            at += 1 if lo else 0
+            # the gap's b - 1 low bits, low pieces of at most PREC bits first
+            k = b - 1 if b >= 1 else 0
+            kk = k if k < _A_PREC else _A_PREC
+            g = x & ((np.int64(1) << kk) - 1)
+            x >>= kk
+            nx = (x << 16) | (np.int64(ans[min(at, last)]) if at <= last else np.int64(0))
+            lo = x < _A_L
+            x = nx if lo else x
+            at += 1 if lo else 0
+            k -= kk
+            sh = kk
+            while k > 0:  # gaps of 2**13 words or more
+                kk = k if k < _A_PREC else _A_PREC
+                g |= (x & ((np.int64(1) << kk) - 1)) << sh
+                x >>= kk
+                if x < _A_L:
+                    x <<= 16
+                    if at <= last:
+                        x |= np.int64(ans[at])
+                    at += 1
+                sh += kk
+                k -= kk
+            if b >= 1:
+                g |= np.int64(1) << (b - 1)
+            p += g + 1
+            if p >= length or b > 48:
+                return _rans.E_GAP, j, 0
+            pos[o + i] = start + p
+            e = np.int64(vtab[x & _A_SLOTS])
+            s = e & 63
+            x = ((e >> 6) & 0x1FFF) * (x >> _A_PREC) + (e >> 19)
+            nx = (x << 16) | (np.int64(ans[min(at, last)]) if at <= last else np.int64(0))
+            lo = x < _A_L
+            x = nx if lo else x
+            at += 1 if lo else 0
+            if s < _A_BIG:
+                rawf[o + i] = False
+                mag = np.uint64(s >> 1) + _U1
+                vals[o + i] = ((~mag + _U1) & mask_w) if (s & 1) == 1 else mag
+                continue
+            if s == _A_RAW:
+                rawf[o + i] = True
+                if ir < nr:
+                    vals[o + i] = raws[r0 + ir]
+                ir += 1
+                continue
+            rawf[o + i] = False
+            v8 = x & 0xFF  # BIG: 1 sign bit and 7 bits of q, then q - 1 bits
+            x >>= 8
+            if x < _A_L:
+                x <<= 16
+                if at <= last:
+                    x |= np.int64(ans[at])
+                at += 1
+            q = v8 >> 1
+            if q > 64:
+                return _rans.E_SYMBOL, j, 0
+            m = np.uint64(0)
+            if q >= 1:
+                k = q - 1
+                sh = 0
+                while k > 0:
+                    kk = k if k < _A_PREC else _A_PREC
+                    m |= np.uint64(x & ((np.int64(1) << kk) - 1)) << np.uint64(sh)
+                    x >>= kk
+                    if x < _A_L:
+                        x <<= 16
+                        if at <= last:
+                            x |= np.int64(ans[at])
+                        at += 1
+                    sh += kk
+                    k -= kk
+                m |= np.uint64(1) << np.uint64(q - 1)
+            if m > bigmax:
+                too_big = True
+            mag = m + np.uint64(1 + _A_SMALL)
+            vals[o + i] = ((~mag + _U1) & mask_w) if (v8 & 1) == 1 else (mag & mask_w)
+        if at > last + 1:
+            return _rans.E_SHORT, j, 0
+        if at != last + 1 or x != _A_L:
+            return _rans.E_END, j, 0
+        if ir != nr:
+            return E_ANS_NRAW, j, ir
+        if too_big:
+            return E_ANS_STEPBIG, j, 0
+    return _rans.OK, -1, 0
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Prefetch ``arr[idx]`` for a write (llvm.prefetch; a hint: never faults, no effect on results).
+    The patch loops below touch one cache line per change in ascending but irregular order; asking for
+    the line 32 changes ahead keeps enough misses in flight to halve their time."""
+    sig = types.void(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False, boundscheck=False)
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        i32 = ir.IntType(32)
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_AHEAD = 32
+
+
+@_jit
+def patch_chunk(words, positions, raw, values, old, per, table):
+    """:func:`patch_words` in one pass over the positions (gather the old word into ``old``, write the new
+    one, read it back and add its fingerprint change), prefetching ahead. Returns (fingerprint change,
+    index of the first out-of-range position or -1: nothing is written then)."""
+    count = positions.size
+    n = words.size
+    for k in range(count):
+        p = positions[k]
+        if p < 0 or p >= n:
+            return np.uint64(0), k
+    lb = np.int64(-1)
+    lk = np.uint64(0)
+    fpd = np.uint64(0)
+    for k in range(count):
+        if k + _AHEAD < count:
+            _prefetch(words, positions[k + _AHEAD])
+        p = positions[k]
+        a = words[p]
+        old[k] = a
+        if raw[k]:
+            words[p] = values[k]
+        else:
+            words[p] = a + values[k]
+        b = words[p]  # read back: the fingerprint of what landed
+        if per == 1:  # 2-byte words (bf16, fp16): one lane, the block key carried in registers
+            blk = p >> 16
+            if blk != lb:
+                lb = blk
+                lk = _block_key(blk)
+            fpd += (np.uint64(b) - np.uint64(a)) * table[p & 0xFFFF] * lk
+        else:
+            dd, lb, lk = _word_delta(p, np.uint64(a), np.uint64(b), per, table, lb, lk)
+            fpd += dd
+    return fpd, -1
+
+
+@_jit
+def gather_words(words, positions, out):
+    """``out[k] = words[positions[k]]`` (positions checked in range by the caller), prefetching ahead."""
+    count = positions.size
+    for k in range(count):
+        if k + _AHEAD < count:
+            _prefetch(words, positions[k + _AHEAD])
+        out[k] = words[positions[k]]
+
+
+@_jit
+def scatter_words(words, positions, src):
+    """``words[positions[k]] = src[k]``: an undo record written back."""
+    count = positions.size
+    for k in range(count):
+        if k + _AHEAD < count:
+            _prefetch(words, positions[k + _AHEAD])
+        words[positions[k]] = src[k]
