@@ -91,10 +91,13 @@ def step_state(state: dict[str, torch.Tensor], path: Path, frac: float, seed: in
 class _Child:
     """A CLI process reaped with wait4: exit time and peak RSS."""
 
-    def __init__(self, cmd: list[str], log: Path) -> None:
+    def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log
         self.log = open(log, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.ended: float | None = None
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env)
+        self.ended: float | None = None  # perf_counter() at exit
+        self.ended_mono: float | None = None  # time.monotonic() at exit: the clock of deltasync.timeline stamps
         self.rss_mb = 0.0
         self.code: int | None = None
         self.anon_mb = 0.0  # peak anonymous RSS (RssAnon, sampled every 20 ms: the kernel keeps no peak of it)
@@ -140,6 +143,7 @@ class _Child:
     def _reap(self) -> None:
         _, status, ru = os.wait4(self.proc.pid, 0)
         self.ended = time.perf_counter()
+        self.ended_mono = time.monotonic()
         self.code = os.waitstatus_to_exitcode(status)
         self.proc.returncode = self.code
         self.rss_mb = self.hwm_mb or ru.ru_maxrss / 1024

@@ -20,53 +20,18 @@ import argparse
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shardcast import MODEL, _cli, _idle, make_state, step_state  # noqa: E402
+from bench_shardcast import MODEL, _Child, _cli, _idle, make_state, step_state  # noqa: E402
 
 from deltasync.cli.cluster import LocalCluster  # noqa: E402
 
 MiB = 1 << 20
 STAMP = re.compile(r"mono=(\d+\.\d+) (\S+)(.*)$")
-
-
-class _Proc:
-    """A CLI process whose exit is stamped on the monotonic clock (wait4 on a thread)."""
-
-    def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.log_path = log
-        self._log = open(log, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env)
-        self.ended: float | None = None
-        self.code: int | None = None
-        self._t = threading.Thread(target=self._reap, daemon=True)
-        self._t.start()
-
-    def anon_now(self) -> float:  # bench_shardcast._idle records it
-        return 0.0
-
-    def _reap(self) -> None:
-        _, status, _ = os.wait4(self.proc.pid, 0)
-        self.ended = time.monotonic()
-        self.code = os.waitstatus_to_exitcode(status)
-        self.proc.returncode = self.code
-
-    def wait(self, timeout: float) -> None:
-        self._t.join(timeout)
-        if self.code is None:
-            self.proc.kill()
-            self._t.join(5)
-            raise TimeoutError(f"{self.proc.args[:4]} did not finish within {timeout:.0f} s")
-        if self.code != 0:
-            raise RuntimeError(f"{' '.join(map(str, self.proc.args[:6]))} exited {self.code}: "
-                               f"{self.log_path.read_text(errors='replace')[-1500:]}")
 
 
 def stamps(path: Path, since: float) -> list[tuple[float, str, str]]:
@@ -94,18 +59,18 @@ def run(size: int, changed: float, work: Path) -> list[tuple[str, str, float]]:
         outs = [work / f"sub{i}.safetensors" for i in range(4)]
         rows: list[tuple[str, str, float]] = []
         for version, path, extra in ((0, state, []), (1, step, ["--base", str(state)])):
-            subs = [_Proc(_cli("subscribe", "--from", cluster.url(f"r{1 + i % 2}"), *common, "--out", str(out),
+            subs = [_Child(_cli("subscribe", "--from", cluster.url(f"r{1 + i % 2}"), *common, "--out", str(out),
                                "--until", str(version), "--timeout", "600", "--quiet"), work / f"sub{i}-v{version}.log",
                           env=env) for i, out in enumerate(outs)]
             _idle(subs)
             t0 = time.monotonic()
-            p = _Proc(_cli("publish", *pub, *extra, str(path)), work / f"publish-v{version}.log")
+            p = _Child(_cli("publish", *pub, *extra, str(path)), work / f"publish-v{version}.log")
             p.wait(600)
             for s in subs:
                 s.wait(600)
             if version == 0:
                 continue
-            rows.append(("publish", "exit", p.ended - t0))
+            rows.append(("publish", "exit", p.ended_mono - t0))
             for name in ("origin", "r1", "r2"):
                 for t, what, rest in stamps(cluster.servers[name].log_path, t0):
                     if rest.endswith(f" v{version}") or f" v{version} " in rest:
@@ -113,7 +78,7 @@ def run(size: int, changed: float, work: Path) -> list[tuple[str, str, float]]:
             for i, s in enumerate(subs):
                 for t, what, _ in stamps(s.log_path, t0):
                     rows.append((f"sub{i}", what, t - t0))
-                rows.append((f"sub{i}", "exit", s.ended - t0))
+                rows.append((f"sub{i}", "exit", s.ended_mono - t0))
         return rows
     finally:
         cluster.close()
