@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
+from deltasync import kernels
 from deltasync.dtypes import dtype_info
+
+#: unsigned numpy word type per word size
+WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@pytest.fixture(autouse=True)
+def restore_kernels():
+    """Import into a test module that switches ``kernels.select``: the selection is "auto" again after each test."""
+    yield
+    kernels.select("auto")
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

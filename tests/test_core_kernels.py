@@ -25,14 +25,8 @@ from deltasync.fingerprint import FP_SPLIT_LANES, copy_fingerprint, fingerprint_
 
 pytest.importorskip("numba")
 
-WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+from core_support import WORD, restore_kernels  # noqa: E402,F401  (restore_kernels: autouse)
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@pytest.fixture(autouse=True)
-def _restore_selection():
-    yield
-    kernels.select("auto")
 
 
 def both(fn):

@@ -31,15 +31,9 @@ from deltasync.values import Changes
 
 pytest.importorskip("numba")
 
-WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+from core_support import WORD, restore_kernels  # noqa: E402,F401  (restore_kernels: autouse)
 TORCH = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@pytest.fixture(autouse=True)
-def _restore_selection():
-    yield
-    kernels.select("auto")
 
 
 def _same_changes(a: Changes, b: Changes) -> None:

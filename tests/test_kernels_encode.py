@@ -29,15 +29,9 @@ from deltasync.values import Changes, changes_from_words, step_symbols
 
 numba = pytest.importorskip("numba")
 
-WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+from core_support import WORD, restore_kernels  # noqa: E402,F401  (restore_kernels: autouse)
 SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@pytest.fixture(autouse=True)
-def _restore_selection():
-    yield
-    kernels.select("auto")
 
 
 @st.composite
