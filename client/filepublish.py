@@ -219,7 +219,8 @@ async def publish_keyframe(client: HttpClient, *, model: str, version: int,
                            meta: Mapping[str, str] | None = None, commit: bool = True) -> Published:
     """Publish ``state`` as keyframe v``version`` of ``model``: HostTensors (a mapped file) as pieces of the
     file, never copied (:func:`shard_pieces`); torch tensors one shard in memory at a time (plus the one
-    uploading). ``commit=False``: upload the blobs only (the caller commits ``manifest``, unsigned)."""
+    uploading). ``commit=False``: upload the blobs only; the caller commits ``manifest`` (unsigned, with the
+    blobs' digests when a ``signer`` is given: ``commit_manifest(client, manifest, key=signer)``)."""
     loop = asyncio.get_running_loop()
     fps = dict(fps) if fps is not None else {}
     where: dict[str, str] = {}
@@ -227,8 +228,7 @@ async def publish_keyframe(client: HttpClient, *, model: str, version: int,
 
     groups = _groups(state, shard_bytes_)
     if all(isinstance(t, HostTensor) for t in state.values()):
-        await _publish_pieces(client, state, groups, digest=signer is not None and commit, fps=fps, where=where,
-                              refs=refs)
+        await _publish_pieces(client, state, groups, digest=signer is not None, fps=fps, where=where, refs=refs)
         return await _keyframe_manifest(client, model=model, version=version, state=state, signer=signer, fps=fps,
                                         where=where, refs=refs, meta=meta, commit=commit)
     from deltasync.tensorfile import shard_bytes
@@ -242,7 +242,7 @@ async def publish_keyframe(client: HttpClient, *, model: str, version: int,
         data = shard_bytes({n: state[n] for n in group}, fps=got, into=buffers[k % len(buffers)])
         for n in group:
             fps.setdefault(n, got[n])
-        return blob_id(data), data, (blob_digest(data) if signer is not None and commit else None)
+        return blob_id(data), data, (blob_digest(data) if signer is not None else None)
 
     uploading: asyncio.Task | None = None
     try:

@@ -6,7 +6,10 @@ publishes each new complete checkpoint in step order as a delta against the prev
 one, diffing the two files through ``mmap`` (``deltasync.codec.encode_delta`` reads
 both files' pages; nothing is copied into the sidecar's memory but the changes).
 The first checkpoint (and one whose tensor layout changed) goes out as a keyframe;
-every ``keyframe_every`` steps a keyframe also goes to the side stream.
+every ``keyframe_every`` steps a keyframe also goes to the side stream. Both keyframes are
+streamed from the checkpoint's mapped pages (``filepublish.publish_keyframe``: each shard
+is its header plus views of the file), so the sidecar holds no copy of the state, and
+they are committed only if the file did not change while it was read.
 
 Restart-safe: after each commit it writes its state (last step, that checkpoint's
 file stamp and fingerprints) atomically to ``.deltasync-sidecar.json`` in the folder.
@@ -45,16 +48,17 @@ from deltasync.atomic import write_atomic
 from deltasync.budget import Budgeter, BudgetPlan, BudgetPolicy
 from deltasync.codec import EncodeOptions, diff_states, encode_delta
 from deltasync.errors import ChainError, DeltaSyncError, NotFoundError
-from deltasync.fingerprint import fingerprint_state, fp_hex
+from deltasync.fingerprint import fingerprint_state, fp_hex, state_fingerprint_of, tensor_fingerprint
 from deltasync.keyframe import encode_keyframe
 from deltasync.manifest import parse_manifest
 from deltasync.signing import Signer, as_signer
 
 from .checkpoints import Checkpoint, CheckpointError, MappedCheckpoint, find_checkpoints
 from .served import load_served, save_served
+from .filepublish import publish_keyframe
 from .http import HttpClient, Timeouts
 from .streams import keyframe_stream
-from .upload import upload_version
+from .upload import commit_manifest, upload_version
 
 log = logging.getLogger("deltasync.client.sidecar")
 
@@ -227,13 +231,19 @@ class Sidecar:
                 except CheckpointError as e:
                     log.warning("base %s unreadable (%s); publishing a keyframe", self.base.path, e)
             main, side, fps = await asyncio.to_thread(self._encode, ck, new, old)
+            if main is None:  # a keyframe: streamed from the mapped file while it is open
+                return await self._upload(ck, None, None, None, new)
+            return await self._upload(ck, main, side, fps, new)
         finally:
             new.close()
             if old is not None:
                 old.close()
-        return await self._upload(ck, main, side, fps)
 
     def _encode(self, ck: Checkpoint, new: MappedCheckpoint, old: MappedCheckpoint | None):
+        """The delta (``main``) and the budgeted stream's side keyframe (``side``, its served view), encoded in
+        memory: both O(changed) but the side keyframe. ``main`` None: the version is a keyframe, and a side
+        keyframe of the plain stream is ``side`` :data:`_STREAM`: both are streamed from the file at upload
+        (:func:`~deltasync.client.filepublish.publish_keyframe`: the file's own pages, never copied)."""
         # runs in a worker thread: the encoding reads every page of both files
         main = side = None
         plan = None
@@ -253,29 +263,21 @@ class Sidecar:
             main = None
         except (OSError, ValueError, RuntimeError) as e:  # an I/O error reading a mapped page, ...
             raise CheckpointError(f"{ck.path}: unreadable while diffing ({type(e).__name__}: {e})") from None
+        if main is None:
+            if self.budgeter is not None:
+                self._pending = (None, {n: t.clone() for n, t in new.tensors.items()})
+            return None, None, None
         try:
-            if main is None:
-                meta = {"source": ck.path.name}
-                if self.budgeter is not None:
-                    meta.update(self.budgeter.keyframe_meta(sum(t.numel() for t in new.tensors.values())))
-                main = encode_keyframe(new.tensors, model=self.model, version=ck.step, meta=meta)
-            elif self.keyframe_every and (self.last_keyframe is None or ck.step - self.last_keyframe >= self.keyframe_every):
-                # a budgeted stream's side keyframe is of the served view after this delta
-                state = self._served_after(plan) if plan is not None else new.tensors
-                side = encode_keyframe(state, model=self.side_model, version=ck.step, fps=main.fps,
-                                       meta={"source": ck.path.name})
+            if self.keyframe_every and (self.last_keyframe is None or ck.step - self.last_keyframe >= self.keyframe_every):
+                # a budgeted stream's side keyframe is of the served view after this delta (in memory)
+                side = (encode_keyframe(self._served_after(plan), model=self.side_model, version=ck.step,
+                                        fps=main.fps, meta={"source": ck.path.name}) if plan is not None else _STREAM)
         except (OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{ck.path}: unreadable ({type(e).__name__}: {e})") from None
         fps = main.fps if main.fps else fingerprint_state(new.tensors)
-        # the file must not have changed under us while we read it
-        try:
-            st = ck.path.stat()
-        except FileNotFoundError:
-            raise CheckpointError(f"{ck.path}: removed while it was being published") from None
-        if (st.st_size, st.st_mtime_ns) != ck.stamp:
-            raise CheckpointError(f"{ck.path}: changed while it was being published")
+        _check_stamp(ck)
         if self.budgeter is not None:
-            self._pending = (plan, None if plan is not None else {n: t.clone() for n, t in new.tensors.items()})
+            self._pending = (plan, None)
         return main, side, fps
 
     def _served_after(self, plan: BudgetPlan) -> dict:
@@ -296,30 +298,70 @@ class Sidecar:
         self.served_fps = dict(fps)
         save_served(self.served_path, self.served, self.model, self.version, self.budgeter)
 
-    async def _upload(self, ck: Checkpoint, main, side, fps: dict[str, int]) -> SidecarEvent:
+    async def _upload(self, ck: Checkpoint, main, side, fps: dict[str, int] | None,
+                      new: MappedCheckpoint) -> SidecarEvent:
         try:
-            return await self._upload_version(ck, main, side, fps)
+            return await self._upload_version(ck, main, side, fps, new)
         except BaseException:
             if self.budgeter is not None:  # the served view is unknown now: start over with a keyframe
                 self.served = self.served_fps = self._pending = None
             raise
 
-    async def _upload_version(self, ck: Checkpoint, main, side, fps: dict[str, int]) -> SidecarEvent:
-        existing = None
+    async def _existing(self, step: int):
+        """The manifest the origin already holds for ``step``, or None."""
         try:
-            existing = parse_manifest(await self.client.get_manifest(self.model, ck.step))
+            return parse_manifest(await self.client.get_manifest(self.model, step))
         except NotFoundError:
-            pass
+            return None
+
+    async def _stream_keyframe(self, ck: Checkpoint, new: MappedCheckpoint, *, model: str,
+                               fps: dict[str, int] | None = None):
+        """A keyframe of the checkpoint straight from its mapped pages (shards are pieces of the file: no copy
+        of the state in memory), committed only if the file did not change while it was read."""
+        meta = {"source": ck.path.name}
+        if self.budgeter is not None and model == self.model:
+            meta.update(self.budgeter.keyframe_meta(sum(t.numel() for t in new.tensors.values())))
+        try:
+            pub = await publish_keyframe(self.client, model=model, version=ck.step, state=new.host,
+                                         signer=self.signer, fps=fps, meta=meta, commit=False)
+        except (OSError, ValueError, RuntimeError) as e:  # an I/O error reading a mapped page, ...
+            raise CheckpointError(f"{ck.path}: unreadable ({type(e).__name__}: {e})") from None
+        _check_stamp(ck)
+        return await commit_manifest(self.client, pub.manifest, key=self.signer)
+
+    async def _upload_version(self, ck: Checkpoint, main, side, fps: dict[str, int] | None,
+                              new: MappedCheckpoint) -> SidecarEvent:
+        existing = await self._existing(ck.step)
+        if main is None:  # a keyframe
+            if existing is not None:
+                fps = await asyncio.to_thread(lambda: {n: tensor_fingerprint(t) for n, t in new.host.items()})
+                state_fp = state_fingerprint_of(new.host, fps)
+            else:
+                manifest = await self._stream_keyframe(ck, new, model=self.model)
+                fps = {t.name: int(t.fp_after, 16) for t in manifest.tensors}
+                state_fp = manifest.state_fp
+        else:
+            manifest, state_fp = main.manifest, main.manifest.state_fp
         if existing is not None:
-            if existing.state_fp != main.manifest.state_fp:
+            if existing.state_fp != state_fp:
                 raise DeltaSyncError(f"the origin already holds a different {self.model} v{ck.step}; not publishing {ck.path}")
             kind = "adopted"  # committed by an earlier run that died before saving its state
+            manifest = existing
         else:
-            await upload_version(self.client, main.manifest, main.blobs, key=self.signer)
+            if main is not None:
+                await upload_version(self.client, main.manifest, main.blobs, key=self.signer)
             kind = "published"
-        if side is not None:
+        side_bytes = 0
+        if side is _STREAM:
+            try:
+                side_bytes = (await self._stream_keyframe(ck, new, model=self.side_model, fps=fps)).total_bytes
+            except CheckpointError as e:  # the version is live; its side keyframe waits for the next turn
+                log.warning("%s v%s is live but its side keyframe was not committed: %s", self.model, ck.step, e)
+                side = None
+        elif side is not None:
             await upload_version(self.client, side.manifest, side.blobs, key=self.signer)
-        if main.manifest.kind == "keyframe" or side is not None:
+            side_bytes = side.manifest.total_bytes
+        if manifest.kind == "keyframe" or side is not None:
             self.last_keyframe = ck.step
         self.version = ck.step
         self.base = ck
@@ -327,11 +369,11 @@ class Sidecar:
         if self.budgeter is not None:
             await asyncio.to_thread(self._commit_served, fps)
         self._save_state()
-        raw = main.manifest.raw_bytes
-        detail = f"{main.manifest.kind} v{ck.step}, {main.manifest.total_bytes} bytes ({raw} raw)" + (
-            f" + side keyframe {side.manifest.total_bytes} bytes" if side else "")
+        raw = manifest.raw_bytes
+        detail = f"{manifest.kind} v{ck.step}, {manifest.total_bytes} bytes ({raw} raw)" + (
+            f" + side keyframe {side_bytes} bytes" if side is not None else "")
         return SidecarEvent(kind=kind, step=ck.step, path=str(ck.path), detail=detail,
-                            bytes=main.manifest.total_bytes + (side.manifest.total_bytes if side else 0), raw_bytes=raw)
+                            bytes=manifest.total_bytes + side_bytes, raw_bytes=raw)
 
     async def close(self) -> None:
         await self.client.close()
@@ -359,6 +401,20 @@ class Sidecar:
                     return
         finally:
             await self.client.close()
+
+
+#: ``_encode``'s mark for a side keyframe streamed from the checkpoint's file at upload
+_STREAM = object()
+
+
+def _check_stamp(ck: Checkpoint) -> None:
+    """The checkpoint must not have changed under us while we read it."""
+    try:
+        st = ck.path.stat()
+    except FileNotFoundError:
+        raise CheckpointError(f"{ck.path}: removed while it was being published") from None
+    if (st.st_size, st.st_mtime_ns) != ck.stamp:
+        raise CheckpointError(f"{ck.path}: changed while it was being published")
 
 
 def _patch(state: dict, plan: BudgetPlan) -> None:

@@ -130,3 +130,54 @@ def test_sidecar_cli_with_marker_files(origin, tmp_path):
     r = subprocess.run([*argv, "--quiet"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
     assert _same(_sync(origin, "scm", s2), s2)
+
+
+def test_sidecar_streams_signed_keyframes_from_the_file_and_subscribers_verify_them(origin, tmp_path):
+    """Keyframes (the first version and the side stream's) go out as pieces of the mapped checkpoint, with a
+    digest of every shard under the signature: a subscriber holding the key verifies and rebuilds them."""
+    key = b"k" * 32
+    trace = RLTrace(SHAPE, lr=1e-4, seed=8)
+    s1, s2 = trace.step(), trace.step()
+    write_state_file(tmp_path / "step-1.safetensors", s1)
+    write_state_file(tmp_path / "step-2.safetensors", s2)
+    car = Sidecar(tmp_path, origin.origin, "scs", origin.token, signer=key, keyframe_every=1)
+    events = asyncio.run(_scan_and_close(car))
+    assert [(e.kind, e.step) for e in events] == [("published", 1), ("published", 2)]
+    assert "keyframe v1" in events[0].detail and "delta v2" in events[1].detail
+    assert "side keyframe" in events[1].detail
+    for model in ("scs", "scs.kf"):  # the main stream and its side keyframe stream
+        target = {n: torch.zeros_like(t) for n, t in s2.items()}
+        with ThreadedSubscriber(origin.origin, model, target, key=key) as sub:
+            sub.sync(60)
+        assert _same(target, s2)
+
+
+def test_a_checkpoint_rewritten_while_its_keyframe_streams_is_not_committed(origin, tmp_path, monkeypatch):
+    """The streamed keyframe reads the file's pages as it uploads: if the file changes meanwhile, nothing is
+    committed (the uploaded blobs are orphans the origin sweeps) and the checkpoint is skipped."""
+    import deltasync.client.sidecar as sidecar_mod
+
+    trace = RLTrace(SHAPE, lr=1e-4, seed=9)
+    path = tmp_path / "step-1.safetensors"
+    write_state_file(path, trace.step())
+    real = sidecar_mod.publish_keyframe
+
+    async def touched_meanwhile(*args, **kwargs):  # the real upload, then the trainer rewrites the file
+        got = await real(*args, **kwargs)
+        write_state_file(path, trace.step())
+        return got
+
+    monkeypatch.setattr(sidecar_mod, "publish_keyframe", touched_meanwhile)
+    car = Sidecar(tmp_path, origin.origin, "scr", origin.token)
+    events = asyncio.run(_scan_and_close(car))
+    assert [(e.kind, e.step) for e in events] == [("skipped", 1)]
+    assert "changed while it was being published" in events[0].detail
+
+    async def head():
+        car = Sidecar(tmp_path, origin.origin, "scr", origin.token)
+        try:
+            return await car.client.get_head("scr")
+        finally:
+            await car.close()
+
+    assert asyncio.run(head()) is None  # no version of it went live
