@@ -292,7 +292,8 @@ def cmd_publish(args) -> int:
     try:
         return _cmd_publish(args)
     finally:
-        warming.join(60)  # an early error return: not while the thread is inside an import (interpreter exit)
+        if warming.is_alive():
+            warming.join(60)  # an early error return: not while the thread is inside an import (interpreter exit)
 
 
 def _cmd_publish(args) -> int:

@@ -496,8 +496,10 @@ def scatter_words(words: np.ndarray, positions: np.ndarray, src: np.ndarray) -> 
 
 #: Modules numba imports while it first loads its CPU target's registries that no kernel of ours needs:
 #: ``numba.np.arraymath`` probes for BLAS at import (``scipy.linalg.cython_blas``: ~0.25 s of scipy.linalg),
-#: only to pick BLAS over a plain loop inside njit ``np.correlate``/``np.convolve``; ours use neither.
-_NOT_FOR_OUR_KERNELS = ("scipy.linalg",)
+#: only to pick BLAS over a plain loop inside njit ``np.correlate``/``np.convolve``; ours use neither. Its typing
+#: registry imports cffi and builds a ``cffi.FFI()`` (pycparser: ~0.1 s) only to type cffi functions called from
+#: njit code; ours call none.
+_NOT_FOR_OUR_KERNELS = ("scipy.linalg", "cffi")
 _warmed = False
 _warm_lock = threading.Lock()
 
@@ -524,7 +526,8 @@ def warm_up() -> str:
     While it loads them, the modules of ``_NOT_FOR_OUR_KERNELS`` that are not imported yet are hidden from
     numba. **What that changes, for the rest of the process:** njit ``np.correlate``/``np.convolve`` use
     numba's plain loop instead of BLAS (``np.dot`` and ``np.linalg`` in njit code still find scipy: numba
-    checks for it again when they compile); scipy itself, imported afterwards, works as usual. Call it only in a process of our own (a command), never
+    checks for it again when they compile), and njit code cannot call cffi functions (numba's
+    ``cffi_utils.SUPPORTED`` stays False); scipy and cffi themselves, imported afterwards, work as usual. Call it only in a process of our own (a command), never
     from a library a program embeds; idempotent and thread-safe; returns :func:`active`. The import hook is
     process-wide while it runs: another thread importing ``scipy.linalg`` at that moment gets ImportError."""
     global _warmed
