@@ -189,6 +189,37 @@ async def _publish_files(args, token: str, signer, verifier: Verifier | None, st
         return await _publish_files_to(args, token, signer, verifier, state, base, base_error, compared, pool, options)
 
 
+def _http_client_for(urls: list[str]):
+    """``client.http.HttpClient``, importing aiohttp for talking to ``urls``.
+
+    aiohttp builds two default TLS contexts when it is imported, loading the system's CA store into each
+    (~0.09 CPU-s of a cold ``publish``). When no URL is https they are never used (plain HTTP, and a
+    publish talks to its origin only), so while aiohttp is imported here they are built without the store:
+    ``ssl.SSLContext.load_default_certs`` and ``set_default_verify_paths`` do nothing for that moment and are
+    put back right after (contexts made later are as usual). With any https URL, or aiohttp already
+    imported, it is a plain import."""
+    if "aiohttp" in sys.modules or any(u.lower().startswith("https:") for u in urls):
+        from .http import HttpClient
+
+        return HttpClient
+    import ssl
+
+    cls = ssl.SSLContext
+    names = ("load_default_certs", "set_default_verify_paths")
+    own = {n: cls.__dict__[n] for n in names if n in cls.__dict__}
+    cls.load_default_certs = lambda self, purpose=None: None
+    cls.set_default_verify_paths = lambda self: None
+    try:
+        from .http import HttpClient
+    finally:
+        for n in names:
+            if n in own:
+                setattr(cls, n, own[n])
+            else:
+                delattr(cls, n)
+    return HttpClient
+
+
 async def _settled(fut: asyncio.Future) -> None:
     """Wait for a compare pass that was not used (an error, or no head to diff against) to end."""
     await asyncio.wait([fut])
@@ -201,8 +232,9 @@ async def _publish_files_to(args, token: str, signer, verifier: Verifier | None,
     from deltasync.manifest import parse_manifest
 
     from .filepublish import check_base_file, publish_delta, publish_keyframe
-    from .http import HttpClient  # aiohttp's import overlaps the compare pass
     from .streams import keyframe_stream
+
+    HttpClient = _http_client_for([args.origin])  # aiohttp's import overlaps the compare pass
 
     async with HttpClient([args.origin], token=token, ssl=_ssl(args), read_token=token) as client:
         try:

@@ -133,3 +133,32 @@ def test_publish_base_compared_early_keeps_its_answers(tmp_path):
         assert r.returncode == 1 and "state fingerprint" in r.stderr and "head cold v1" in r.stderr, r.stderr
         r = _cli(*pub, "--base", paths[1], paths[2])
         assert r.returncode == 0 and "published cold v2: delta" in r.stdout, r.stdout + r.stderr
+
+
+def test_http_client_for_plain_urls_skips_only_aiohttps_default_ca_loading():
+    r = _py("""
+        import ssl, sys
+        from deltasync.client import cli
+        before = {n: n in ssl.SSLContext.__dict__ for n in ("load_default_certs", "set_default_verify_paths")}
+        H = cli._http_client_for(["http://127.0.0.1:9"])
+        import aiohttp.connector as c
+        from deltasync.client.http import HttpClient
+        assert H is HttpClient
+        after = {n: n in ssl.SSLContext.__dict__ for n in ("load_default_certs", "set_default_verify_paths")}
+        assert before == after, (before, after)  # put back as it was
+        ctx = ssl.create_default_context()  # contexts made later load the store as usual
+        print("aiohttp", c._SSL_CONTEXT_VERIFIED.cert_store_stats()["x509_ca"], "later",
+              ctx.cert_store_stats()["x509_ca"], "plain", ssl.create_default_context().cert_store_stats()["x509_ca"])
+    """)
+    aio, later, plain = map(int, re.search(r"aiohttp (\d+) later (\d+) plain (\d+)", r.stdout).groups())
+    assert aio == 0 and later == plain
+    r = _py("""
+        from deltasync.client import cli
+        import ssl
+        cli._http_client_for(["http://127.0.0.1:9", "https://example.invalid"])
+        import aiohttp.connector as c
+        print("aiohttp", c._SSL_CONTEXT_VERIFIED.cert_store_stats()["x509_ca"],
+              "plain", ssl.create_default_context().cert_store_stats()["x509_ca"])
+    """)
+    aio, plain = map(int, re.search(r"aiohttp (\d+) plain (\d+)", r.stdout).groups())
+    assert aio == plain  # an https URL: aiohttp's defaults trust the system store, as without this function
