@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -161,20 +163,85 @@ def _served_base(args, budgeter):
 async def _publish_files(args, token: str, signer, verifier: Verifier | None, state) -> int | None:
     """Publish from files, O(changed): a keyframe streamed shard by shard when the origin has no version
     (or ``--base`` is not its head and ``--keyframe-on-mismatch`` says so), else a delta against ``--base``.
-    None: no ``--base`` and the origin has a head (the caller rebuilds the head state from the servers)."""
+    None: no ``--base`` and the origin has a head (the caller rebuilds the head state from the servers).
+
+    With ``--base`` of the state's layout, the compare pass starts first (it needs only the two maps) and
+    runs on the pool while the HTTP client is imported and the origin's head is read; its result is
+    checked against that head before anything is encoded or sent."""
     from deltasync.codec import EncodeOptions, state_layout
-    from deltasync.manifest import parse_manifest
     from deltasync.tensorfile import MappedTensorFile
 
+    from .filepublish import compare_pool, start_compare
+
+    options = EncodeOptions(coding=args.coding)
+    async with contextlib.AsyncExitStack() as stack:
+        pool = stack.enter_context(compare_pool())
+        base = compared = base_error = None
+        if args.base:
+            try:
+                base = stack.enter_context(MappedTensorFile(args.base)).host  # numpy words over the map: no torch
+            except (OSError, DeltaSyncError) as e:  # raised only if the origin has a head to diff against
+                base_error = e
+        if base is not None and state_layout(base) == state_layout(state):
+            compared = start_compare(base, state, options=options, executor=pool)
+            timeline.debug("mono=%.6f publish-compare-started", time.monotonic())
+            stack.push_async_callback(_settled, compared)  # before the pool and the maps close
+        return await _publish_files_to(args, token, signer, verifier, state, base, base_error, compared, pool, options)
+
+
+def _http_client_for(urls: list[str]):
+    """``client.http.HttpClient``, importing aiohttp for talking to ``urls``.
+
+    aiohttp builds two default TLS contexts when it is imported, loading the system's CA store into each
+    (~0.09 CPU-s of a cold ``publish``). When no URL is https they are never used (plain HTTP, and a
+    publish talks to its origin only), so while aiohttp is imported here they are built without the store:
+    ``ssl.SSLContext.load_default_certs`` and ``set_default_verify_paths`` do nothing for that moment and are
+    put back right after (contexts made later are as usual). With any https URL, or aiohttp already
+    imported, it is a plain import."""
+    if "aiohttp" in sys.modules or any(u.lower().startswith("https:") for u in urls):
+        from .http import HttpClient
+
+        return HttpClient
+    import ssl
+
+    cls = ssl.SSLContext
+    names = ("load_default_certs", "set_default_verify_paths")
+    own = {n: cls.__dict__[n] for n in names if n in cls.__dict__}
+    cls.load_default_certs = lambda self, purpose=None: None
+    cls.set_default_verify_paths = lambda self: None
+    try:
+        from .http import HttpClient
+    finally:
+        for n in names:
+            if n in own:
+                setattr(cls, n, own[n])
+            else:
+                delattr(cls, n)
+    return HttpClient
+
+
+async def _settled(fut: asyncio.Future) -> None:
+    """Wait for a compare pass that was not used (an error, or no head to diff against) to end."""
+    await asyncio.wait([fut])
+    if not fut.cancelled():
+        fut.exception()  # retrieved: its error, if any, is not the command's
+
+
+async def _publish_files_to(args, token: str, signer, verifier: Verifier | None, state, base, base_error, compared, pool,
+                            options) -> int | None:
+    from deltasync.manifest import parse_manifest
+
     from .filepublish import check_base_file, publish_delta, publish_keyframe
-    from .http import HttpClient
     from .streams import keyframe_stream
+
+    HttpClient = _http_client_for([args.origin])  # aiohttp's import overlaps the compare pass
 
     async with HttpClient([args.origin], token=token, ssl=_ssl(args), read_token=token) as client:
         try:
             head = await client.get_head(args.model)
         except DeltaSyncError as e:
             raise DeltaSyncError(f"cannot read {args.model}'s head from {args.origin}: {e}") from e
+        timeline.debug("mono=%.6f publish-head", time.monotonic())
         if head is None and args.base:
             _say(args, f"the origin has no version of {args.model}; publishing a keyframe (--base is not used)")
         if head is not None and not args.base:
@@ -188,25 +255,24 @@ async def _publish_files(args, token: str, signer, verifier: Verifier | None, st
         if head is not None:
             m = parse_manifest(head.body, verifier=verifier)
             where = f"--base {args.base}"
-            with MappedTensorFile(args.base) as bf:
-                base = bf.host  # numpy words over the map: no torch
-                try:
-                    if state_layout(base) != state_layout(state):  # no delta; a wrong base is still an error
-                        check_base_file(base, m, where=where)
-                        _say(args, f"{args.state} holds other tensors than v{head.version} (names, dtypes or "
-                                   "shapes); publishing a keyframe")
-                    else:  # the base is checked against the head in the compare pass, before anything is sent
-                        res = await publish_delta(client, model=args.model, version=step, parent=head.version,
-                                                  base=base, state=state, head=m, where=where, signer=signer,
-                                                  options=EncodeOptions(coding=args.coding))
-                        delta = True
-                except BaseMismatchError as e:
-                    if not args.keyframe_on_mismatch:
-                        raise BaseMismatchError(f"{e}; pass the file v{head.version} was published from (e.g. the "
-                                                "last `subscribe --out` file), or --keyframe-on-mismatch to publish "
-                                                "a keyframe instead") from None
-                    _say(args, f"{e}; publishing a keyframe (--keyframe-on-mismatch)")
-                del base
+            if base_error is not None:
+                raise base_error
+            try:
+                if compared is None:  # no delta; a wrong base is still an error
+                    check_base_file(base, m, where=where)
+                    _say(args, f"{args.state} holds other tensors than v{head.version} (names, dtypes or "
+                               "shapes); publishing a keyframe")
+                else:  # the base is checked against the head in the compare pass, before anything is sent
+                    res = await publish_delta(client, model=args.model, version=step, parent=head.version,
+                                              base=base, state=state, head=m, where=where, signer=signer,
+                                              options=options, compared=compared, executor=pool)
+                    delta = True
+            except BaseMismatchError as e:
+                if not args.keyframe_on_mismatch:
+                    raise BaseMismatchError(f"{e}; pass the file v{head.version} was published from (e.g. the "
+                                            "last `subscribe --out` file), or --keyframe-on-mismatch to publish "
+                                            "a keyframe instead") from None
+                _say(args, f"{e}; publishing a keyframe (--keyframe-on-mismatch)")
         if not delta:
             res = await publish_keyframe(client, model=args.model, version=step, state=state, signer=signer)
             side = 0
@@ -236,8 +302,37 @@ def _side_failed(args, version: int, error: str | None) -> None:
           file=sys.stderr, flush=True)
 
 
+def _warm_up_kernels() -> threading.Thread:
+    """Start loading the compiled kernels (numba's import and its target registries, ~0.7 s cold) on a thread of
+    its own, so that it overlaps reading the options, keys and files instead of delaying the first compare."""
+
+    def warm() -> None:
+        try:
+            from deltasync import kernels
+
+            kernels.warm_up()
+        except Exception as e:  # the first kernel call meets the same problem and reports it
+            log.debug("kernel warm-up failed: %s: %s", type(e).__name__, e)
+
+    t = threading.Thread(target=warm, name="deltasync-warm-up", daemon=True)
+    t.start()
+    return t
+
+
 def cmd_publish(args) -> int:
+    warming = _warm_up_kernels()
+    try:
+        return _cmd_publish(args)
+    finally:
+        if warming.is_alive():
+            warming.join(60)  # an early error return: not while the thread is inside an import (interpreter exit)
+
+
+def _cmd_publish(args) -> int:
     _setup_logging(args)
+    if os.environ.get("DELTASYNC_TIMELINE"):  # this command's stamps (benchmarks/step_timeline.py)
+        timeline.setLevel(logging.DEBUG)
+        timeline.debug("mono=%.6f publish-start", time.monotonic())
     # the command ends when it returns: every upload and the commit are awaited (and the Publisher closed)
     # first, so run_command may skip the interpreter's teardown (cli/run.py: ``exit_now``)
     args.exit_now = True

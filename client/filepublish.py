@@ -25,16 +25,18 @@ in one pass over those bytes, slice by slice while they are in cache.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Mapping
+import time
+from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import xxhash
 
 from deltasync.blob import blob_id
-from deltasync.codec import EncodeOptions, diff_states, encode_diff, state_layout
+from deltasync.codec import EncodeOptions, StateDiff, diff_states, encode_diff, state_layout
 from deltasync.digest import DigestHasher, blob_digest
 from deltasync.dtypes import HostTensor, dtype_info
 from deltasync.errors import BaseMismatchError
@@ -44,14 +46,15 @@ from deltasync.manifest import BlobRef, ChunkRef, Manifest, TensorRecord
 from deltasync.signing import Signer
 from deltasync.tensorfile import build_header
 
-from .http import HttpClient
-from .upload import PiecesPayload, commit_manifest, upload_blobs
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # .http and .upload import aiohttp (~0.25 s): loaded when a function here first sends
     import torch
 
-__all__ = ["FILE_SHARD_BYTES", "HASH_SLICE_BYTES", "Published", "ShardPieces", "check_base_file", "publish_delta",
-           "publish_keyframe", "shard_pieces"]
+    from .http import HttpClient
+
+__all__ = ["FILE_SHARD_BYTES", "HASH_SLICE_BYTES", "Published", "ShardPieces", "check_base_file", "compare_pool",
+           "publish_delta", "publish_keyframe", "shard_pieces", "start_compare"]
+
+timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps (``DELTASYNC_TIMELINE=1``)
 
 FILE_SHARD_BYTES = 64 << 20  # keyframe shards from files: peak memory is about two of them (none for HostTensors)
 HASH_SLICE_BYTES = 1 << 20  # one-pass shard hashing: id, digest and fingerprint of each slice while it is in cache
@@ -68,6 +71,24 @@ class Published:
 def _pool() -> ThreadPoolExecutor:
     """Worker threads for the full passes over a state (compare, fingerprint): one per core, at most 4."""
     return ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="deltasync-publish")
+
+
+def compare_pool() -> ThreadPoolExecutor:
+    """The pool :func:`start_compare` and :func:`publish_delta` share (the caller shuts it down)."""
+    return _pool()
+
+
+def start_compare(base: Mapping[str, torch.Tensor | HostTensor], state: Mapping[str, torch.Tensor | HostTensor], *,
+                  options: EncodeOptions | None = None, executor: Executor) -> asyncio.Future[StateDiff]:
+    """Start the compare pass of a delta (``diff_states(update_old=False)``, the base's fingerprints out of the
+    same pass) on ``executor``'s threads; needs a running loop. It needs only the two maps, so ``deltasync
+    publish --base`` starts it before it imports the HTTP client and asks the origin for its head; nothing
+    is sent until :func:`publish_delta` has checked the result against that head."""
+    if state_layout(base) != state_layout(state):
+        raise BaseMismatchError("the state's tensors differ from the base's (names, dtypes or shapes): publish a keyframe")
+    chunk_words = (options or EncodeOptions()).chunk_words
+    return asyncio.get_running_loop().run_in_executor(
+        None, lambda: diff_states(base, state, chunk_words=chunk_words, update_old=False, executor=executor))
 
 
 def _raw(state: Mapping[str, torch.Tensor | HostTensor]) -> int:
@@ -96,32 +117,51 @@ async def publish_delta(client: HttpClient, *, model: str, version: int, parent:
                         base: Mapping[str, torch.Tensor | HostTensor], state: Mapping[str, torch.Tensor | HostTensor],
                         base_fps: Mapping[str, int] | None = None, head: Manifest | None = None,
                         where: str = "the base", signer: Signer | None, options: EncodeOptions | None = None,
-                        meta: Mapping[str, str] | None = None, concurrency: int = 4) -> Published:
+                        meta: Mapping[str, str] | None = None, concurrency: int = 4,
+                        compared: Awaitable[StateDiff] | None = None, executor: Executor | None = None) -> Published:
     """Diff ``state`` against ``base`` (v``parent``) and publish it as v``version``.
 
     ``base_fps``: the base's fingerprints, already checked (:func:`check_base_file`). Without them,
     ``head`` (the origin's head manifest) is required: the base's fingerprints come out of the compare
     pass (``diff_states(base_fps=None)``) and the base's state fingerprint is checked against the head's
-    before anything is encoded or uploaded (BaseMismatchError naming ``where``, nothing sent)."""
+    before anything is encoded or uploaded (BaseMismatchError naming ``where``, nothing sent).
+    ``compared``: that compare pass, already started (:func:`start_compare`, on ``executor``, which then
+    also codes the chunks); it is checked against ``head`` the same way."""
     if state_layout(base) != state_layout(state):
         raise BaseMismatchError("the state's tensors differ from the base's (names, dtypes or shapes): publish a keyframe")
     if base_fps is None and head is None:
         raise ValueError("publish_delta needs the base's checked fingerprints (base_fps) or the head to check it against")
+    if compared is not None and (head is None or executor is None):
+        raise ValueError("publish_delta(compared=) needs the head to check the compared base against, and its executor")
+    from .upload import commit_manifest, upload_blobs
+
     options = options or EncodeOptions()
     loop = asyncio.get_running_loop()
-    with _pool() as pool:  # chunks compared and coded on two threads (the compiled kernels release the GIL)
-        diff = await loop.run_in_executor(None, lambda: diff_states(base, state, base_fps=base_fps,
-                                                                    chunk_words=options.chunk_words, update_old=False,
-                                                                    executor=pool))
+    own = executor is None
+    pool = _pool() if own else executor  # chunks compared and coded on two threads (the kernels release the GIL)
+    try:
+        if compared is not None:
+            diff = await compared
+        else:
+            diff = await loop.run_in_executor(None, lambda: diff_states(base, state, base_fps=base_fps,
+                                                                        chunk_words=options.chunk_words,
+                                                                        update_old=False, executor=pool))
+        timeline.debug("mono=%.6f publish-compared", time.monotonic())
         if base_fps is None:
             _check_base(base, diff.fps_before, head, where=where)
         enc = await loop.run_in_executor(None, lambda: encode_diff(diff, model=model, version=version, parent=parent,
                                                                    options=options, meta=dict(meta or {}), base=base,
                                                                    executor=pool))
+    finally:
+        if own:
+            pool.shutdown()
     del diff
+    timeline.debug("mono=%.6f publish-encoded", time.monotonic())
     manifest = enc.manifest.with_digests(enc.blobs) if signer is not None else enc.manifest  # signed: every digest
     await upload_blobs(client, enc.blobs, concurrency=concurrency)
+    timeline.debug("mono=%.6f publish-uploaded", time.monotonic())
     signed = await commit_manifest(client, manifest, key=signer)
+    timeline.debug("mono=%.6f publish-committed v%d", time.monotonic(), version)
     return Published(manifest=signed, blob_bytes=enc.manifest.total_bytes, raw_bytes=_raw(state),
                      changed=enc.manifest.changed_words)
 
@@ -189,6 +229,8 @@ async def _publish_pieces(client: HttpClient, state: Mapping[str, HostTensor], g
                           concurrency: int = 2) -> None:
     """Hash the shards on a pool (slices in cache, GIL released by the hashers and kernels) while the
     ones already hashed upload; nothing is copied, so memory is the mapped file's pages."""
+    from .upload import PiecesPayload
+
     loop = asyncio.get_running_loop()
     sem = asyncio.Semaphore(max(1, concurrency))
     with _pool() as pool:
@@ -277,6 +319,9 @@ async def _keyframe_manifest(client: HttpClient, *, model: str, version: int, st
                         state_fp=state_fingerprint((t.name, t.dtype, t.shape, fps[t.name]) for t in tensors),
                         meta=dict(meta or {}))
     if commit:
+        from .upload import commit_manifest
+
         manifest = await commit_manifest(client, manifest, key=signer)
+        timeline.debug("mono=%.6f publish-committed v%d", time.monotonic(), version)
     return Published(manifest=manifest, blob_bytes=manifest.total_bytes, raw_bytes=_raw(state),
                      changed=manifest.changed_words)

@@ -490,3 +490,66 @@ def scatter_words(words: np.ndarray, positions: np.ndarray, src: np.ndarray) -> 
         words[positions] = src
     else:
         k.scatter_words(words, positions, src)
+
+
+# -- P: a command's cold start -------------------------------------------------------------------
+
+#: Modules numba imports while it first loads its CPU target's registries that no kernel of ours needs:
+#: ``numba.np.arraymath`` probes for BLAS at import (``scipy.linalg.cython_blas``: ~0.25 s of scipy.linalg),
+#: only to pick BLAS over a plain loop inside njit ``np.correlate``/``np.convolve``; ours use neither. Its typing
+#: registry imports cffi and builds a ``cffi.FFI()`` (pycparser: ~0.1 s) only to type cffi functions called from
+#: njit code; ours call none.
+_NOT_FOR_OUR_KERNELS = ("scipy.linalg", "cffi")
+_warmed = False
+_warm_lock = threading.Lock()
+
+
+class _HiddenModules:
+    """A ``sys.meta_path`` finder that makes ``names`` (and their submodules) fail to import, for a moment."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if any(fullname == n or fullname.startswith(n + ".") for n in self.names):
+            raise ModuleNotFoundError(f"{fullname} is hidden while numba loads its registries (deltasync.kernels."
+                                      "warm_up)", name=fullname)
+        return None
+
+
+def warm_up() -> str:
+    """Get the selected CPU kernels ready to run, so their first call costs only loading its cached code.
+
+    For a command's start (``deltasync publish`` runs it on a thread of its own while it reads its options,
+    keys and files): resolves the selection (imports numba when it is chosen) and loads numba's CPU target
+    registries, which numba would otherwise do in the first kernel call (~0.4 s, under its compile lock).
+    While it loads them, the modules of ``_NOT_FOR_OUR_KERNELS`` that are not imported yet are hidden from
+    numba. **What that changes, for the rest of the process:** njit ``np.correlate``/``np.convolve`` use
+    numba's plain loop instead of BLAS (``np.dot`` and ``np.linalg`` in njit code still find scipy: numba
+    checks for it again when they compile), and njit code cannot call cffi functions (numba's
+    ``cffi_utils.SUPPORTED`` stays False); scipy and cffi themselves, imported afterwards, work as usual. Call it only in a process of our own (a command), never
+    from a library a program embeds; idempotent and thread-safe; returns :func:`active`. The import hook is
+    process-wide while it runs: another thread importing ``scipy.linalg`` at that moment gets ImportError."""
+    global _warmed
+    import sys
+
+    name = active()
+    with _warm_lock:
+        if _warmed or name != "numba":
+            _warmed = True
+            return name
+        from numba.core.compiler_lock import global_compiler_lock
+        from numba.core.registry import cpu_target
+
+        hidden = tuple(n for n in _NOT_FOR_OUR_KERNELS if n not in sys.modules)
+        hook = _HiddenModules(hidden)
+        with global_compiler_lock:  # numba refreshes under it too: no kernel loads while the registries fill
+            if hidden:
+                sys.meta_path.insert(0, hook)
+            try:
+                cpu_target.target_context.refresh()
+            finally:
+                if hidden:
+                    sys.meta_path.remove(hook)
+        _warmed = True
+    return name
