@@ -16,6 +16,7 @@ import pytest
 from deltasync import rans
 
 pytest.importorskip("numba")
+pytestmark = pytest.mark.long  # compiles four prototype kernels (~40 s): `make test-long`, not `make test`
 
 from deltasync.kernels import cpu as _cpu  # noqa: E402
 
