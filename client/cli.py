@@ -437,6 +437,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
 def _warm(target) -> None:
     try:
         target.warm()
+        timeline.debug("mono=%.6f warmed cpu=%.3f", time.monotonic(), time.process_time())
     except Exception:  # only a head start: the first delta loads what is missing
         log.debug("loading the delta kernels ahead failed", exc_info=True)
 
