@@ -37,7 +37,7 @@ from urllib.parse import quote
 import aiohttp
 
 from deltasync import syncmachine as sm
-from deltasync.apply import decode_checked, prepare_delta
+from deltasync.apply import prepare_delta
 from deltasync.errors import DeltaSyncError, IntegrityError, NotFoundError, SignatureError
 from deltasync.keyframe import load_keyframe
 from deltasync.manifest import Manifest, parse_manifest
@@ -290,29 +290,21 @@ class SyncDriver:
         only = self.live.applier.needed_blobs(m) if m.kind == "delta" else None
         refs = [r for r in m.blobs if only is None or r.id in only]
         sem = asyncio.Semaphore(self.download_concurrency)
-        loop = asyncio.get_running_loop()
-        # A delta's blobs are decoded on the worker thread as each one lands, while the others download
-        # (the decode was all after the last blob); _prepare collects them.
-        decoding: dict[str, asyncio.Future] = {}
 
         async def one(ref) -> tuple[str, bytes]:
             async with sem:
                 # a verified manifest's digests are checked inside the failover loop (a crafted blob: next source)
                 digest = ref.digest if self.key is not None else None
-                data = await self.client.get_blob(ref.id, ref.size, digest=digest)
-            if m.kind == "delta":
-                f = decoding[ref.id] = loop.run_in_executor(self.pool, decode_checked, data, ref.id, ref.size)
-                f.add_done_callback(_quiet)
-            return ref.id, data
+                return ref.id, await self.client.get_blob(ref.id, ref.size, digest=digest)
 
         timeline.debug("mono=%.6f blobs-start %s v%d cpu=%.3f", time.monotonic(), m.model, m.version, time.process_time())
         blobs = dict(await asyncio.gather(*(one(r) for r in refs)))
         timeline.debug("mono=%.6f blobs-end %s v%d %d cpu=%.3f", time.monotonic(), m.model, m.version,
                        sum(len(b) for b in blobs.values()), time.process_time())
-        return sm.BlobsReady(ticket=a.ticket, version=m.version, blobs=(blobs, only, decoding))
+        return sm.BlobsReady(ticket=a.ticket, version=m.version, blobs=(blobs, only))
 
     async def _prepare(self, a: sm.Prepare) -> sm.StepPrepared:
-        blobs, only, decoding = a.blobs
+        blobs, only = a.blobs
         loop = asyncio.get_running_loop()
         common = dict(version=a.version, base=a.base, state_fp=a.state_fp, manifest=a.manifest, generation=a.generation,
                       nbytes=a.manifest.total_bytes, squashed=a.squashed)
@@ -321,13 +313,8 @@ class SyncDriver:
             state, fps = await loop.run_in_executor(self.pool, load_keyframe, a.manifest, blobs)
             step = ReadyStep(kind="keyframe", state=state, fps=fps, **common)
         else:
-            # blobs whose early decode failed are decoded again by prepare_delta, in manifest order: the
-            # same first error as without the early decode
-            got = await asyncio.gather(*decoding.values(), return_exceptions=True)
-            decoded = {bid: d for bid, d in zip(decoding, got) if not isinstance(d, BaseException)}
             prepared = await loop.run_in_executor(
-                self.pool, lambda: prepare_delta(a.manifest, blobs, only=set(only) if only is not None else None,
-                                                 decoded=decoded))
+                self.pool, lambda: prepare_delta(a.manifest, blobs, only=set(only) if only is not None else None))
             step = ReadyStep(kind="delta", prepared=prepared, **common)
         timeline.debug("mono=%.6f prepare-end v%d cpu=%.3f", time.monotonic(), a.version, time.process_time())
         return sm.StepPrepared(ticket=a.ticket, version=a.version, payload=step)
@@ -339,9 +326,3 @@ class SyncDriver:
         if not ok:
             log.warning("%s: the target does not hold v%s (or the servers no longer have it); resyncing", model, a.version)
         return sm.InitialChecked(ticket=a.ticket, ok=ok)
-
-
-def _quiet(f: asyncio.Future) -> None:
-    """An early decode nobody collects (its step was superseded): its error is prepare_delta's to raise."""
-    if not f.cancelled():
-        f.exception()

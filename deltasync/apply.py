@@ -74,37 +74,24 @@ class PreparedDelta:
     skipped: frozenset[str] = frozenset()  # tensors left out by ``prepare_delta(only=...)``
 
 
-def decode_checked(data: bytes, bid: str, size: int) -> list[ChunkPatch]:
-    """One blob checked against its id and size (as :func:`get_blob` does), then decoded: what
-    ``prepare_delta(decoded=...)`` takes, for a caller that decodes each blob as it arrives."""
-    return decode_blob(get_blob({bid: data}, bid, size))
-
-
 def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor | None = None,
-                  only: set[str] | frozenset[str] | None = None,
-                  decoded: Mapping[str, list[ChunkPatch]] | None = None) -> PreparedDelta:
+                  only: set[str] | frozenset[str] | None = None) -> PreparedDelta:
     """Decode a delta's blobs and check them against its manifest. Raises FormatError/IntegrityError.
 
     ``executor``: decode chunks on its threads (the caller owns it; the core starts none).
     ``only``: decode just these blob ids (None: all). A tensor with no chunk in them is left
-    out (``skipped``); a tensor with chunks both in and out of them raises FormatError.
-    ``decoded``: blobs the caller already checked and decoded (:func:`decode_checked`), by id; the
-    others are fetched from ``blobs`` and decoded here."""
+    out (``skipped``); a tensor with chunks both in and out of them raises FormatError."""
     if manifest.kind != "delta":
         raise FormatError(f"v{manifest.version} is a {manifest.kind}, not a delta")
     if only is not None:
         unknown = set(only) - {ref.id for ref in manifest.blobs}
         if unknown:
             raise FormatError(f"v{manifest.version} has no blobs {sorted(unknown)[:3]} (asked for in only=)")
-    early, decoded = decoded, {}
+    decoded: dict[str, list[ChunkPatch]] = {}
     total = 0
     skipped: set[str] = set()
     for ref in manifest.blobs:
         if only is not None and ref.id not in only:
-            continue
-        if early is not None and ref.id in early:
-            decoded[ref.id] = early[ref.id]
-            total += ref.size
             continue
         data = get_blob(blobs, ref.id, ref.size)
         decoded[ref.id] = decode_blob(data, executor=executor)
