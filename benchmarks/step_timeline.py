@@ -32,6 +32,7 @@ from deltasync.cli.cluster import LocalCluster  # noqa: E402
 
 MiB = 1 << 20
 STAMP = re.compile(r"mono=(\d+\.\d+) (\S+)(.*)$")
+CPU = re.compile(r"cpu=(\d+\.\d+)")
 
 
 def stamps(path: Path, since: float) -> list[tuple[float, str, str]]:
@@ -44,8 +45,11 @@ def stamps(path: Path, since: float) -> list[tuple[float, str, str]]:
     return out
 
 
-def run(size: int, changed: float, work: Path) -> list[tuple[str, str, float]]:
-    """Publish v0 and the step; returns the step's timeline rows (process, event, seconds after publish start)."""
+def run(size: int, changed: float, work: Path,
+        cpus: list[tuple[str, str, float, float]] | None = None) -> list[tuple[str, str, float]]:
+    """Publish v0 and the step; returns the step's timeline rows (process, event, seconds after publish start).
+    ``cpus`` gets each subscriber stamp's ``cpu=`` (its process's CPU seconds so far): (process, event, t, cpu)."""
+    cpus = [] if cpus is None else cpus
     state, step = work / "state.safetensors", work / "step.safetensors"
     tensors = make_state(state, size)
     step_state(tensors, step, changed)
@@ -76,15 +80,18 @@ def run(size: int, changed: float, work: Path) -> list[tuple[str, str, float]]:
                     if rest.endswith(f" v{version}") or f" v{version} " in rest:
                         rows.append((name, what, t - t0))
             for i, s in enumerate(subs):
-                for t, what, _ in stamps(s.log_path, t0):
+                for t, what, rest in stamps(s.log_path, t0):
                     rows.append((f"sub{i}", what, t - t0))
+                    if (m := CPU.search(rest)) is not None:
+                        cpus.append((f"sub{i}", what, t - t0, float(m.group(1))))
                 rows.append((f"sub{i}", "exit", s.ended_mono - t0))
         return rows
     finally:
         cluster.close()
 
 
-def report(rows: list[tuple[str, str, float]], size: int, changed: float) -> str:
+def report(rows: list[tuple[str, str, float]], size: int, changed: float,
+           cpus: list[tuple[str, str, float, float]] = ()) -> str:
     load = os.getloadavg()
     out = [f"step timeline: {size / MiB:.0f} MiB state, ~{changed:.0%} changed, load average "
            f"{load[0]:.1f}/{load[1]:.1f}; ms after `publish --base` started", ""]
@@ -99,6 +106,17 @@ def report(rows: list[tuple[str, str, float]], size: int, changed: float) -> str
     for s in subs:
         cells = [at(s, w) for w in ("woke", "blobs-end", "prepare-end", "applied", "closed", "exit")]
         out.append(f"  {s}: " + "  ".join("-" if c is None else f"{c * 1000:.0f}" for c in cells))
+    phases = ("woke", "blobs-end", "prepare-end", "applied", "subscriber-closed", "closed")
+    out += ["", "per subscriber, CPU-s (user + system, all threads: time.process_time() in its stamps), from woke: "
+            "to blobs received, decoded, applied, subscriber closed, file closed; total"]
+    for s in subs:
+        cpu = {w: c for q, w, _, c in cpus if q == s}
+        marks = [cpu.get(w) for w in phases]
+        if None in marks:
+            out.append(f"  {s}: -")
+            continue
+        steps = [b - a for a, b in zip(marks, marks[1:])]
+        out.append(f"  {s}: " + "  ".join(f"{x:.3f}" for x in steps) + f";  {marks[-1] - marks[0]:.3f}")
     last = max((t for p, w, t in rows if w == "exit" and p.startswith("sub")), default=None)
     if commit is not None and last is not None:
         out.append(f"\ncommit at the origin {commit * 1000:.0f} ms; last subscriber exited {last * 1000:.0f} ms "
@@ -115,8 +133,9 @@ def main() -> None:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     work = Path(tempfile.mkdtemp(prefix="deltasync-step-timeline-", dir=base))
     try:
-        rows = run(a.size_mib * MiB, a.changed, work)
-        print(report(rows, a.size_mib * MiB, a.changed))
+        cpus: list[tuple[str, str, float, float]] = []
+        rows = run(a.size_mib * MiB, a.changed, work, cpus)
+        print(report(rows, a.size_mib * MiB, a.changed, cpus))
     finally:
         if a.keep:
             print(f"logs in {work}")

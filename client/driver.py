@@ -204,7 +204,7 @@ class SyncDriver:
                 await self._check_not_behind(a.stream, a.after)
             elif head is not None:
                 self._quiet_since = None
-                timeline.debug("mono=%.6f woke %s v%d", time.monotonic(), a.stream, head.version)
+                timeline.debug("mono=%.6f woke %s v%d cpu=%.3f", time.monotonic(), a.stream, head.version, time.process_time())
         if head is None:
             return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=None)
         m = None
@@ -297,10 +297,10 @@ class SyncDriver:
                 digest = ref.digest if self.key is not None else None
                 return ref.id, await self.client.get_blob(ref.id, ref.size, digest=digest)
 
-        timeline.debug("mono=%.6f blobs-start %s v%d", time.monotonic(), m.model, m.version)
+        timeline.debug("mono=%.6f blobs-start %s v%d cpu=%.3f", time.monotonic(), m.model, m.version, time.process_time())
         blobs = dict(await asyncio.gather(*(one(r) for r in refs)))
-        timeline.debug("mono=%.6f blobs-end %s v%d %d", time.monotonic(), m.model, m.version,
-                      sum(len(b) for b in blobs.values()))
+        timeline.debug("mono=%.6f blobs-end %s v%d %d cpu=%.3f", time.monotonic(), m.model, m.version,
+                       sum(len(b) for b in blobs.values()), time.process_time())
         return sm.BlobsReady(ticket=a.ticket, version=m.version, blobs=(blobs, only))
 
     async def _prepare(self, a: sm.Prepare) -> sm.StepPrepared:
@@ -308,7 +308,7 @@ class SyncDriver:
         loop = asyncio.get_running_loop()
         common = dict(version=a.version, base=a.base, state_fp=a.state_fp, manifest=a.manifest, generation=a.generation,
                       nbytes=a.manifest.total_bytes, squashed=a.squashed)
-        timeline.debug("mono=%.6f prepare-start v%d", time.monotonic(), a.version)
+        timeline.debug("mono=%.6f prepare-start v%d cpu=%.3f", time.monotonic(), a.version, time.process_time())
         if a.kind == "keyframe":
             state, fps = await loop.run_in_executor(self.pool, load_keyframe, a.manifest, blobs)
             step = ReadyStep(kind="keyframe", state=state, fps=fps, **common)
@@ -316,7 +316,7 @@ class SyncDriver:
             prepared = await loop.run_in_executor(
                 self.pool, lambda: prepare_delta(a.manifest, blobs, only=set(only) if only is not None else None))
             step = ReadyStep(kind="delta", prepared=prepared, **common)
-        timeline.debug("mono=%.6f prepare-end v%d", time.monotonic(), a.version)
+        timeline.debug("mono=%.6f prepare-end v%d cpu=%.3f", time.monotonic(), a.version, time.process_time())
         return sm.StepPrepared(ticket=a.ticket, version=a.version, payload=step)
 
     async def _check_initial(self, a: sm.CheckInitial) -> sm.InitialChecked:

@@ -48,7 +48,7 @@ import torch
 import xxhash
 
 from deltasync import kernels
-from deltasync.apply import PreparedDelta, check_base, stage_prepared
+from deltasync.apply import PreparedDelta, check_base, stage_prepared, warm_kernels
 from deltasync.atomic import fsync_dir
 from deltasync.dtypes import dtype_info, word_view
 from deltasync.errors import BaseMismatchError, FormatError, IntegrityError, StorageError
@@ -77,7 +77,8 @@ META_MODEL = "deltasync.model"
 ALIGN = 4096  # data start: a page, so every tensor of the map is aligned
 RESERVE = 256  # spare header bytes beyond the pad (other metadata may grow by this much)
 PAD_WIDTH = 96  # len(version) + len(state_fp) + len(pad) == PAD_WIDTH
-MAGIC = b"deltasync-jrnl01"
+MAGIC = b"deltasync-jrnl02"  # rel32 records, regions at recorded offsets (readers take jrnl01 too)
+MAGICS = (MAGIC, b"deltasync-jrnl01")  # jrnl01: int64 positions, regions back to back
 _U64 = struct.Struct("<Q")
 
 Layout = dict[str, tuple[str, tuple[int, ...]]]
@@ -129,7 +130,7 @@ def _write_journal(path: Path, info: dict, regions: list[dict], payload: list[by
 def _read_journal(path: Path) -> tuple[dict, memoryview] | None:
     """(header, payload) of a complete journal; None when it was cut while being written."""
     data = path.read_bytes()
-    if len(data) < len(MAGIC) + 8 + 16 or not data.startswith(MAGIC):
+    if len(data) < len(MAGIC) + 8 + 16 or not data.startswith(MAGICS):
         return None
     if xxhash.xxh3_128_digest(data[:-16]) != data[-16:]:
         return None
@@ -169,13 +170,17 @@ def recover(path: str | os.PathLike) -> dict | None:
             for r, at in reversed(_layout_payload(info["regions"])):
                 if r["kind"] == "bytes":
                     mm[r["offset"] : r["offset"] + r["length"]] = payload[at : at + r["length"]]
-                else:
-                    w, n = r["word"], r["count"]
+                    continue
+                w, n = r["word"], r["count"]
+                if r["kind"] == "rel32":  # uint32 offsets from the chunk's first word, then the old words
+                    pos = np.frombuffer(payload, dtype="<u4", count=n, offset=at).astype(np.int64) + r["base"]
+                    old = np.frombuffer(payload, dtype=f"<u{w}", count=n, offset=at + _pad8(4 * n))
+                else:  # "words": int64 positions (journals of earlier versions)
                     pos = np.frombuffer(payload, dtype="<i8", count=n, offset=at)
                     old = np.frombuffer(payload, dtype=f"<u{w}", count=n, offset=at + 8 * n)
-                    words = np.frombuffer(mm, dtype=f"<u{w}", count=r["words"], offset=r["offset"])
-                    words[pos] = old
-                    del words
+                words = np.frombuffer(mm, dtype=f"<u{w}", count=r["words"], offset=r["offset"])
+                words[pos] = old
+                del words
             mm.flush()
         finally:
             mm.close()
@@ -188,13 +193,28 @@ def recover(path: str | os.PathLike) -> dict | None:
     return info
 
 
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def _region_bytes(r: dict) -> int:
+    """A region's bytes in the payload (``rel32`` parts padded to 8 bytes, so every array is aligned)."""
+    if r["kind"] == "bytes":
+        return r["length"]
+    if r["kind"] == "rel32":
+        return _pad8(4 * r["count"]) + _pad8(r["word"] * r["count"])
+    return r["count"] * (8 + r["word"])
+
+
 def _layout_payload(regions: list[dict]) -> list[tuple[dict, int]]:
-    """Each region with the offset of its bytes in the payload (regions are stored in order)."""
+    """Each region with the offset of its bytes in the payload: its ``at`` where recorded, else (journals
+    of earlier versions) right after the region before."""
     out = []
     at = 0
     for r in regions:
+        at = r.get("at", at)
         out.append((r, at))
-        at += r["length"] if r["kind"] == "bytes" else r["count"] * (8 + r["word"])
+        at += _region_bytes(r)
     return out
 
 
@@ -572,6 +592,19 @@ class FileTarget(TensorApplier):
     def needed_blobs(self, manifest) -> set[str] | None:
         return None
 
+    def warm(self) -> None:
+        """Load the compiled kernels a delta's decode, journal and patch call, for this file's dtypes
+        (:func:`deltasync.apply.warm_kernels`, and the journal's gather): run it while nothing arrives
+        (``subscribe --out`` does, on a thread), so the first delta costs what later ones do."""
+        if self._layout is None:
+            return
+        dtypes = {d for d, _ in self._layout.values()}
+        warm_kernels(dtypes)
+        for w in sorted({dtype_info(d).word_size for d in dtypes}):
+            words = np.zeros(8, dtype=f"<u{w}")
+            kernels.journal_gather(words, np.arange(2, dtype=np.int64), 0, 8, np.empty(2, "<u4"),
+                                   np.empty(2, words.dtype))
+
     def stage_delta(self, prepared: PreparedDelta, fps: Mapping[str, int], *, verify: str) -> _JournaledPatch:
         self._written_fps = None
         if self.file is None:
@@ -594,8 +627,10 @@ class FileTarget(TensorApplier):
 
     def _journal_payload(self, prepared: PreparedDelta) -> tuple[list[dict], np.ndarray]:
         """The undo journal's regions and payload for ``prepared``, in one buffer: O(changed) in time and
-        memory (the positions and old words of each sparse chunk, the old bytes of each dense one, the
-        header), old words gathered by a compiled kernel straight into it."""
+        memory. A sparse chunk's record (``rel32``) is its changes' uint32 offsets from the chunk's first
+        word and their old words, both written by one compiled pass (``kernels.journal_gather``, which
+        also checks every position lies in its chunk); a dense chunk's, its old bytes; then the header.
+        Every region starts 8-byte aligned at its recorded ``at``."""
         tensors = self.file.tensors
         starts = {e.name: e.start for e in self.file.header.entries}
         regions: list[dict] = []
@@ -608,35 +643,42 @@ class FileTarget(TensorApplier):
             for k, c in enumerate(chunks):
                 if c.pending is not None:  # base-conditioned coding: decode against the file's words, once
                     c = chunks[k] = c.resolve(host[c.start : c.stop])
+                if c.stop > host.size or c.start < 0:
+                    raise FormatError(f"{self.path}: chunk [{c.start}:{c.stop}] of {name} leaves its {host.size} words")
                 if c.dense is not None:
-                    regions.append({"kind": "bytes", "offset": starts[name] + c.start * w, "length": (c.stop - c.start) * w})
-                    total += (c.stop - c.start) * w
-                else:
-                    n = int(c.changes.positions.size)
-                    regions.append({"kind": "words", "offset": starts[name], "words": host.size, "word": w, "count": n})
-                    total += n * (8 + w)
-                parts.append((host, c))
+                    r = {"kind": "bytes", "offset": starts[name] + c.start * w, "length": (c.stop - c.start) * w}
+                elif c.stop - c.start <= kernels.REL_MAX:
+                    r = {"kind": "rel32", "offset": starts[name], "words": host.size, "word": w,
+                         "base": c.start, "count": int(c.changes.positions.size)}
+                else:  # a chunk of more than 2**32 words: int64 positions
+                    r = {"kind": "words", "offset": starts[name], "words": host.size, "word": w,
+                         "count": int(c.changes.positions.size)}
+                r["at"] = total
+                regions.append(r)
+                total += _pad8(_region_bytes(r))
+                parts.append((host, c, r))
         hdr = self.file.header.data_start
-        regions.append({"kind": "bytes", "offset": 0, "length": hdr})
+        regions.append({"kind": "bytes", "offset": 0, "length": hdr, "at": total})
         payload = np.empty(total + hdr, dtype=np.uint8)
-        at = 0
-        for host, c in parts:
-            if c.dense is not None:
-                n = (c.stop - c.start) * host.itemsize
-                payload[at : at + n] = host[c.start : c.stop].view(np.uint8)
-                at += n
+        for host, c, r in parts:
+            at = r["at"]
+            if r["kind"] == "bytes":
+                payload[at : at + r["length"]] = host[c.start : c.stop].view(np.uint8)
                 continue
-            pos = c.changes.positions
-            n = int(pos.size)
-            if n and (int(pos.min()) < 0 or int(pos.max()) >= host.size):
-                raise FormatError(f"{self.path}: a change position leaves its tensor of {host.size} words")
+            pos, n = c.changes.positions, r["count"]
+            if r["kind"] == "rel32":
+                rel = payload[at : at + 4 * n].view("<u4")
+                old = payload[at + _pad8(4 * n) : at + _pad8(4 * n) + n * host.itemsize].view(host.dtype)
+                bad = kernels.journal_gather(host, pos, c.start, c.stop, rel, old)
+                if bad >= 0:
+                    raise FormatError(f"{self.path}: change position {int(pos[bad])} leaves its chunk "
+                                      f"[{c.start}:{c.stop}] of {host.size} words")
+                continue
+            if n and (int(pos.min()) < c.start or int(pos.max()) >= c.stop):
+                raise FormatError(f"{self.path}: a change position leaves its chunk [{c.start}:{c.stop}]")
             payload[at : at + 8 * n] = np.ascontiguousarray(pos, dtype="<i8").view(np.uint8)
-            at += 8 * n
-            kernels.gather_words(host, pos, payload[at : at + n * host.itemsize].view(host.dtype))
-            at += n * host.itemsize
-        with open(self.path, "rb") as f:
-            head = f.read(hdr)
-        payload[at : at + hdr] = np.frombuffer(head, dtype=np.uint8)
+            kernels.gather_words(host, pos, payload[at + 8 * n : at + n * (8 + host.itemsize)].view(host.dtype))
+        payload[total:] = np.frombuffer(self.file.buffer()[:hdr], dtype=np.uint8)
         return regions, payload
 
     def stage_keyframe(self, state: Mapping[str, torch.Tensor], fps: Mapping[str, int], *,

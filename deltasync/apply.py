@@ -442,3 +442,36 @@ def apply_delta(target, manifest: Manifest, blobs: BlobSource, fps: Mapping[str,
     """prepare_delta + apply_prepared in one call."""
     return apply_prepared(target, prepare_delta(manifest, blobs, executor=executor), fps, verify=verify,
                           executor=executor)
+
+
+# -- Q: loading the compiled kernels before the first delta --------------------------------------
+
+WARM_WORDS = 1 << 14  # words of each dtype's warm-up tensor
+
+
+def warm_kernels(dtypes) -> None:
+    """Run a tiny delta of each dtype in ``dtypes`` (names) through encode, :func:`prepare_delta` and
+    :func:`apply_prepared`, so that the compiled kernels a real delta's decode and patch call are loaded.
+
+    numba loads each kernel (and word width) from its on-disk cache at its first call: ~0.05 CPU-s for a
+    delta's decode and patch, paid by the first delta a process applies. A long-running subscriber calls
+    this while it waits (``subscribe --out`` does, on a thread), so its first delta costs what later ones
+    do. Touches nothing but its own small tensors; a no-op with the reference kernels."""
+    if kernels.cpu_kernels() is None:
+        return
+    from .codec import encode_delta
+
+    g = torch.Generator().manual_seed(0)
+    for name in sorted(set(dtypes)):
+        info = dtype_info(name)
+        if info.name == "bool" or info.element_size != info.word_size:
+            continue  # bool: no valid random words; complex dtypes: their word width has a plain dtype too
+        sdt = signed_word_dtype(info.word_size)
+        lo, hi = (-(1 << 7), 1 << 7) if info.word_size == 1 else (-(1 << 14), 1 << 14)
+        old = torch.randint(lo, hi, (WARM_WORDS,), generator=g, dtype=torch.int64).to(sdt)
+        new = old.clone()
+        new[::29] += 1  # ULP steps (the ans symbols) ...
+        new[5::211] = 7  # ... and raw words
+        a, b = old.view(info.torch_dtype), new.view(info.torch_dtype)
+        enc = encode_delta({"w": a}, {"w": b}, model="warm", version=1, parent=0)
+        apply_prepared({"w": a.clone()}, prepare_delta(enc.manifest, enc.blobs))

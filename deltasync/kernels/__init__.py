@@ -43,6 +43,8 @@ chunks, executor=)``                           chunks: one compiled call per wor
 ``patch_chunk(words, changes, word_size)``     ``patch_words`` in one prefetching pass (apply.py)
 ``gather_words`` / ``scatter_words``           ``out[:] = words[pos]`` / ``words[pos] = src`` (the
                                                ``--out`` journal, undo records)
+``journal_gather(words, pos, start, stop,      a sparse chunk's ``--out`` undo record in one pass:
+rel, old)``                                    uint32 offsets and old words (tests/test_tail_journal.py)
 =============================================  ===============================================
 
 The whole-chunk decode, the one-pass patch and gather/scatter are tested in ``tests/test_kernels_apply.py``.
@@ -553,3 +555,25 @@ def warm_up() -> str:
                     sys.meta_path.remove(hook)
         _warmed = True
     return name
+
+# -- Q: the --out undo journal ---------------------------------------------------------------------
+
+REL_MAX = 1 << 32  # a chunk's words: its journal record's offsets are uint32
+
+
+def journal_gather(words: np.ndarray, positions: np.ndarray, start: int, stop: int, rel: np.ndarray,
+                   old: np.ndarray) -> int:
+    """A sparse chunk's undo record: ``rel[:] = positions - start`` (uint32) and ``old[:] = words[positions]``,
+    one compiled pass when selected. Returns the index of the first position outside ``[start, stop)`` or -1
+    (``rel``/``old`` are then unfinished). ``stop <= words.size``, ``stop - start <= REL_MAX``: the caller's."""
+    if stop > words.size or stop - start > REL_MAX:
+        raise ValueError(f"journal_gather: chunk [{start}:{stop}] of {words.size} words")
+    k = cpu_kernels()
+    if k is not None:
+        return int(k.journal_gather(words, positions, start, stop, rel, old))
+    bad = np.flatnonzero((positions < start) | (positions >= stop))
+    if bad.size:
+        return int(bad[0])
+    np.subtract(positions, start, out=rel, casting="unsafe")
+    np.take(words, positions, out=old)
+    return -1

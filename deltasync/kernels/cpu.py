@@ -985,3 +985,23 @@ def scatter_words(words, positions, src):
         if k + _AHEAD < count:
             _prefetch(words, positions[k + _AHEAD])
         words[positions[k]] = src[k]
+
+
+# -- Q: the --out undo journal's sparse records, one pass ----------------------------------------
+
+@_jit
+def journal_gather(words, positions, start, stop, rel, old):
+    """One sparse chunk's undo record in one prefetching pass: ``rel[k] = positions[k] - start`` (uint32
+    offsets in the chunk) and ``old[k] = words[positions[k]]``. Returns the index of the first position
+    outside ``[start, stop)`` (the record is then unfinished: the caller raises) or -1. The caller's:
+    ``stop <= words.size`` and ``stop - start <= 2**32``."""
+    count = positions.size
+    for k in range(count):
+        p = positions[k]
+        if p < start or p >= stop:
+            return k
+        if k + _AHEAD < count:
+            _prefetch(words, positions[k + _AHEAD])  # a hint: an out-of-range one never faults
+        rel[k] = p - start
+        old[k] = words[p]
+    return -1
