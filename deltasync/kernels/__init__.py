@@ -556,6 +556,7 @@ def warm_up() -> str:
         _warmed = True
     return name
 
+
 # -- Q: the --out undo journal ---------------------------------------------------------------------
 
 REL_MAX = 1 << 32  # a chunk's words: its journal record's offsets are uint32
