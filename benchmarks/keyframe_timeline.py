@@ -10,7 +10,7 @@ stored: server/fetcher.py), each subscriber's keyframe head, per-blob receive an
 each server spent. Times in ms after the publish command's start; ``--runs N`` repeats on fresh clusters and
 prints each run's total.
 
-    python benchmarks/keyframe_timeline.py [--size-mib 512] [--runs 1] [--keep]
+    python benchmarks/keyframe_timeline.py [--size-mib 512] [--runs 1] [--keep] [--perf FILE]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class _Timed(_Child):
         self.rss_mb = self.hwm_mb or ru.ru_maxrss / 1024
 
 
-def run(state: Path, work: Path) -> tuple[list[tuple[str, str, float]], dict[str, float]]:
+def run(state: Path, work: Path, perf: str | None = None, perf_of: str = "sub0") -> tuple[list[tuple[str, str, float]], dict[str, float]]:
     """Publish ``state`` as v0 into 4 waiting subscribers; the timeline rows and each server's CPU seconds."""
     cluster = LocalCluster(work / "servers", key=os.urandom(32))
     env = {**os.environ, "DELTASYNC_TIMELINE": "1"}
@@ -63,11 +63,22 @@ def run(state: Path, work: Path) -> tuple[list[tuple[str, str, float]], dict[str
         names = ("origin", "r1", "r2")
         cpu0 = {n: cpu_seconds(cluster.servers[n].proc.pid) for n in names}
         sub0 = [cpu_seconds(s.proc.pid, split=True) for s in subs]
+        spy = None
+        if perf:  # one process's profile (a subscriber's, to its exit; a server's, to the end)
+            import subprocess
+            pid = subs[int(perf_of[3:])].proc.pid if perf_of.startswith("sub") else cluster.servers[perf_of].proc.pid
+            spy = subprocess.Popen(["perf", "record", "-F", "1999", "-g", "-p", str(pid), "-o", perf],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)
         t0 = time.monotonic()
         p = _Timed(_cli("publish", *pub, str(state)), work / "publish.log")
         p.wait(600)
         for s in subs:
             s.wait(600)
+        if spy is not None:
+            if spy.poll() is None:
+                spy.send_signal(2)
+            spy.wait(30)
         cpu = {n: cpu_seconds(cluster.servers[n].proc.pid) - cpu0[n] for n in names}
         cpu["publish"] = sum(p.cpu)
         for i, (s, (u0, k0)) in enumerate(zip(subs, sub0)):
@@ -110,6 +121,8 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=512)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs) and print its path")
+    ap.add_argument("--perf", metavar="FILE", help="record one process with `perf record -g` into FILE")
+    ap.add_argument("--perf-of", default="sub0", help="the process --perf records: sub0..sub3, origin, r1, r2")
     a = ap.parse_args()
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     work = Path(tempfile.mkdtemp(prefix="deltasync-kf-timeline-", dir=base))
@@ -120,7 +133,7 @@ def main() -> None:
         for r in range(a.runs):
             w = work / f"run{r}"
             w.mkdir()
-            rows, cpu = run(state, w)
+            rows, cpu = run(state, w, a.perf, a.perf_of)
             totals.append(max(t for p, x, t in rows if x == "exit" and p.startswith("sub")))
             if r == a.runs - 1:
                 print(report(rows, cpu, a.size_mib * MiB))
