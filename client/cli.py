@@ -442,8 +442,8 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
 
 
 async def _stream_keyframe(args, client: HttpClient, target: FileTarget, head, verifier: Verifier | None) -> None:
-    """The first version streamed into the file shard by shard, when the head is a keyframe or has a side
-    keyframe (``M.kf``, same state fingerprint): one shard in memory at a time. Otherwise (or on any
+    """The first version streamed into the file, its shards side by side, when the head is a keyframe or has
+    a side keyframe (``M.kf``, same state fingerprint): in memory, each shard's header and a 1 MiB buffer. Otherwise (or on any
     error: logged) the subscriber catches up the usual way, a keyframe then deltas."""
     from deltasync.manifest import parse_manifest
 
