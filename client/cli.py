@@ -349,6 +349,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
             else:
                 _say(args, f"{out}: not a {args.model} file written by deltasync subscribe; resyncing")
                 target = None
+    fresh = target is None  # the first version is streamed in below
     if target is None:
         # a head that does not parse or verify is that source's fault: the next --from is tried
         client = HttpClient(args.sources, timeouts=timeouts, ssl=_ssl(args), read_token=_read_token_of(args),
@@ -381,6 +382,10 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
         finally:
             await client.close()
     version = target.version  # None, or the keyframe just streamed in (the subscriber scans it once)
+    if fresh and args.until is not None and version is not None and version >= args.until:
+        target.close()  # --until V, and the keyframe just streamed in (verified, renamed into place) is V: done
+        timeline.debug("mono=%.6f closed", time.monotonic())
+        return 0
 
     def on_event(ev: SyncEvent) -> None:
         if ev.kind in ("rollback", "refetch", "resync", "scrub", "error"):

@@ -146,3 +146,38 @@ async def test_a_head_long_poll_after_minus_one_wakes_on_the_first_commit(tmp_pa
             assert ran_out is None
             with pytest.raises(FormatError):
                 await c.get_head("m", after=-2, wait=0)
+
+
+def test_subscribe_started_before_the_first_version_takes_the_keyframe_and_exits(tmp_path):
+    """A real origin process and a real ``subscribe --out F --until 0`` started before anything is published:
+    it waits on the head long-poll, streams the keyframe into F when v0 commits, and ends there (no
+    subscriber is started for a version it already holds: its timeline has no ``subscriber-closed``)."""
+    import os
+    import subprocess
+    import sys
+
+    from deltasync.cli.cluster import LocalCluster
+    from deltasync.client.publisher import Publisher
+    from deltasync.tensorfile import read_state_file
+
+    key = bytes(range(7, 39))
+    state = _state(4)
+    with LocalCluster(tmp_path / "servers", key=key) as c:
+        c.start_origin()
+        out = tmp_path / "out.safetensors"
+        sub = subprocess.Popen([sys.executable, "-m", "deltasync.client.cli", "subscribe", "--from", c.origin,
+                                "--model", "m", "--key-file", str(c.key_file), "--out", str(out), "--until", "0",
+                                "--timeout", "120", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env={**os.environ, "DELTASYNC_TIMELINE": "1"})
+        try:
+            with Publisher(c.origin, "m", c.token, key, keyframe_every=0) as pub:
+                pub.publish(0, state)
+                pub.flush(60)
+            log, _ = sub.communicate(timeout=120)
+        finally:
+            sub.kill()
+        assert sub.returncode == 0, log
+    assert "kf-seen" in log and "kf-committed" in log and "subscriber-closed" not in log, log
+    got = read_state_file(out)
+    for n, t in state.items():
+        assert torch.equal(got[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), n
