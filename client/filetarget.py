@@ -354,7 +354,7 @@ class KeyframeWriter:
                                  f"{self.manifest.state_fp}")
         self._close_fd()
         _NewFile(self.target, self._tmp, self._file, dict(self.fps), self.version).commit()
-        self.target._written_fps = dict(self.fps)  # fingerprinted from the map as it landed: the adopt scan's
+        self.target._written_fps = dict(self.fps)  # fingerprinted as the bytes landed: the adopt scan's
 
     def abort(self) -> None:
         self._close_fd()
@@ -400,7 +400,8 @@ class ShardSink:
     def __init__(self, writer: KeyframeWriter, size: int) -> None:
         self._w = writer
         self.size = size
-        raw = bytearray(BOUNCE)
+        self._room = BOUNCE
+        raw = bytearray(self._room)
         self._bounce = memoryview(raw)
         self._lanes = {1: torch.frombuffer(raw, dtype=torch.int8), 2: torch.frombuffer(raw, dtype=torch.int16)}
         self.restart()
@@ -420,7 +421,7 @@ class ShardSink:
             self._at += 1
             s = self._slots[self._at]
         c = self._carry
-        return self._bounce[c : c + min(BOUNCE - c, s.stop - offset)]
+        return self._bounce[c : c + min(self._room - c, s.stop - offset)]
 
     def received(self, offset: int, n: int) -> None:
         if self._slots is None:
