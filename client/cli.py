@@ -48,6 +48,8 @@ timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps: b
 META_MODEL = "deltasync.model"
 META_VERSION = "deltasync.version"
 META_STATE_FP = "deltasync.state_fp"
+#: a keyframe's shards ``subscribe --out`` receives side by side (each into its own place in the new file)
+KEYFRAME_SHARDS_AT_ONCE = 8
 
 
 def _say(args, text: str) -> None:
@@ -442,6 +444,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
             else:
                 _say(args, f"{out}: not a {args.model} file written by deltasync subscribe; resyncing")
                 target = None
+    fresh = target is None  # the first version is streamed in below
     if target is None:
         # a head that does not parse or verify is that source's fault: the next --from is tried
         client = HttpClient(args.sources, timeouts=timeouts, ssl=_ssl(args), read_token=_read_token_of(args),
@@ -450,9 +453,19 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
         try:
             deadline = time.monotonic() + args.timeout
             head = await client.get_head(args.model)
-            while head is None and not args.once and time.monotonic() < deadline:
-                await asyncio.sleep(0.25)  # the model has no version yet: wait for the first
-                head = await client.get_head(args.model)
+            while head is None and not args.once and (left := deadline - time.monotonic()) > 0:
+                # the model has no version yet: wait for the first, woken by its commit (a long-poll; a
+                # server of an older build refuses after=-1: then ask again every 0.25 s)
+                try:
+                    head = await client.get_head(args.model, after=-1, wait=min(left, timeouts.poll))
+                except DeltaSyncError as e:
+                    log.debug("long-poll for the first version refused (%s); polling", e)
+                    await asyncio.sleep(0.25)
+                    head = await client.get_head(args.model)
+                else:
+                    if head is not None and head.body is None:  # the long-poll ran out (204)
+                        head = None
+            timeline.debug("mono=%.6f kf-seen", time.monotonic())
             await warm
             if head is None:
                 raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
@@ -464,6 +477,10 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
         finally:
             await client.close()
     version = target.version  # None, or the keyframe just streamed in (the subscriber scans it once)
+    if fresh and args.until is not None and version is not None and version >= args.until:
+        target.close()  # --until V, and the keyframe just streamed in (verified, renamed into place) is V: done
+        timeline.debug("mono=%.6f closed", time.monotonic())
+        return 0
 
     def on_event(ev: SyncEvent) -> None:
         if ev.kind in ("rollback", "refetch", "resync", "scrub", "error"):
@@ -537,8 +554,8 @@ def _warm(target) -> None:
 
 
 async def _stream_keyframe(args, client: HttpClient, target: FileTarget, head, verifier: Verifier | None) -> None:
-    """The first version streamed into the file shard by shard, when the head is a keyframe or has a side
-    keyframe (``M.kf``, same state fingerprint): one shard in memory at a time. Otherwise (or on any
+    """The first version streamed into the file, its shards side by side, when the head is a keyframe or has
+    a side keyframe (``M.kf``, same state fingerprint): in memory, each shard's header and a 1 MiB buffer. Otherwise (or on any
     error: logged) the subscriber catches up the usual way, a keyframe then deltas."""
     from deltasync.manifest import parse_manifest
 
@@ -560,12 +577,30 @@ async def _stream_keyframe(args, client: HttpClient, target: FileTarget, head, v
     except DeltaSyncError as e:
         log.warning("cannot stream keyframe v%s into %s (%s); catching up the usual way", head.version, args.out, e)
         return
-    try:
-        for ref in kf.blobs:  # each shard received straight into the new file (no copy of it in memory)
+    timeline.debug("mono=%.6f kf-head v%d %d", time.monotonic(), head.version, len(kf.blobs))
+    slots = asyncio.Semaphore(KEYFRAME_SHARDS_AT_ONCE)
+
+    async def shard(ref) -> None:  # received straight into the new file (no copy of it in memory)
+        async with slots:
             sink = w.shard_sink(ref.size)
+            timeline.debug("mono=%.6f kf-blob-start %s", time.monotonic(), ref.id)
             await client.receive_blob(ref.id, ref.size, sink, digest=ref.digest)
+            timeline.debug("mono=%.6f kf-blob-end %s", time.monotonic(), ref.id)
             w.add_received(sink)
+
+    try:
+        # every shard at once: a relay fetching the keyframe cold pulls its shards side by side, and each
+        # is followed cut-through as it arrives (one after another, the first shard would end only when the
+        # relay's last did, and every other shard's receive would start after it)
+        tasks = [asyncio.ensure_future(shard(ref)) for ref in kf.blobs]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # the first failure ends the others (their bytes are discarded with the file)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         await loop.run_in_executor(None, w.commit)
+        timeline.debug("mono=%.6f kf-committed", time.monotonic())
     except BaseException as e:
         w.abort()
         if not isinstance(e, DeltaSyncError):

@@ -64,6 +64,7 @@ from .store import DiskStore
 from .upstream import USER_AGENT, Upstream
 
 log = logging.getLogger("deltasync.server.fetcher")
+timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps: benchmarks/keyframe_timeline.py
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 ATTEMPTS = 3
@@ -169,6 +170,7 @@ class BlobFetcher:
     # -- the fetch -----------------------------------------------------------------------
     async def _run(self, blob: InflightBlob) -> None:
         started = time.monotonic()
+        timeline.info("mono=%.6f fetch-start %s", started, blob.id)
         fetch = _Fetch(blob, self._expected.get(blob.id), digests=self.check_digests)
         try:
             blob.part = await self.store.open_partial(blob.id)
@@ -185,6 +187,7 @@ class BlobFetcher:
             blob.progress()
             await blob.part.commit()
             self.storage_error = None
+            timeline.info("mono=%.6f fetch-stored %s", time.monotonic(), blob.id)
             log.info("blob %s: %d bytes from %s in %.2f s", blob.id, blob.part.written, parent,
                      time.monotonic() - started)
         except asyncio.CancelledError:
@@ -312,6 +315,7 @@ class BlobFetcher:
         if resp.status == 416 and offset and fetch.provisional:  # we asked past its end: the size we hold is wrong
             raise _SizeConflict(f"{parent} has less than the {offset} bytes of blob {blob.id} in hand")
         start, total = _body_range(resp, offset)
+        timeline.info("mono=%.6f fetch-answer %s %s", time.monotonic(), blob.id, parent)
         expected = fetch.expected
         if expected is not None and total != expected.size:
             raise UpstreamError(f"{parent} says blob {blob.id} has {total} bytes; its manifest says {expected.size}")

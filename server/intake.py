@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from deltasync.errors import (
@@ -39,6 +40,7 @@ from .blobstore import BlobStore
 from .versions import VersionInfo
 
 log = logging.getLogger("deltasync.server.intake")
+timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps: benchmarks/keyframe_timeline.py
 
 
 class Intake:
@@ -67,6 +69,7 @@ class Intake:
         except OSError as e:
             raise StorageError(f"cannot store blob {blob_id}: {e.strerror or e}") from e
         hasher = DigestHasher(DEFAULT_DIGEST) if self.key is not None else None
+        timeline.info("mono=%.6f upload-start %s", time.monotonic(), blob_id)
         try:
             async for chunk in body:
                 if hasher is not None:
@@ -98,6 +101,7 @@ class Intake:
             while len(self._digests) > self.DIGEST_MEMORY:
                 del self._digests[next(iter(self._digests))]
         self.metrics.inc("uploads")
+        timeline.info("mono=%.6f upload-stored %s", time.monotonic(), blob_id)
         log.info("stored blob %s (%d bytes)", blob_id, part.written)
         return part.written, True
 

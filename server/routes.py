@@ -379,7 +379,8 @@ async def get_version(request: web.Request) -> web.Response:
 async def get_head(request: web.Request) -> web.Response:
     svc = _svc(request)
     model = _model(request)
-    after = _query_int(request, "after")
+    # after=-1: wait for the first version (a subscriber started before anything was published)
+    after = -1 if request.query.get("after") == "-1" else _query_int(request, "after")
     wait_text = request.query.get("wait")
     if wait_text is not None and after is None:
         raise FormatError("wait= needs after=")
