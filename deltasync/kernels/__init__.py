@@ -118,10 +118,15 @@ def gpu_kernels(t):
     return _gpu
 
 
-def _table() -> np.ndarray:
-    from ..fingerprint import _T_NP
+_TABLE: list[np.ndarray] = []
 
-    return _T_NP
+
+def _table() -> np.ndarray:
+    if not _TABLE:
+        from ..fingerprint import _T_NP
+
+        _TABLE.append(_T_NP)
+    return _TABLE[0]
 
 
 _local = threading.local()
