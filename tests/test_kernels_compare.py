@@ -151,3 +151,26 @@ def test_diff_states_of_many_tensors_matches_the_reference(chunk_words, threaded
             np.testing.assert_array_equal(g_.positions, w_.positions)
             np.testing.assert_array_equal(g_.old, w_.old)
             np.testing.assert_array_equal(g_.new, w_.new)
+
+
+@pytest.mark.parametrize("pattern", ["none", "sampled", "between_samples", "dense"])
+def test_long_spans_sized_from_a_sample_match_the_reference(pattern):
+    """Spans of 2**20+ words size their outputs from a sample of the words (``kernels._estimated_changes``):
+    right when the sample sees the density, far too small when every change falls between sample points
+    (the outputs grow), and generous when nothing changed."""
+    n = (1 << 20) + 777
+    rng = np.random.default_rng(9)
+    old = rng.integers(0, 2**16, n, dtype=np.uint16)
+    new = old.copy()
+    step = (n - 5) // kernels._SAMPLES
+    if pattern == "sampled":
+        new[rng.integers(0, n, n // 50)] += np.uint16(1)
+    elif pattern == "between_samples":  # every word except the sampled ones: the estimate sees nothing
+        new += np.uint16(1)
+        new[5::step] = old[5::step]
+    elif pattern == "dense":
+        new ^= np.uint16(0x8000)
+    est = kernels._estimated_changes(old, new, 5, n)
+    if pattern == "between_samples":
+        assert est < 10_000  # the case really takes the growing path
+    _check(2, old, new, 5, n)
