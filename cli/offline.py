@@ -1,4 +1,7 @@
-"""Offline commands: diff, replay, squash, inspect, verify (files only, no network)."""
+"""Offline commands: diff, replay, squash, inspect, verify (files only, no network).
+
+``diff`` reads both files as :class:`~deltasync.dtypes.HostTensor` words over their maps and never
+imports torch (``tests/test_diff_cli.py``); the other commands import what they need when they run."""
 
 from __future__ import annotations
 
@@ -16,9 +19,6 @@ from deltasync.signing import HmacSigner, HmacVerifier
 
 from .keys import read_key_file, signer_from_file, verifier_from_file
 from .progress import Progress, say
-
-# Imported by the commands that use them: torch comes in with apply/budget/read_state_file, so ``diff``
-# (HostTensor words over the mapped files) starts without it.
 
 
 def _nbytes(state) -> int:

@@ -286,10 +286,15 @@ def diff_states(
             info = dtype_info(n_t.dtype)
             if update_old and not o_t.is_contiguous():
                 raise ValueError(f"{name}: update_old needs a contiguous old tensor")
-            if not isinstance(o_t, HostTensor) and not isinstance(n_t, HostTensor) and o_t.device != n_t.device:
-                n_t = n_t.to(o_t.device)
+            if isinstance(o_t, HostTensor) or isinstance(n_t, HostTensor):
+                on_host = _on_host(o_t) and _on_host(n_t)
+            else:  # two torch tensors: each device looked up once (a torch call per lookup)
+                od, nd = o_t.device, n_t.device
+                if od != nd:
+                    n_t = n_t.to(od)
+                on_host = od.type == "cpu"
             host = None
-            if fast and _on_host(o_t) and _on_host(n_t):
+            if fast and on_host:
                 host = (_span_words(o_t, info), _span_words(n_t, info))
                 ow, nw = host
             else:
