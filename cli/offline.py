@@ -1,4 +1,7 @@
-"""Offline commands: diff, replay, squash, inspect, verify (files only, no network)."""
+"""Offline commands: diff, replay, squash, inspect, verify (files only, no network).
+
+``diff`` reads both files as :class:`~deltasync.dtypes.HostTensor` words over their maps and never
+imports torch (``tests/test_diff_cli.py``); the other commands import what they need when they run."""
 
 from __future__ import annotations
 
@@ -8,17 +11,11 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from deltasync.blob import BlobReader
-from deltasync.budget import budget_of, residual_of
-from deltasync.codec import EncodeOptions, encode_delta
-from deltasync.apply import apply_delta
+from deltasync.codec import EncodeOptions
 from deltasync.deltafile import MAGIC as DELTA_MAGIC, read_delta_file, write_delta_file
 from deltasync.dtypes import dtype_info
 from deltasync.errors import ChainError
-from deltasync.fingerprint import fingerprint_state, fp_hex, state_fingerprint_of
 from deltasync.signing import HmacSigner, HmacVerifier
-from deltasync.squash import squash_chain
-from deltasync.tensorfile import read_state_file, write_state_file
 
 from .keys import read_key_file, signer_from_file, verifier_from_file
 from .progress import Progress, say
@@ -76,15 +73,24 @@ def register(sub) -> None:
 
 
 def cmd_diff(args) -> int:
+    """Both files as :class:`~deltasync.dtypes.HostTensor` words over their maps (no torch, nothing copied
+    whole); the same ``diff_span`` kernel and pool as ``publish --base``; the same bytes as ``encode_delta``
+    of the files' torch tensors."""
+    from deltasync.codec import encode_delta
+    from deltasync.tensorfile import MappedTensorFile
+
     t0 = time.perf_counter()
-    old = read_state_file(args.old)
-    new = read_state_file(args.new)
     version = args.version if args.version is not None else args.parent + 1
     prog = Progress("diff", quiet=args.quiet)
-    with ThreadPoolExecutor(max(args.threads, 1)) as pool:  # compiled compare kernels release the GIL
-        enc = encode_delta(old, new, model=args.model, version=version, parent=args.parent,
-                           options=EncodeOptions(level=args.level, chunk_words=args.chunk_words), progress=prog.update,
-                           executor=pool if args.threads > 1 else None)
+    threads = max(args.threads, 1)
+    with MappedTensorFile(args.old) as of, MappedTensorFile(args.new) as nf:
+        old, new = of.host, nf.host
+        raw = _nbytes(new)
+        with ThreadPoolExecutor(threads, thread_name_prefix="deltasync-diff") as pool:  # kernels release the GIL
+            enc = encode_delta(old, new, model=args.model, version=version, parent=args.parent,
+                               options=EncodeOptions(level=args.level, chunk_words=args.chunk_words),
+                               progress=prog.update, executor=pool if threads > 1 else None)
+        del old, new
     prog.done()
     manifest = enc.manifest
     signer = signer_from_file(args.key_file)
@@ -92,7 +98,6 @@ def cmd_diff(args) -> int:
         manifest = manifest.sign(signer)
     size = write_delta_file(args.out, manifest, enc.blobs)
     dt = time.perf_counter() - t0
-    raw = _nbytes(new)
     words = sum(t.words for t in manifest.tensors)
     say(args, f"{args.out}: {len(manifest.tensors)} tensors, {manifest.changed_words:,} of {words:,} words changed "
               f"({100 * manifest.changed_words / max(words, 1):.3f}%), {size:,} bytes, ratio {raw / max(size, 1):.1f}x "
@@ -101,6 +106,10 @@ def cmd_diff(args) -> int:
 
 
 def cmd_replay(args) -> int:
+    from deltasync.apply import apply_delta
+    from deltasync.fingerprint import fingerprint_state
+    from deltasync.tensorfile import read_state_file, write_state_file
+
     verifier = verifier_from_file(args.key_file)
     state = read_state_file(args.base)
     fps = fingerprint_state(state)
@@ -124,6 +133,8 @@ def cmd_replay(args) -> int:
 
 
 def cmd_squash(args) -> int:
+    from deltasync.squash import squash_chain
+
     key = read_key_file(args.key_file)  # one shared HMAC secret: verifies the inputs, signs the result
     verifier, signer = (None, None) if key is None else (HmacVerifier(key), HmacSigner(key))
     files = [read_delta_file(p, verifier=verifier) for p in args.deltas]
@@ -151,6 +162,9 @@ def _chunk_raw_bytes(rec: dict) -> int:
 
 
 def inspect_delta(path: str) -> dict:
+    from deltasync.blob import BlobReader
+    from deltasync.budget import budget_of, residual_of
+
     df = read_delta_file(path)
     m = df.manifest
     per_tensor: dict[str, dict] = {t.name: {"modes": {}, "bytes": 0.0} for t in m.tensors}
@@ -183,6 +197,9 @@ def inspect_delta(path: str) -> dict:
 
 
 def inspect_state(path: str) -> dict:
+    from deltasync.fingerprint import fingerprint_state, fp_hex, state_fingerprint_of
+    from deltasync.tensorfile import read_state_file
+
     state = read_state_file(path)
     fps = fingerprint_state(state)
     rows = [{"name": n, "dtype": dtype_info(t.dtype).name, "shape": list(t.shape),
@@ -238,6 +255,9 @@ def _budget_line(budget: int, r: dict | None) -> str:
 
 
 def cmd_verify(args) -> int:
+    from deltasync.fingerprint import fingerprint_state, fp_hex
+    from deltasync.tensorfile import read_state_file
+
     df = read_delta_file(args.delta, verifier=verifier_from_file(args.key_file))
     m = df.manifest
     if args.base and m.kind != "delta":

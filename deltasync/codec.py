@@ -280,20 +280,29 @@ def diff_states(
     fast = kernels.cpu_kernels() is not None
     with _no_grad():
         prepared = []  # (name, info, old words, new words, chunk ranges, host arrays or None)
+        range_cache: dict[tuple[tuple[int, ...], int], list[tuple[int, int]]] = {}  # layers share shapes
         for name in names:
             o_t, n_t = old[name], new[name]
             info = dtype_info(n_t.dtype)
             if update_old and not o_t.is_contiguous():
                 raise ValueError(f"{name}: update_old needs a contiguous old tensor")
-            if not isinstance(o_t, HostTensor) and not isinstance(n_t, HostTensor) and o_t.device != n_t.device:
-                n_t = n_t.to(o_t.device)
+            if isinstance(o_t, HostTensor) or isinstance(n_t, HostTensor):
+                on_host = _on_host(o_t) and _on_host(n_t)
+            else:  # two torch tensors: each device looked up once (a torch call per lookup)
+                od, nd = o_t.device, n_t.device
+                if od != nd:
+                    n_t = n_t.to(od)
+                on_host = od.type == "cpu"
             host = None
-            if fast and all(isinstance(t, HostTensor) or t.device.type == "cpu" for t in (o_t, n_t)):
+            if fast and on_host:
                 host = (_span_words(o_t, info), _span_words(n_t, info))
                 ow, nw = host
             else:
                 ow, nw = _chunk_words(o_t), _chunk_words(n_t)
-            ranges = tensor_chunk_ranges(tuple(n_t.shape), len(nw), chunk_words)
+            key = (tuple(n_t.shape), len(nw))
+            ranges = range_cache.get(key)
+            if ranges is None:
+                ranges = range_cache[key] = tensor_chunk_ranges(key[0], key[1], chunk_words)
             if host is None and name not in fps_before:
                 fps_before[name] = tensor_fingerprint(o_t, executor=executor)
             prepared.append((name, info, ow, nw, ranges, host))
@@ -324,7 +333,10 @@ def diff_states(
                     fpd_total += fpd
                     if want:
                         lanes += lane_sum
-                    if pos.size:
+                    if pos.size and b - a == 1:  # one chunk: all of it (most tensors)
+                        s, e = ranges[a]
+                        out.append(ChunkDiff(start=s, stop=e, positions=pos, old=old_w, new=new_w))
+                    elif pos.size:
                         cuts = np.searchsorted(pos, [e for _, e in ranges[a:b]]).tolist()
                         lo = 0
                         for (s, e), hi in zip(ranges[a:b], cuts):
@@ -361,14 +373,35 @@ def diff_states(
                      fps_before=fps_before, fps_after=fps_after)
 
 
+_WORD_VIEWS: dict = {}  # torch dtype -> (torch integer dtype of its width, numpy unsigned word dtype), one-word dtypes
+
+
 def _span_words(t, info: DtypeInfo) -> np.ndarray:
     """Host words for :func:`kernels.diff_span`: :func:`host_words`, without ``word_view``'s per-call checks for
-    a contiguous CPU tensor of 2+ elements (the Python cost per tensor counts on states of many tensors)."""
-    if not isinstance(t, HostTensor) and t.numel() > 1 and t.is_contiguous():
+    a contiguous CPU tensor of 2+ elements (the Python cost per tensor counts on states of many tensors): a
+    one-word dtype is viewed as the integer of its width and handed to numpy as is (two torch calls)."""
+    if isinstance(t, HostTensor):
+        return t.words
+    if t.numel() > 1 and t.is_contiguous():
+        if t.requires_grad:
+            t = t.detach()
+        views = _WORD_VIEWS.get(t.dtype)
+        if views is None:
+            import torch
+
+            ndt = numpy_word_dtype(info.word_size)
+            views = _WORD_VIEWS[t.dtype] = (getattr(torch, f"int{8 * info.word_size}") if info.word_size
+                                             == info.element_size and t.dtype != torch.bool else None, ndt)
+        if views[0] is not None:
+            return t.view(views[0]).numpy().reshape(-1).view(views[1])
         import torch
 
-        return t.detach().reshape(-1).view(torch.uint8).numpy().view(numpy_word_dtype(info.word_size))
+        return t.reshape(-1).view(torch.uint8).numpy().view(views[1])
     return host_words(t)
+
+
+def _on_host(t) -> bool:
+    return isinstance(t, HostTensor) or t.device.type == "cpu"
 
 
 def _host_pieces(prepared, threaded: bool) -> list[list[tuple[int, int, int]]]:

@@ -120,10 +120,15 @@ def gpu_kernels(t):
     return _gpu
 
 
-def _table() -> np.ndarray:
-    from ..fingerprint import _T_NP
+_TABLE: list[np.ndarray] = []
 
-    return _T_NP
+
+def _table() -> np.ndarray:
+    if not _TABLE:
+        from ..fingerprint import _T_NP
+
+        _TABLE.append(_T_NP)
+    return _TABLE[0]
 
 
 _local = threading.local()
@@ -185,6 +190,22 @@ def diff_words(o: np.ndarray, n: np.ndarray, start: int, word_size: int, update_
 _DUMMY: dict[np.dtype, np.ndarray] = {}  # the kernel's write target when it writes nothing (o may be read-only)
 
 
+_SAMPLES = 1024  # words a span of at least _SAMPLE_SPAN is sampled at to size diff_span's outputs
+_SAMPLE_SPAN = 1 << 20
+
+
+def _estimated_changes(o: np.ndarray, n: np.ndarray, first: int, last: int) -> int:
+    """Output room for ``diff_span`` over [first, last): from the changed share of ``_SAMPLES`` evenly spaced
+    words for a long span (with a margin, so that it rarely grows: each doubling copies the outputs and
+    faults in fresh pages), ``length / 128`` for a short one."""
+    length = last - first
+    if length < _SAMPLE_SPAN:
+        return max(1024, length // 128)
+    step = length // _SAMPLES
+    changed = int(np.count_nonzero(o[first:last:step] != n[first:last:step]))
+    return 1024 + (length * (changed + 4) * 5) // (4 * _SAMPLES)
+
+
 def diff_span(o: np.ndarray, n: np.ndarray, first: int, last: int, word_size: int, *, want_lanes: bool = False,
               update_old: bool = False, cap: int = 0):
     """Numba only: the changed words of ``o``/``n`` (one tensor's whole unsigned word arrays) in
@@ -193,7 +214,7 @@ def diff_span(o: np.ndarray, n: np.ndarray, first: int, last: int, word_size: in
     k = cpu_kernels()
     ol = o if word_size <= 2 else o.view(np.uint16)
     if cap <= 0:
-        cap = max(1024, (last - first) // 128)
+        cap = _estimated_changes(o, n, first, last)
     if update_old:
         dst = o
     else:

@@ -592,6 +592,32 @@ def copy_range_delta(dst, src, start, per, table):
     return fpd
 
 
+# -- D: a 64-word compare as one vector compare --------------------------------------------------
+
+@intrinsic
+def _neq_mask64(typingctx, o, n, i):
+    """Bit j set where ``o[i + j] != n[i + j]``, j < 64 (C-contiguous 1-D arrays of one integer dtype; the
+    caller keeps ``i + 64 <= size``): two 64-lane vector loads, a vector compare and its mask as a uint64
+    (LLVM's own lowering: ``vpcmpneq`` into a mask register on AVX-512, compare + movemask on AVX2),
+    where a loop of 64 scalar compares and shifts did not vectorize inside the span kernel."""
+    if not (isinstance(o, types.Array) and isinstance(n, types.Array) and o.ndim == 1 and n.ndim == 1
+            and o.layout == "C" and n.layout == "C" and isinstance(o.dtype, types.Integer) and o.dtype == n.dtype
+            and isinstance(i, types.Integer)):
+        return None
+    bits = o.dtype.bitwidth
+
+    def codegen(context, builder, signature, args):
+        ao = context.make_array(signature.args[0])(context, builder, args[0])
+        an = context.make_array(signature.args[1])(context, builder, args[1])
+        idx = context.cast(builder, args[2], signature.args[2], types.intp)
+        vt = ir.VectorType(ir.IntType(bits), 64).as_pointer()
+        vo = builder.load(builder.bitcast(builder.gep(ao.data, [idx]), vt), align=bits // 8)
+        vn = builder.load(builder.bitcast(builder.gep(an.data, [idx]), vt), align=bits // 8)
+        return builder.bitcast(builder.icmp_unsigned("!=", vo, vn), ir.IntType(64))
+
+    return types.uint64(o, n, i), codegen
+
+
 # -- K: whole-span compare, gather and base fingerprint in one pass ------------------------------
 
 @_jit
@@ -678,10 +704,7 @@ def diff_span(o, n, ol, dst, first, last, per, table, want_lanes, update_old, ca
                         uj = np.uint64(j)
                         s += np.uint64(ol[u0 + uj]) * table[j0 + uj]
                     acc += s
-                m = np.uint64(0)
-                for j in range(64):
-                    u = u0 + np.uint64(j)
-                    m |= np.uint64(o[u] != n[u]) << np.uint64(j)
+                m = _neq_mask64(o, n, b0)
                 while m:
                     p = b0 + np.int64(_cttz(m))
                     m &= m - _U1
@@ -701,7 +724,6 @@ def diff_span(o, n, ol, dst, first, last, per, table, want_lanes, update_old, ca
         else:
             for bb in range(blk, stop):
                 b0 = bb * 64
-                u0 = np.uint64(b0)
                 if want_lanes:
                     l0 = b0 * L
                     lblk = l0 >> 16
@@ -717,10 +739,7 @@ def diff_span(o, n, ol, dst, first, last, per, table, want_lanes, update_old, ca
                         uj = np.uint64(j)
                         s += np.uint64(ol[ul0 + uj]) * table[j0 + uj]
                     acc += s
-                m = np.uint64(0)
-                for j in range(64):
-                    u = u0 + np.uint64(j)
-                    m |= np.uint64(o[u] != n[u]) << np.uint64(j)
+                m = _neq_mask64(o, n, b0)
                 while m:
                     p = b0 + np.int64(_cttz(m))
                     m &= m - _U1
