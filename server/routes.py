@@ -414,7 +414,7 @@ async def get_head(request: web.Request) -> web.Response:
         raise NotFoundError(f"model {model!r} has no versions here")
     info = svc.store.info(model, head)
     data = await served_manifest(svc, model, head)
-    return _manifest_response(data, version=head, etag=svc.store.info(model, head).etag, cache="no-cache")
+    return _manifest_response(data, version=head, etag=info.etag, cache="no-cache")
 
 
 async def put_version(request: web.Request) -> web.Response:
