@@ -18,28 +18,16 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_shardcast import _Child, _idle, make_state  # noqa: E402
+from bench_shardcast import _idle, make_state  # noqa: E402
+from keyframe_timeline import _Timed  # noqa: E402
 from relay_procs import cpu_seconds  # noqa: E402
 
 from deltasync.cli.cluster import LocalCluster  # noqa: E402
 
 MiB = 1 << 20
-
-
-class _Timed(_Child):
-    cpu: tuple[float, float] = (0.0, 0.0)
-
-    def _reap(self) -> None:
-        _, status, ru = os.wait4(self.proc.pid, 0)
-        self.cpu = (ru.ru_utime, ru.ru_stime)
-        self.ended = time.perf_counter()
-        self.ended_mono = time.monotonic()
-        self.code = os.waitstatus_to_exitcode(status)
-        self.proc.returncode = self.code
 
 
 def main() -> None:
