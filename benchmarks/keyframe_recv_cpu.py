@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_shardcast import _idle, make_state  # noqa: E402
 from keyframe_timeline import _Timed  # noqa: E402
+from step_timeline import work_folder  # noqa: E402
 from relay_procs import cpu_seconds  # noqa: E402
 
 from deltasync.cli.cluster import LocalCluster  # noqa: E402
@@ -36,9 +35,7 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=512)
     ap.add_argument("--runs", type=int, default=3)
     a = ap.parse_args()
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    work = Path(tempfile.mkdtemp(prefix="deltasync-kf-recv-cpu-", dir=base))
-    try:
+    with work_folder("deltasync-kf-recv-cpu-") as work:
         state = work / "state.safetensors"
         make_state(state, a.size_mib * MiB)
         cluster = LocalCluster(work / "servers", key=os.urandom(32))
@@ -73,8 +70,6 @@ def main() -> None:
         med = {side: statistics.median(u + k for u, k in v) for side, v in got.items()}
         print(f"{a.size_mib} MiB keyframe, CPU-s per subscriber, median of {a.runs}: after {med['after']:.3f}, "
               f"before {med['before']:.3f}, after/before {med['after'] / med['before']:.2f}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,13 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_shardcast import MODEL, _Child, _cli, _idle, make_state  # noqa: E402
 from relay_procs import cpu_seconds  # noqa: E402
-from step_timeline import stamps  # noqa: E402
+from step_timeline import stamps, work_folder  # noqa: E402
 
 from deltasync.cli.cluster import LocalCluster  # noqa: E402
 
@@ -124,9 +123,7 @@ def main() -> None:
     ap.add_argument("--perf", metavar="FILE", help="record one process with `perf record -g` into FILE")
     ap.add_argument("--perf-of", default="sub0", help="the process --perf records: sub0..sub3, origin, r1, r2")
     a = ap.parse_args()
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    work = Path(tempfile.mkdtemp(prefix="deltasync-kf-timeline-", dir=base))
-    try:
+    with work_folder("deltasync-kf-timeline-", a.keep) as work:
         state = work / "state.safetensors"
         make_state(state, a.size_mib * MiB)
         totals = []
@@ -141,11 +138,6 @@ def main() -> None:
                 shutil.rmtree(w, ignore_errors=True)
         if a.runs > 1:
             print("runs (s to all 4): " + ", ".join(f"{t:.2f}" for t in totals))
-    finally:
-        if a.keep:
-            print(f"logs in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

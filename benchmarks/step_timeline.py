@@ -17,6 +17,7 @@ its announce (server/prefetch.py), each subscriber's wake-up, blobs, decode (cli
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -124,23 +125,31 @@ def report(rows: list[tuple[str, str, float]], size: int, changed: float,
     return "\n".join(out)
 
 
+@contextlib.contextmanager
+def work_folder(prefix: str, keep: bool = False):
+    """A fresh work folder on tmpfs (/dev/shm where there is one), removed afterwards unless ``keep`` (then its
+    path is printed): the timeline scripts' state, stores and logs."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    try:
+        yield work
+    finally:
+        if keep:
+            print(f"logs in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mib", type=int, default=64)
     ap.add_argument("--changed", type=float, default=0.01)
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs) and print its path")
     a = ap.parse_args()
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    work = Path(tempfile.mkdtemp(prefix="deltasync-step-timeline-", dir=base))
-    try:
+    with work_folder("deltasync-step-timeline-", a.keep) as work:
         cpus: list[tuple[str, str, float, float]] = []
         rows = run(a.size_mib * MiB, a.changed, work, cpus)
         print(report(rows, a.size_mib * MiB, a.changed, cpus))
-    finally:
-        if a.keep:
-            print(f"logs in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
