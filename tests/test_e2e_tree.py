@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,20 @@ def test_tree_eight_subscribers_twenty_steps_bit_exact(cluster):
             s.close()
 
 
+def wait_head(url: str, model: str, version: int, timeout: float = 60) -> None:
+    """Block until the server at ``url`` holds ``model`` at ``version`` or later (its long-polled head)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        q = f"{url}/v1/models/{model}/head?after={version - 1}&wait=2"
+        try:
+            with urllib.request.urlopen(q, timeout=10) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError:  # a relay that has not heard of the stream yet answers 404
+            time.sleep(0.1)
+    raise AssertionError(f"{url} did not reach {model}@{version} within {timeout} s")
+
+
 def test_subscriber_joining_at_step_15_catches_up_from_a_recent_keyframe(cluster):
     trace = RLTrace(SHAPE, lr=3e-4, seed=2)
     events: list[SyncEvent] = []
@@ -91,6 +107,10 @@ def test_subscriber_joining_at_step_15_catches_up_from_a_recent_keyframe(cluster
             pub.publish(step, state)
             if step == 15:
                 pub.flush(60)
+                # the relay the subscriber asks first has the side keyframe (a relay still following the origin
+                # would offer only v0's keyframe and a squash, which is also correct but not what this tests)
+                wait_head(cluster.url("eu-a"), "join.kf", 10)
+                wait_head(cluster.url("eu-a"), "join", 15)
                 sub.start()
                 assert sub.wait_version(15, 60) >= 15
         pub.flush(60)
