@@ -56,6 +56,7 @@ from deltasync.fingerprint import (
     copy_fingerprint,
     fingerprint_from_lane_sums,
     fp_hex,
+    host_lanes_sum,
     lanes_sum,
     state_fingerprint,
     tensor_fingerprint,
@@ -347,6 +348,8 @@ class KeyframeWriter:
         (``subscribe --out`` does, on a thread), so that cost is not paid when the bytes arrive."""
         lanes_sum(torch.zeros(8, dtype=torch.int16), 0)
         lanes_sum(torch.zeros(8, dtype=torch.int8), 0)
+        host_lanes_sum(np.frombuffer(bytearray(16), dtype=np.uint16), 0)  # the receive's form (ShardSink)
+        host_lanes_sum(np.frombuffer(bytearray(16), dtype=np.uint8), 0)
 
     def shard_sink(self, size: int) -> ShardSink:
         """Where a shard blob of ``size`` bytes is received (``HttpClient.receive_blob``): its header into a small
@@ -423,7 +426,9 @@ class ShardSink:
         self._room = BOUNCE
         raw = bytearray(self._room)
         self._bounce = memoryview(raw)
-        self._lanes = {1: torch.frombuffer(raw, dtype=torch.int8), 2: torch.frombuffer(raw, dtype=torch.int16)}
+        # the fingerprint's lanes over the buffer, as numpy (the compiled sum takes them as they are: a torch
+        # view cost a conversion per receive, about as much as the sum itself)
+        self._lanes = {1: np.frombuffer(raw, dtype=np.uint8), 2: np.frombuffer(raw, dtype=np.uint16)}
         self.restart()
 
     def restart(self) -> None:
@@ -465,7 +470,7 @@ class ShardSink:
         upto = (offset + n - s.start) // lb  # lanes complete so far; the buffer holds lanes s.done..upto
         k = upto - s.done
         if k > 0:
-            s.sum += lanes_sum(self._lanes[lb][:k], s.done)
+            s.sum += host_lanes_sum(self._lanes[lb][:k], s.done)
             s.done = upto
         rest = c + n - k * lb  # bytes of the next (cut) lane
         if rest:
