@@ -32,6 +32,11 @@ DIRECT_MIN = 4 << 20
 BUFFER = 1 << 20
 
 
+#: every upload's pieces are received into this one buffer: each is fed (hashed and written) before the event loop
+#: reads the next, whatever the connection, so one buffer stays in the core's L2 where one per upload did not
+_SHARED = memoryview(bytearray(BUFFER))
+
+
 def usable(request: web.BaseRequest) -> bool:
     """Whether :func:`receive` can take this request's body: plain TCP, a large ``Content-Length``, no
     ``Expect`` or chunked transfer coding, and a transport that can switch protocols."""
@@ -52,7 +57,7 @@ class _Body(asyncio.BufferedProtocol):
         self._left = left
         self._feed = feed
         self._pace = pace
-        self._view = memoryview(bytearray(BUFFER))
+        self._view = _SHARED
         self._loop = asyncio.get_running_loop()
         self.done: asyncio.Future[None] = self._loop.create_future()
         self.last = self._loop.time()
