@@ -56,6 +56,7 @@ from deltasync.fingerprint import (
     copy_fingerprint,
     fingerprint_from_lane_sums,
     fp_hex,
+    host_lanes_sum,
     lanes_sum,
     state_fingerprint,
     tensor_fingerprint,
@@ -311,6 +312,7 @@ class KeyframeWriter:
         self.fps: dict[str, int] = {}
         self._starts = {e.name: e.start for e in self._file.header.entries}  # each tensor's first byte in the file
         self._fd: int | None = None  # the new file opened for pwrite (received shards), once one arrives
+        self._bounce = bytearray(BOUNCE)  # every received shard's bytes pass through it (ShardSink)
 
     def _writer_fd(self) -> int:
         if self._fd is None:
@@ -347,6 +349,8 @@ class KeyframeWriter:
         (``subscribe --out`` does, on a thread), so that cost is not paid when the bytes arrive."""
         lanes_sum(torch.zeros(8, dtype=torch.int16), 0)
         lanes_sum(torch.zeros(8, dtype=torch.int8), 0)
+        host_lanes_sum(np.frombuffer(bytearray(16), dtype=np.uint16), 0)  # the receive's form (ShardSink)
+        host_lanes_sum(np.frombuffer(bytearray(16), dtype=np.uint8), 0)
 
     def shard_sink(self, size: int) -> ShardSink:
         """Where a shard blob of ``size`` bytes is received (``HttpClient.receive_blob``): its header into a small
@@ -421,9 +425,14 @@ class ShardSink:
         self._w = writer
         self.size = size
         self._room = BOUNCE
-        raw = bytearray(self._room)
+        # one buffer for every shard of the keyframe (they are received side by side, but each receive is
+        # taken in, hashed and written before the loop runs the next): it stays in the core's L2, where one
+        # per shard (8 MiB) did not; a cut lane's bytes wait in ``_carried`` between receives
+        raw = writer._bounce
         self._bounce = memoryview(raw)
-        self._lanes = {1: torch.frombuffer(raw, dtype=torch.int8), 2: torch.frombuffer(raw, dtype=torch.int16)}
+        # the fingerprint's lanes over the buffer, as numpy (the compiled sum takes them as they are: a torch
+        # view cost a conversion per receive, about as much as the sum itself)
+        self._lanes = {1: np.frombuffer(raw, dtype=np.uint8), 2: np.frombuffer(raw, dtype=np.uint16)}
         self.restart()
 
     def restart(self) -> None:
@@ -432,6 +441,7 @@ class ShardSink:
         self._slots: list[_Slot] | None = None
         self._at = 0
         self._carry = 0  # bytes of a cut lane at the buffer's start (received, written, not yet summed)
+        self._carried = b""  # those bytes, kept here while the shared buffer serves other shards
 
     def buffer(self, offset: int) -> memoryview:
         if self._slots is None:
@@ -441,6 +451,8 @@ class ShardSink:
             self._at += 1
             s = self._slots[self._at]
         c = self._carry
+        if c:
+            self._bounce[:c] = self._carried
         return self._bounce[c : c + min(self._room - c, s.stop - offset)]
 
     def received(self, offset: int, n: int) -> None:
@@ -465,11 +477,10 @@ class ShardSink:
         upto = (offset + n - s.start) // lb  # lanes complete so far; the buffer holds lanes s.done..upto
         k = upto - s.done
         if k > 0:
-            s.sum += lanes_sum(self._lanes[lb][:k], s.done)
+            s.sum += host_lanes_sum(self._lanes[lb][:k], s.done)
             s.done = upto
         rest = c + n - k * lb  # bytes of the next (cut) lane
-        if rest:
-            self._bounce[:rest] = bytes(self._bounce[k * lb : k * lb + rest])
+        self._carried = bytes(self._bounce[k * lb : k * lb + rest]) if rest else b""
         self._carry = rest
 
     def _plan(self) -> None:

@@ -560,7 +560,9 @@ class HttpClient:
 
 
 class _CheckedSink:
-    """A caller's sink with the blob's checks on the same bytes: its length, its xxh3 id, its signed digest."""
+    """A caller's sink with the blob's checks on the same bytes: its length, and its signed digest when the
+    manifest gives one, else its xxh3 id. (With a digest the id adds nothing: the digest is a cryptographic
+    hash of the same bytes, named by a manifest that named the id too; one hash pass less per received byte.)"""
 
     __slots__ = ("sink", "bid", "size", "have", "started", "_digest", "_alg", "_xxh", "_dig", "_room")
 
@@ -568,8 +570,8 @@ class _CheckedSink:
         self.sink, self.bid, self.size = sink, bid, size
         self._digest = digest
         self._alg = parse_digest(digest)[0] if digest is not None else None
-        self._xxh = xxhash.xxh3_128()
         self._dig = DigestHasher(self._alg) if self._alg is not None else None
+        self._xxh = xxhash.xxh3_128() if self._dig is None else None
         self.have = 0
         self.started = False
         self._room: memoryview | None = None
@@ -584,9 +586,10 @@ class _CheckedSink:
 
     def received(self, offset: int, n: int) -> None:
         piece = self._room[:n]
-        self._xxh.update(piece)
         if self._dig is not None:
             self._dig.update(piece)
+        else:
+            self._xxh.update(piece)
         self.started = True
         self.have = offset + n
         self.sink.received(offset, n)
@@ -602,7 +605,8 @@ class _CheckedSink:
             view = view[k:]
 
     def restart(self) -> None:
-        self._xxh.reset()
+        if self._xxh is not None:
+            self._xxh.reset()
         self._dig = DigestHasher(self._alg) if self._alg is not None else None
         self.have = 0
         self.started = False
@@ -611,8 +615,7 @@ class _CheckedSink:
     def check(self) -> None:
         if self.have != self.size:
             raise IntegrityError(f"blob {self.bid}: {self.have} bytes, the manifest says {self.size}")
-        found = self._xxh.hexdigest()
-        if found != self.bid:
+        if self._xxh is not None and (found := self._xxh.hexdigest()) != self.bid:
             raise IntegrityError(f"blob {self.bid}: content hashes to {found}")
         if self._dig is not None and (got := self._dig.digest()) != self._digest:
             raise IntegrityError(f"blob {self.bid}: bytes hash to {got} but the signed manifest says {self._digest} "

@@ -4,8 +4,8 @@ The cold path of a relay is receive, hash, write, forward. Through aiohttp's cli
 every piece of a body is copied twice in user space (the event loop's read buffer into
 a ``bytes``, the HTTP parser's body slice into another) and handed over through a
 ``StreamReader`` at a few Python calls per piece. Here an ``asyncio.BufferedProtocol``
-lets the event loop ``recv_into`` one 1 MiB buffer (it stays in a core's L2 cache while
-the piece is hashed and written), and each filled piece goes to the
+lets the event loop ``recv_into`` one 1 MiB buffer shared by every connection (it stays in a
+core's L2 cache while the piece is hashed and written), and each filled piece goes to the
 caller's ``on_body(memoryview)`` at once (the fetcher hashes it and writes it to its temp
 file) before the buffer is reused: the socket copy is the only copy before the page
 cache. Connections are kept alive per parent (HTTP/1.1), so a delta's small blobs
@@ -34,6 +34,12 @@ MAX_HEAD = 64 << 10
 IDLE_PER_PARENT = 8
 
 _STATUS = re.compile(rb"^HTTP/1\.[01] (\d{3})")
+
+#: the body pieces of every connection are received into this one buffer (the event loop's thread takes each in,
+#: and ``on_body`` hashes and writes it, before it reads the next: one buffer stays in the core's L2, where one
+#: per connection, a blob's shards side by side, did not); a connection's own buffer holds only its answer's head
+#: and what came with it
+_SHARED = memoryview(bytearray(BUFFER))
 
 
 class BlobResponse:
@@ -70,6 +76,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._error: BaseException | None = None
         self._paused = False
         self._overflow = False
+        self._shared = False  # the last get_buffer handed out the shared buffer (the body, delivered at once)
         self.reusable = False
 
     # -- protocol callbacks ------------------------------------------------------------------
@@ -77,6 +84,10 @@ class _Conn(asyncio.BufferedProtocol):
         self.transport = transport
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._fill == 0 and self._done is not None and not self._done.done() and self._left > 0:
+            self._shared = True  # the body, asked for: straight to on_body from the shared buffer
+            return _SHARED
+        self._shared = False
         if self._fill >= len(self._buf):  # cannot happen (reading pauses first); never overwrite held bytes
             self._overflow = True
             return memoryview(bytearray(1))
@@ -87,6 +98,18 @@ class _Conn(asyncio.BufferedProtocol):
         self.received += n
         if self._overflow:
             self._abort(UpstreamError("receive buffer overflow"))
+            return
+        if self._shared:
+            self._shared = False
+            try:
+                if n > self._left:
+                    raise UpstreamError("the parent sent more bytes than its Content-Length")
+                self._on_body(_SHARED[:n])
+                self._left -= n
+                if self._left == 0:
+                    self._done.set_result(None)
+            except BaseException as e:  # on_body failed (the disk, say): end this answer with it
+                self._abort(e)
             return
         self._fill += n
         try:

@@ -59,51 +59,36 @@ class Intake:
 
     async def put_blob(self, blob_id: str, body: AsyncIterator[bytes], *, declared: int | None) -> tuple[int, bool]:
         """Store an uploaded blob; returns (size, created). Nothing is kept unless every check passes."""
-        size = self.store.blob_size(blob_id)
+        size = self.stored_size(blob_id, declared=declared)
         if size is not None:
             return size, False
+        up = await self.open_upload(blob_id, declared=declared)
+        try:
+            async for chunk in body:
+                up.feed(chunk)
+            return await up.finish()
+        finally:
+            up.close()
+
+    def stored_size(self, blob_id: str, *, declared: int | None) -> int | None:
+        """The size of ``blob_id`` if it is stored already (its upload is then answered without its body);
+        TooLargeError for a declared size over the limit."""
+        size = self.store.blob_size(blob_id)
+        if size is not None:
+            return size
         if declared is not None and declared > self.max_blob_size:
             raise TooLargeError(f"blob of {declared} bytes exceeds this origin's limit of {self.max_blob_size}")
+        return None
+
+    async def open_upload(self, blob_id: str, *, declared: int | None) -> Upload:
+        """An upload of ``blob_id`` (not stored yet: see ``stored_size``) into a temp file: ``Upload.feed``
+        each piece, then ``finish``; ``close`` always."""
         try:
             part = await self.store.open_partial(blob_id)
         except OSError as e:
             raise StorageError(f"cannot store blob {blob_id}: {e.strerror or e}") from e
-        hasher = DigestHasher(DEFAULT_DIGEST) if self.key is not None else None
         timeline.info("mono=%.6f upload-start %s", time.monotonic(), blob_id)
-        try:
-            async for chunk in body:
-                if hasher is not None:
-                    hasher.update(chunk)
-                if part.written + len(chunk) > self.max_blob_size:
-                    raise TooLargeError(f"blob body exceeds this origin's limit of {self.max_blob_size} bytes")
-                try:
-                    part.write(chunk)
-                except OSError as e:
-                    raise StorageError(f"storing blob {blob_id} failed after {part.written} bytes "
-                                       f"({e.strerror or e}); nothing was kept") from e
-                self.metrics.inc("bytes_in", len(chunk))
-            if declared is not None and part.written != declared:
-                raise FormatError(f"upload ended after {part.written} of {declared} declared bytes (truncated)")
-            try:
-                part.verify()
-            except IntegrityError:
-                self.metrics.inc("hash_failures")
-                raise
-            self.store.make_room(part.written)
-            try:
-                await part.commit()
-            except OSError as e:
-                raise StorageError(f"storing blob {blob_id} failed ({e.strerror or e}); nothing was kept") from e
-        finally:
-            part.close()
-        if hasher is not None:
-            self._digests[blob_id] = hasher.digest()
-            while len(self._digests) > self.DIGEST_MEMORY:
-                del self._digests[next(iter(self._digests))]
-        self.metrics.inc("uploads")
-        timeline.info("mono=%.6f upload-stored %s", time.monotonic(), blob_id)
-        log.info("stored blob %s (%d bytes)", blob_id, part.written)
-        return part.written, True
+        return Upload(self, blob_id, part, declared)
 
     async def commit(self, model: str, version: int, body: bytes) -> tuple[VersionInfo, bool]:
         """Commit a version; returns (info, created). Re-sending a committed manifest is a no-op."""
@@ -166,3 +151,61 @@ class Intake:
                 self.metrics.inc("hash_failures")
                 raise IntegrityError(f"blob {b.id}: stored bytes hash to {found} but {m.model} v{m.version} "
                                      f"signs {b.digest}; re-upload the blob or fix the publisher")
+
+
+class Upload:
+    """One blob upload in progress: every piece hashed (xxh3 id, and the BLAKE3 digest the commit check needs
+    when the origin holds a key) and written as it comes (``feed``: synchronous, so a receive callback can
+    call it with a view of its buffer); ``finish`` checks and stores it; ``close`` drops what is left."""
+
+    __slots__ = ("intake", "blob_id", "part", "declared", "hasher")
+
+    def __init__(self, intake: Intake, blob_id: str, part, declared: int | None) -> None:
+        self.intake = intake
+        self.blob_id = blob_id
+        self.part = part
+        self.declared = declared
+        self.hasher = DigestHasher(DEFAULT_DIGEST) if intake.key is not None else None
+
+    @property
+    def written(self) -> int:
+        return self.part.written
+
+    def feed(self, chunk) -> None:
+        if self.hasher is not None:
+            self.hasher.update(chunk)
+        if self.part.written + len(chunk) > self.intake.max_blob_size:
+            raise TooLargeError(f"blob body exceeds this origin's limit of {self.intake.max_blob_size} bytes")
+        try:
+            self.part.write(chunk)
+        except OSError as e:
+            raise StorageError(f"storing blob {self.blob_id} failed after {self.part.written} bytes "
+                               f"({e.strerror or e}); nothing was kept") from e
+        self.intake.metrics.inc("bytes_in", len(chunk))
+
+    async def finish(self) -> tuple[int, bool]:
+        intake, part, blob_id = self.intake, self.part, self.blob_id
+        if self.declared is not None and part.written != self.declared:
+            raise FormatError(f"upload ended after {part.written} of {self.declared} declared bytes (truncated)")
+        try:
+            part.verify()
+        except IntegrityError:
+            intake.metrics.inc("hash_failures")
+            raise
+        intake.store.make_room(part.written)
+        try:
+            await part.commit()
+        except OSError as e:
+            raise StorageError(f"storing blob {blob_id} failed ({e.strerror or e}); nothing was kept") from e
+        if self.hasher is not None:
+            intake._digests[blob_id] = self.hasher.digest()
+            while len(intake._digests) > intake.DIGEST_MEMORY:
+                del intake._digests[next(iter(intake._digests))]
+        intake.metrics.inc("uploads")
+        timeline.info("mono=%.6f upload-stored %s", time.monotonic(), blob_id)
+        log.info("stored blob %s (%d bytes)", blob_id, part.written)
+        return part.written, True
+
+    def close(self) -> None:
+        self.part.close()
+

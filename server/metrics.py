@@ -34,6 +34,7 @@ _COUNTERS: dict[str, str] = {
     "manifest_fetches": "Manifests fetched from a parent.",
     "versions": "Versions committed (origin) or announced (relay).",
     "uploads": "Blobs stored by PUT.",
+    "uploads_direct": "Uploads whose body was received straight into one buffer (large bodies over plain TCP).",
     "upload_rejections": "PUT requests refused (any reason).",
     "evictions": "Blobs evicted to stay within the cache size budget.",
     "evicted_bytes": "Bytes evicted to stay within the cache size budget.",

@@ -40,6 +40,7 @@ from .inflight import InflightBlob
 from .ranges import etag_matches, if_range_allows, parse_range
 from .sendfile import send_blob_range
 from .tokens import bearer
+from . import uploadrecv
 from .services import Services
 
 log = logging.getLogger("deltasync.server.routes")
@@ -296,8 +297,12 @@ async def put_blob(request: web.Request) -> web.Response:
         blob_id = check_blob_id(request.match_info["id"])
         assert svc.intake is not None
         try:
-            size, created = await svc.intake.put_blob(blob_id, _pieces(request.content, UploadPace(svc.config.limits)),
-                                                      declared=request.content_length)
+            if uploadrecv.usable(request):  # a large body: received straight into one buffer (uploadrecv.py)
+                size, created = await _put_blob_direct(svc.intake, blob_id, request)
+            else:
+                size, created = await svc.intake.put_blob(blob_id, _pieces(request.content,
+                                                                           UploadPace(svc.config.limits)),
+                                                          declared=request.content_length)
         except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError) as e:
             raise FormatError(f"upload of blob {blob_id} was cut short: {e}") from None
     except DeltaSyncError:
@@ -305,6 +310,19 @@ async def put_blob(request: web.Request) -> web.Response:
         raise
     return web.json_response({"id": blob_id, "size": size, "created": created}, status=201 if created else 200,
                              headers={"ETag": f'"{blob_id}"', "Location": f"/v1/blobs/{blob_id}"})
+
+
+async def _put_blob_direct(intake, blob_id: str, request: web.Request) -> tuple[int, bool]:
+    size = intake.stored_size(blob_id, declared=request.content_length)
+    if size is not None:
+        return size, False  # its body is not read (aiohttp drains it, as for any upload of a stored blob)
+    up = await intake.open_upload(blob_id, declared=request.content_length)
+    intake.metrics.inc("uploads_direct")
+    try:
+        await uploadrecv.receive(request, up.feed, UploadPace(_svc(request).config.limits))
+        return await up.finish()
+    finally:
+        up.close()
 
 
 async def _pieces(content, pace: UploadPace) -> AsyncIterator[bytes]:

@@ -296,3 +296,31 @@ async def test_chunked_mangled_bodies_fail_over_instead_of_hanging(tmp_path):
         for lst in lsts:
             lst.close()
         await asyncio.sleep(0)
+
+
+def test_shards_received_side_by_side_in_odd_pieces_share_one_buffer(tmp_path):
+    """Every shard sink of a keyframe receives through the writer's one buffer: pieces of the shards taken in
+    turn, each an odd number of bytes (lanes cut between receives, their bytes carried while the other shards
+    use the buffer), land exactly and fingerprint right."""
+    enc = _encoded(shard_bytes=16 << 10)
+    assert len(enc.manifest.blobs) >= 2  # a.weight alone (420 kB), the small tensors together
+    target, w = _writer(tmp_path, enc)
+    sinks = [(w.shard_sink(ref.size), enc.blobs[ref.id]) for ref in enc.manifest.blobs]
+    at = [0] * len(sinks)
+    sizes = [1, 3, 4097, 7, 65535, 2, 333]
+    turn = 0
+    while any(a < len(data) for a, (_, data) in zip(at, sinks)):
+        for i, (sink, data) in enumerate(sinks):
+            if at[i] >= len(data):
+                continue
+            room = sink.buffer(at[i])
+            n = min(len(room), sizes[turn % len(sizes)], len(data) - at[i])
+            turn += 1
+            room[:n] = data[at[i] : at[i] + n]
+            sink.received(at[i], n)
+            at[i] += n
+    for sink, _ in sinks:
+        w.add_received(sink)
+    w.commit()
+    _same_file(target, _state())
+    target.close()
