@@ -41,6 +41,7 @@ word_size)``
 chunks, executor=)``                           chunks: one compiled call per word size (in parts on
                                                the executor's threads), Changes as views of it
 ``patch_chunk(words, changes, word_size)``     ``patch_words`` in one prefetching pass (apply.py)
+``patch_jobs(jobs, like, old, fpds, w)``       ``patch_chunk`` of many tensors' chunks in one call (apply.py)
 ``gather_words`` / ``scatter_words``           ``out[:] = words[pos]`` / ``words[pos] = src`` (the
                                                ``--out`` journal, undo records)
 ``journal_gather(words, pos, start, stop,      a sparse chunk's ``--out`` undo record in one pass:
@@ -495,6 +496,13 @@ def patch_chunk(words: np.ndarray, changes, word_size: int):
     if bad >= 0:
         raise IndexError(f"change position {int(changes.positions[bad])} is outside a tensor of {words.size} words")
     return old, int(fpd)
+
+
+def patch_jobs(jobs: np.ndarray, like: np.ndarray, old: np.ndarray, fpds: np.ndarray, word_size: int) -> tuple[int, int]:
+    """:func:`patch_chunk` of many chunks in one compiled call (``cpu.patch_jobs``: rows of addresses, see there):
+    (-1, 0), or (job, index) of the first out-of-range position (that job and later ones wrote nothing). Numba only."""
+    j, k = cpu_kernels().patch_jobs(jobs, like, old, fpds, _per(word_size), _table())
+    return int(j), int(k)
 
 
 def gather_words(words: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:

@@ -22,7 +22,7 @@ import warnings
 
 import numpy as np
 from llvmlite import ir
-from numba import njit
+from numba import carray, njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
@@ -950,16 +950,10 @@ _AHEAD = 32
 
 
 @_jit
-def patch_chunk(words, positions, raw, values, old, per, table):
-    """:func:`patch_words` in one pass over the positions (gather the old word into ``old``, write the new
-    one, read it back and add its fingerprint change), prefetching ahead. Returns (fingerprint change,
-    index of the first out-of-range position or -1: nothing is written then)."""
+def _patch_run(words, positions, raw, values, old, o, per, table):
+    """The one-pass patch of :func:`patch_chunk` (positions in range: the caller checked), old words into
+    ``old[o:]``: returns the fingerprint change."""
     count = positions.size
-    n = words.size
-    for k in range(count):
-        p = positions[k]
-        if p < 0 or p >= n:
-            return np.uint64(0), k
     lb = np.int64(-1)
     lk = np.uint64(0)
     fpd = np.uint64(0)
@@ -968,7 +962,7 @@ def patch_chunk(words, positions, raw, values, old, per, table):
             _prefetch(words, positions[k + _AHEAD])
         p = positions[k]
         a = words[p]
-        old[k] = a
+        old[o + k] = a
         if raw[k]:
             words[p] = values[k]
         else:
@@ -983,7 +977,62 @@ def patch_chunk(words, positions, raw, values, old, per, table):
         else:
             dd, lb, lk = _word_delta(p, np.uint64(a), np.uint64(b), per, table, lb, lk)
             fpd += dd
-    return fpd, -1
+    return fpd
+
+
+@_jit
+def patch_chunk(words, positions, raw, values, old, per, table):
+    """:func:`patch_words` in one pass over the positions (gather the old word into ``old``, write the new
+    one, read it back and add its fingerprint change), prefetching ahead. Returns (fingerprint change,
+    index of the first out-of-range position or -1: nothing is written then)."""
+    count = positions.size
+    n = words.size
+    for k in range(count):
+        p = positions[k]
+        if p < 0 or p >= n:
+            return np.uint64(0), k
+    return _patch_run(words, positions, raw, values, old, 0, per, table), -1
+
+
+@intrinsic
+def _addr_as(typingctx, addr, like):
+    """A pointer to ``like``'s dtype at the integer address ``addr`` (for ``numba.carray``): the arrays of
+    :func:`patch_jobs` are passed as addresses, so one call patches any number of tensors."""
+    if not (isinstance(like, types.Array) and isinstance(addr, types.Integer)):
+        return None
+    ptrty = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptrty))
+
+    return ptrty(addr, like), codegen
+
+
+@_jit
+def patch_jobs(jobs, like, old, fpds, per, table):
+    """:func:`patch_chunk` of many chunks (of many tensors of one word dtype) in one call. ``jobs`` int64[J, 6]
+    rows: (address of the tensor's words, its word count, address of the chunk's int64 positions, of its raw
+    flags (bytes), of its values (words like ``like``), change count). Old words go to ``old`` one job after
+    the other, each job's fingerprint change to ``fpds[j]``. Jobs run in order; returns (-1, 0), or (j, k)
+    at the first job whose position k is out of range: that job writes nothing, later ones do not run. The
+    caller keeps every addressed array alive and contiguous."""
+    pos_like = np.empty(0, np.int64)
+    raw_like = np.empty(0, np.uint8)
+    o = 0
+    for j in range(jobs.shape[0]):
+        n = jobs[j, 1]
+        count = jobs[j, 5]
+        words = carray(_addr_as(jobs[j, 0], like), n)
+        positions = carray(_addr_as(jobs[j, 2], pos_like), count)
+        raw = carray(_addr_as(jobs[j, 3], raw_like), count)
+        values = carray(_addr_as(jobs[j, 4], like), count)
+        for k in range(count):
+            p = positions[k]
+            if p < 0 or p >= n:
+                return j, k
+        fpds[j] = _patch_run(words, positions, raw, values, old, o, per, table)
+        o += count
+    return -1, 0
 
 
 @_jit
