@@ -465,7 +465,7 @@ def _patch_batched(tensors: Mapping[str, torch.Tensor], work: list[tuple[str, li
         old = np.empty(int(offsets[-1]), wdt)
         fpds = np.zeros(len(counts), np.uint64)
         parts = [(0, len(counts))]
-        if executor is not None and len(counts) > 1 and offsets[-1] >= (1 << 15):
+        if executor is not None and len(counts) > 1 and offsets[-1] >= BATCH_PART_MIN:
             parts = kernels._split(counts, PATCH_TASKS)
 
         def run(r, jobs=jobs, old=old, fpds=fpds, offsets=offsets, like=like, w=w):
@@ -506,6 +506,7 @@ def _patch_batched(tensors: Mapping[str, torch.Tensor], work: list[tuple[str, li
     return out
 
 
+BATCH_PART_MIN = 1 << 15  # _patch_batched with an executor: fewer changes than this of a word size in one call
 PATCH_TASKS = 4  # stage_prepared with an executor: tensors in this many tasks of about equal change counts
 
 
