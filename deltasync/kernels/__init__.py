@@ -23,6 +23,7 @@ selection and returns exactly what its reference returns):
 update_old=False)``                            fingerprint change); ``codec.diff_chunk`` on CPU
 ``diff_span(o, n, first, last, word_size,      changed words of a span of a tensor, and the lanes
 want_lanes=, update_old=)``                    sum of its old words, one pass (numba only)
+``diff_jobs(spans, word_size, ...)``           ``diff_span`` of many tensors' spans in one call (numba only)
 ``changes_from_words(positions, old, new,      ``values.changes_from_words``
 is_float=)``
 ``encode_values(changes)`` /                   ``values.encode_values`` / ``decode_values``
@@ -229,6 +230,41 @@ def diff_span(o: np.ndarray, n: np.ndarray, first: int, last: int, word_size: in
     else:
         pos, ow, nw = pos[:count], ow[:count], nw[:count]
     return pos, ow, nw, int(fpd), int(total) if want_lanes else None
+
+
+_DENSITY = [1 / 128]  # changed share of the words of the last diff_jobs call: the next one's output room
+
+
+def diff_jobs(spans: list[tuple[np.ndarray, np.ndarray, int, int]], word_size: int, *, want_lanes: bool = False,
+              update_old: bool = False):
+    """Numba only: :func:`diff_span` of many spans ``(o, n, first, last)`` (whole unsigned word arrays of
+    tensors of one word size, C-contiguous; with ``update_old`` ``o`` is written) in one compiled call:
+    [(positions, old, new, fingerprint change, lanes sum of the old words or None)] per span, views of
+    shared arrays."""
+    if not spans:
+        return []
+    if not all(o.flags.c_contiguous and n.flags.c_contiguous and o.dtype == n.dtype == spans[0][0].dtype
+               for o, n, _, _ in spans):  # addressed words must be plain arrays: one call per span then
+        return [diff_span(o, n, a, b, word_size, want_lanes=want_lanes, update_old=update_old) for o, n, a, b in spans]
+    k = cpu_kernels()
+    like = np.empty(0, spans[0][0].dtype)
+    lane_like = like if word_size <= 2 else np.empty(0, np.uint16)
+    jobs = np.array([(o.ctypes.data, n.ctypes.data, o.size, first, last) for o, n, first, last in spans],
+                    dtype=np.int64).reshape(-1, 5)
+    words = int((jobs[:, 4] - jobs[:, 3]).sum())
+    cap = 1024 + int(words * _DENSITY[0] * 1.25)
+    pos, ow, nw, offsets, fpds, totals = k.diff_jobs(jobs, like, lane_like, _table(), _per(word_size), want_lanes,
+                                                     update_old, cap)
+    found = int(offsets[-1])
+    if words:
+        _DENSITY[0] = max(found / words, 1 / 4096)
+    if pos.size > 2 * found + 4096:  # mostly unused room: keep only what was found
+        pos, ow, nw = pos[:found].copy(), ow[:found].copy(), nw[:found].copy()
+    out = []
+    bounds = offsets.tolist()
+    for j, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        out.append((pos[a:b], ow[a:b], nw[a:b], int(fpds[j]), int(totals[j]) if want_lanes else None))
+    return out
 
 
 # -- values ----------------------------------------------------------------------------------------

@@ -647,12 +647,21 @@ def diff_span(o, n, ol, dst, first, last, per, table, want_lanes, update_old, ca
     offset ``first * L``), so a base fingerprint costs no second read. ``update_old``: write each
     changed new word into ``dst`` (``o`` itself; any writeable array otherwise, so ``o`` may be read-only). Words are compared 64 at a time into a bit mask; only set bits cost
     more; output room is checked per batch of blocks, not per block."""
-    L = max(per, 1)
     size = max(cap, 128)
-    pos = np.empty(size, np.int64)
-    ow = np.empty(size, o.dtype)
-    nw = np.empty(size, o.dtype)
-    k = 0
+    return _diff_span_into(o, n, ol, dst, first, last, per, table, want_lanes, update_old,
+                           np.empty(size, np.int64), np.empty(size, o.dtype), np.empty(size, o.dtype), 0)
+
+
+@_jit
+def _diff_span_into(o, n, ol, dst, first, last, per, table, want_lanes, update_old, pos, ow, nw, k):
+    """:func:`diff_span` appending to ``pos``/``ow``/``nw`` from index ``k`` (grown by doubling when short):
+    (positions, old words, new words, index past the last entry, fingerprint change, lanes sum)."""
+    L = max(per, 1)
+    if pos.size - k < 64:  # the unaligned head below writes without a check
+        size = max(2 * pos.size, k + 64)
+        pos = _grow(pos, size)
+        ow = _grow(ow, size)
+        nw = _grow(nw, size)
     lb = np.int64(-1)  # fingerprint-delta block cache (_word_delta)
     lk = np.uint64(0)
     fpd = np.uint64(0)
@@ -774,6 +783,38 @@ def diff_span(o, n, ol, dst, first, last, per, table, want_lanes, update_old, ca
             if update_old:
                 dst[p] = b
     return pos, ow, nw, k, fpd, total
+
+
+@_jit
+def diff_jobs(jobs, like, lane_like, table, per, want_lanes, update_old, cap):
+    """:func:`diff_span` of many spans (of many tensors of one word dtype) in one call, into shared outputs.
+    ``jobs`` int64[J, 5] rows: (address of the old words, of the new words, the tensor's word count, first,
+    last); ``like``/``lane_like``: empty arrays of the word and lane dtypes (``diff_span``'s ``ol``: the words
+    themselves for 1- and 2-byte words, their uint16 lanes for wider ones). With ``update_old`` the changed
+    new words are written into the old words (which must be writeable). Returns (positions, old words,
+    new words, offsets int64[J + 1]: job j's entries are [offsets[j], offsets[j + 1]), fingerprint changes
+    uint64[J], lanes sums uint64[J]); the outputs start at ``cap`` entries and grow by doubling."""
+    J = jobs.shape[0]
+    size = max(cap, 128)
+    pos = np.empty(size, np.int64)
+    ow = np.empty(size, like.dtype)
+    nw = np.empty(size, like.dtype)
+    offsets = np.zeros(J + 1, np.int64)
+    fpds = np.zeros(J, np.uint64)
+    totals = np.zeros(J, np.uint64)
+    L = max(per, 1)
+    k = 0
+    for j in range(J):
+        nwords = jobs[j, 2]
+        o = carray(_addr_as(jobs[j, 0], like), nwords)
+        n = carray(_addr_as(jobs[j, 1], like), nwords)
+        ol = carray(_addr_as(jobs[j, 0], lane_like), nwords * L)
+        pos, ow, nw, k, fpd, total = _diff_span_into(o, n, ol, o, jobs[j, 3], jobs[j, 4], per, table, want_lanes,
+                                                     update_old, pos, ow, nw, k)
+        offsets[j + 1] = k
+        fpds[j] = fpd
+        totals[j] = total
+    return pos, ow, nw, offsets, fpds, totals
 
 
 # -- A: whole-chunk decode, fused patch and journal kernels --------------------------------------
