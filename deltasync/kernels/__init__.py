@@ -232,7 +232,7 @@ def diff_span(o: np.ndarray, n: np.ndarray, first: int, last: int, word_size: in
     return pos, ow, nw, int(fpd), int(total) if want_lanes else None
 
 
-_DENSITY = [1 / 128]  # changed share of the words of the last diff_jobs call: the next one's output room
+_DIFF_ROOM = 1024  # diff_jobs's first output room: one entry per this many words (it grows by projection)
 
 
 def diff_jobs(spans: list[tuple[np.ndarray, np.ndarray, int, int]], word_size: int, *, want_lanes: bool = False,
@@ -251,13 +251,10 @@ def diff_jobs(spans: list[tuple[np.ndarray, np.ndarray, int, int]], word_size: i
     lane_like = like if word_size <= 2 else np.empty(0, np.uint16)
     jobs = np.array([(o.ctypes.data, n.ctypes.data, o.size, first, last) for o, n, first, last in spans],
                     dtype=np.int64).reshape(-1, 5)
-    words = int((jobs[:, 4] - jobs[:, 3]).sum())
-    cap = 1024 + int(words * _DENSITY[0] * 1.25)
+    cap = 1024 + int((jobs[:, 4] - jobs[:, 3]).sum()) // _DIFF_ROOM
     pos, ow, nw, offsets, fpds, totals = k.diff_jobs(jobs, like, lane_like, _table(), _per(word_size), want_lanes,
                                                      update_old, cap)
     found = int(offsets[-1])
-    if words:
-        _DENSITY[0] = max(found / words, 1 / 4096)
     if pos.size > 2 * found + 4096:  # mostly unused room: keep only what was found
         pos, ow, nw = pos[:found].copy(), ow[:found].copy(), nw[:found].copy()
     out = []

@@ -649,13 +649,16 @@ def diff_span(o, n, ol, dst, first, last, per, table, want_lanes, update_old, ca
     more; output room is checked per batch of blocks, not per block."""
     size = max(cap, 128)
     return _diff_span_into(o, n, ol, dst, first, last, per, table, want_lanes, update_old,
-                           np.empty(size, np.int64), np.empty(size, o.dtype), np.empty(size, o.dtype), 0)
+                           np.empty(size, np.int64), np.empty(size, o.dtype), np.empty(size, o.dtype), 0, 0,
+                           last - first)
 
 
 @_jit
-def _diff_span_into(o, n, ol, dst, first, last, per, table, want_lanes, update_old, pos, ow, nw, k):
-    """:func:`diff_span` appending to ``pos``/``ow``/``nw`` from index ``k`` (grown by doubling when short):
-    (positions, old words, new words, index past the last entry, fingerprint change, lanes sum)."""
+def _diff_span_into(o, n, ol, dst, first, last, per, table, want_lanes, update_old, pos, ow, nw, k, before, words):
+    """:func:`diff_span` appending to ``pos``/``ow``/``nw`` from index ``k``: (positions, old words, new words,
+    index past the last entry, fingerprint change, lanes sum). When they run short they grow to the count
+    projected from the share found so far (``before`` words compared ahead of this span out of ``words`` in
+    all), with a quarter more room, and at least by half."""
     L = max(per, 1)
     if pos.size - k < 64:  # the unaligned head below writes without a check
         size = max(2 * pos.size, k + 64)
@@ -690,7 +693,8 @@ def _diff_span_into(o, n, ol, dst, first, last, per, table, want_lanes, update_o
     while blk < end:
         room = (pos.size - k) // 64  # blocks that fit whatever they hold
         if room == 0:
-            size = 2 * pos.size
+            seen = max(before + blk * 64 - first, 1)
+            size = max(pos.size + pos.size // 2, min((k + 1) * words // seen, k + words - seen + 64) * 5 // 4 + 4096)
             pos = _grow(pos, size)
             ow = _grow(ow, size)
             nw = _grow(nw, size)
@@ -793,7 +797,8 @@ def diff_jobs(jobs, like, lane_like, table, per, want_lanes, update_old, cap):
     themselves for 1- and 2-byte words, their uint16 lanes for wider ones). With ``update_old`` the changed
     new words are written into the old words (which must be writeable). Returns (positions, old words,
     new words, offsets int64[J + 1]: job j's entries are [offsets[j], offsets[j + 1]), fingerprint changes
-    uint64[J], lanes sums uint64[J]); the outputs start at ``cap`` entries and grow by doubling."""
+    uint64[J], lanes sums uint64[J]); the outputs start at ``cap`` entries and grow to the count projected
+    from the share of changed words found so far."""
     J = jobs.shape[0]
     size = max(cap, 128)
     pos = np.empty(size, np.int64)
@@ -804,13 +809,18 @@ def diff_jobs(jobs, like, lane_like, table, per, want_lanes, update_old, cap):
     totals = np.zeros(J, np.uint64)
     L = max(per, 1)
     k = 0
+    words = 0
+    for j in range(J):
+        words += jobs[j, 4] - jobs[j, 3]
+    before = 0
     for j in range(J):
         nwords = jobs[j, 2]
         o = carray(_addr_as(jobs[j, 0], like), nwords)
         n = carray(_addr_as(jobs[j, 1], like), nwords)
         ol = carray(_addr_as(jobs[j, 0], lane_like), nwords * L)
         pos, ow, nw, k, fpd, total = _diff_span_into(o, n, ol, o, jobs[j, 3], jobs[j, 4], per, table, want_lanes,
-                                                     update_old, pos, ow, nw, k)
+                                                     update_old, pos, ow, nw, k, before, words)
+        before += jobs[j, 4] - jobs[j, 3]
         offsets[j + 1] = k
         fpds[j] = fpd
         totals[j] = total
