@@ -1,6 +1,7 @@
 """Codec speed of two (or more) source trees side by side: bench_codec's encode and decode + apply + verify rows
 (compiled kernels, 1 and 2 threads) and a ``copy_`` of the same bytes, one worker process per tree, rounds
-interleaved so every tree sees the same load; best of the rounds. By hand, not in ``make bench``:
+interleaved so every tree sees the same load: metric by metric, the trees alternating run by run; best of the
+rounds. By hand, not in ``make bench``:
 
     .venv/bin/python benchmarks/codec_before_after.py TREE_A TREE_B [--rounds 5] [--params 100000000]
 
@@ -65,33 +66,38 @@ for path in sys.argv[1:]:
     pairs.append((a, b, fps, raw, enc, size, live, dst))
 pool = ThreadPoolExecutor(max_workers=2)
 
-def one_round():
-    res = {}
-    for i, (a, b, fps, raw, enc, size, live, dst) in enumerate(pairs):
-        t0 = time.perf_counter()
+def measure(cmd):
+    # GB/s of wall time, and GB per CPU-second of this process (time.process_time: the work whatever else the
+    # machine runs; with 2 threads their sum)
+    what, i, threads = cmd.split()
+    a, b, fps, raw, enc, size, live, dst = pairs[int(i)]
+    ex = pool if threads == "2" else None
+    if what == "copy":
+        c0, t0 = time.process_time(), time.perf_counter()
         for k, v in b.items():
             dst[k].copy_(v)
-        res[f"{i}:copy"] = raw / (time.perf_counter() - t0) / 1e9
-        for threads, ex in ((1, None), (2, pool)):
-            t0 = time.perf_counter()
-            encode_delta(a, b, model="bench", version=2, parent=1, base_fps=fps, executor=ex)
-            res[f"{i}:enc{threads}"] = raw / (time.perf_counter() - t0) / 1e9
-            for k, v in live.items():
-                v.copy_(a[k])
-            t0 = time.perf_counter()
-            prep = prepare_delta(enc.manifest, enc.blobs, executor=ex)
-            t1 = time.perf_counter()
-            apply_prepared(live, prep, fps, executor=ex)
-            t2 = time.perf_counter()
-            res[f"{i}:dec{threads}"] = raw / (t2 - t0) / 1e9
-            res[f"{i}:app{threads}"] = raw / (t2 - t1) / 1e9
-            assert all(torch.equal(live[k].view(torch.int16), b[k].view(torch.int16)) for k in b)
-    return res
+        return {"copy": raw / (time.perf_counter() - t0) / 1e9, "copy_cpu": raw / (time.process_time() - c0) / 1e9}
+    if what == "enc":
+        c0, t0 = time.process_time(), time.perf_counter()
+        encode_delta(a, b, model="bench", version=2, parent=1, base_fps=fps, executor=ex)
+        return {"enc": raw / (time.perf_counter() - t0) / 1e9, "enc_cpu": raw / (time.process_time() - c0) / 1e9}
+    for k, v in live.items():
+        v.copy_(a[k])
+    c0, t0 = time.process_time(), time.perf_counter()
+    prep = prepare_delta(enc.manifest, enc.blobs, executor=ex)
+    c1, t1 = time.process_time(), time.perf_counter()
+    apply_prepared(live, prep, fps, executor=ex)
+    c2, t2 = time.process_time(), time.perf_counter()
+    assert all(torch.equal(live[k].view(torch.int16), b[k].view(torch.int16)) for k in b)
+    return {"dec": raw / (t2 - t0) / 1e9, "app": raw / (t2 - t1) / 1e9, "dec_cpu": raw / (c2 - c0) / 1e9,
+            "app_cpu": raw / (c2 - c1) / 1e9}
 
-one_round()  # load the kernels, fault the pages in
+for i in range(len(pairs)):  # load the kernels, fault the pages in
+    for c in ("copy", "enc", "dec"):
+        measure(f"{c} {i} 1")
 print(json.dumps({"sizes": [p[5] for p in pairs]}), flush=True)
 for line in sys.stdin:
-    print(json.dumps(one_round()), flush=True)
+    print(json.dumps(measure(line.strip())), flush=True)
 """
 
 
@@ -120,27 +126,33 @@ def main() -> None:
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         sizes = [json.loads(p.stdout.readline())["sizes"] for p in procs]
         best: list[dict[str, float]] = [{} for _ in procs]
-        for r in range(rounds):
-            order = procs if r % 2 == 0 else procs[::-1]
-            for p in order:
-                p.stdin.write("go\n")
-                p.stdin.flush()
-                res = json.loads(p.stdout.readline())
-                i = procs.index(p)
-                for k, v in res.items():
-                    best[i][k] = max(best[i].get(k, 0.0), v)
+        # metric by metric, the trees alternating run by run: each pair of runs sees about the same load
+        for cmd in [f"{c} {i} {t}" for i in range(len(TARGETS)) for c, t in (("copy", 1), ("enc", 1), ("enc", 2),
+                                                                             ("dec", 1), ("dec", 2))]:
+            c, i, t = cmd.split()
+            for r in range(rounds):
+                for p in (procs if r % 2 == 0 else procs[::-1]):
+                    p.stdin.write(cmd + "\n")
+                    p.stdin.flush()
+                    res = json.loads(p.stdout.readline())
+                    for k, v in res.items():
+                        key = f"{i}:{k}" if k.startswith("copy") else f"{i}:{k}{t}"
+                        best[procs.index(p)][key] = max(best[procs.index(p)].get(key, 0.0), v)
         for p in procs:
             p.stdin.close()
             p.wait()
-    print(f"best of {rounds} interleaved rounds, GB/s of bf16 state, {params / 1e6:.0f}M parameters\n")
+    print(f"best of {rounds} runs per metric and tree, trees alternating, {params / 1e6:.0f}M parameters; GB/s of "
+          "bf16 state per second of wall time, and [per CPU-second of the process: the work whatever else the "
+          "machine runs; with 2 threads their sum]\n")
     print("| tree | unchanged | delta bytes | copy_ | encode 1t | encode 2t | dec+apply+verify 1t | 2t | "
           "apply+verify 1t | 2t |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for tree, b, sz in zip(trees, best, sizes):
         for i, target in enumerate(TARGETS):
-            g = lambda k: b[f"{i}:{k}"]  # noqa: E731
-            print(f"| {tree.name} | {target:.0%} | {sz[i]:,} | {g('copy'):.2f} | {g('enc1'):.2f} | {g('enc2'):.2f} | "
-                  f"{g('dec1'):.2f} | {g('dec2'):.2f} | {g('app1'):.2f} | {g('app2'):.2f} |")
+            def g(k):
+                return f"{b[f'{i}:{k}']:.2f} [{b[f'{i}:' + k.rstrip('12') + '_cpu' + k[-1:] if k[-1] in '12' else f'{i}:{k}_cpu']:.2f}]"
+            print(f"| {tree.name} | {target:.0%} | {sz[i]:,} | {g('copy')} | {g('enc1')} | {g('enc2')} | "
+                  f"{g('dec1')} | {g('dec2')} | {g('app1')} | {g('app2')} |")
 
 
 if __name__ == "__main__":
