@@ -244,7 +244,8 @@ def diff_jobs(spans: list[tuple[np.ndarray, np.ndarray, int, int]], word_size: i
     if not spans:
         return []
     if not all(o.flags.c_contiguous and n.flags.c_contiguous and o.dtype == n.dtype == spans[0][0].dtype
-               for o, n, _, _ in spans):  # addressed words must be plain arrays: one call per span then
+               and (o.flags.writeable or not update_old)
+               for o, n, _, _ in spans):  # addressed words must be plain (and writeable) arrays: one call per span then
         return [diff_span(o, n, a, b, word_size, want_lanes=want_lanes, update_old=update_old) for o, n, a, b in spans]
     k = cpu_kernels()
     like = np.empty(0, spans[0][0].dtype)
