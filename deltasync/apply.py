@@ -33,7 +33,7 @@ import torch
 
 from .codec import DENSE_FP, ChunkPatch, chunk_spans, decode_blob
 from . import kernels
-from .dtypes import dtype_info, numpy_word_dtype, signed_word_dtype, word_view
+from .dtypes import dtype_info, host_words, numpy_word_dtype, signed_word_dtype, word_view
 from .blob import verify_blob
 from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError
 from .fingerprint import fingerprint_delta, words_range_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint
@@ -146,17 +146,25 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
     return PreparedDelta(manifest=manifest, patches=patches, decoded_bytes=total, skipped=frozenset(skipped))
 
 
+_BATCHED = "batched"  # marks an undo entry of _patch_batched
+
+
 class _Undo:
     """Old words of everything patched so far, to restore in reverse order.
 
-    Entries are torch records ``(words, where, old, live, work)`` or, from the compiled CPU path, host
-    records ``(None, host words, positions or a slice, old words, live, work)``."""
+    Entries are torch records ``(words, where, old, live, work)``, from the compiled CPU path host
+    records ``(None, host words, positions or a slice, old words, live, work)``, or from the batched
+    path (:func:`_patch_batched`) ``(_BATCHED, contiguous CPU tensor, positions, old words)``."""
 
     def __init__(self) -> None:
         self.entries: list[tuple] = []
 
     def rollback(self) -> None:
         for entry in reversed(self.entries):
+            if entry[0] is _BATCHED:  # a contiguous CPU tensor patched in place: its words shared with numpy
+                _, t, positions, old = entry
+                kernels.scatter_words(host_words(t), positions, old)
+                continue
             if entry[0] is None:  # host words, restored by the compiled scatter
                 _, host, where, old, live, work = entry
                 if isinstance(where, slice):
@@ -304,8 +312,11 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
     # tied weights: the primary's patch writes the shared words once
     work = [(name, chunks) for name, chunks in prepared.patches.items() if name not in aliases]
     try:
-        groups = _balanced(work, PATCH_TASKS) if executor is not None else [work]
-        if len(groups) < 2:
+        batched = _patch_batched(tensors, work, fps, records, undo, executor) if verify == "incremental" else None
+        groups = [] if batched is not None else _balanced(work, PATCH_TASKS) if executor is not None else [work]
+        if batched is not None:
+            new_fps.update(batched)
+        elif len(groups) < 2:
             for name, chunks in work:
                 new_fps[name] = patch_one(name, chunks)
         else:
@@ -406,6 +417,96 @@ def _patch_tensor_compiled(live: torch.Tensor, work: torch.Tensor, words: torch.
     return fp
 
 
+def _patch_batched(tensors: Mapping[str, torch.Tensor], work: list[tuple[str, list[ChunkPatch]]],
+                   fps: Mapping[str, int], records: Mapping[str, object], undo: _Undo,
+                   executor: Executor | None) -> dict[str, int] | None:
+    """Every sparse chunk of ``work`` patched by a few compiled calls (``kernels.patch_jobs``: one per word
+    size, or per part of it on ``executor``'s threads) instead of a kernel call and a dozen torch calls per
+    tensor: {name: fingerprint after}, each checked against the manifest. None (nothing done) unless the
+    compiled kernels are selected and every tensor is a contiguous CPU tensor whose chunks all carry changes
+    (no dense or base-conditioned chunk): :func:`_patch_tensor` then does it tensor by tensor.
+
+    The same words, old words and fingerprints as :func:`_patch_tensor_compiled`, and the same failure: the
+    first in tensor order (a position out of range, raised as IndexError, or a fingerprint that is not the
+    manifest's, IntegrityError) after every tensor before it was patched; each patched chunk is in ``undo``."""
+    if kernels.cpu_kernels() is None or not work:
+        return None
+    groups: dict[int, list] = {}  # word size -> [(tensor index, name, tensor, changes)]
+    for i, (name, chunks) in enumerate(work):
+        t = tensors[name]
+        if not t.is_cpu or not t.is_contiguous():
+            return None
+        w = _info(t.dtype).word_size
+        for c in chunks:
+            if c.changes is None:
+                return None
+        groups.setdefault(w, []).append((i, name, t, chunks))
+    done: list[tuple[int, np.ndarray, int]] = []  # (tensor index, fingerprint changes, job) of each written chunk
+    bad: tuple[int, str] | None = None  # (tensor index, message) of the first out-of-range position
+    for w, items in groups.items():
+        wdt = numpy_word_dtype(w)
+        like = np.empty(0, wdt)
+        rows, owners, counts = [], [], []
+        for i, name, t, chunks in items:
+            addr = t.data_ptr()
+            n = t.numel() * (t.element_size() // w)
+            for c in chunks:
+                ch = c.changes
+                vals = ch.values if ch.values.dtype == wdt else ch.values.astype(wdt)
+                pos, raw = ch.positions, ch.raw
+                if not (pos.flags.c_contiguous and raw.flags.c_contiguous and vals.flags.c_contiguous):
+                    pos, raw, vals = np.ascontiguousarray(pos), np.ascontiguousarray(raw), np.ascontiguousarray(vals)
+                rows.append((addr, n, pos.ctypes.data, raw.ctypes.data, vals.ctypes.data, pos.size))
+                owners.append((i, t, pos, raw, vals))
+                counts.append(pos.size)
+        jobs = np.array(rows, dtype=np.int64).reshape(-1, 6)
+        offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        old = np.empty(int(offsets[-1]), wdt)
+        fpds = np.zeros(len(counts), np.uint64)
+        parts = [(0, len(counts))]
+        if executor is not None and len(counts) > 1 and offsets[-1] >= BATCH_PART_MIN:
+            parts = kernels._split(counts, PATCH_TASKS)
+
+        def run(r, jobs=jobs, old=old, fpds=fpds, offsets=offsets, like=like, w=w):
+            a, b = r
+            return kernels.patch_jobs(jobs[a:b], like, old[offsets[a]:], fpds[a:b], w)
+
+        if len(parts) > 1:
+            futures = [executor.submit(run, r) for r in parts]
+            try:
+                wait(futures)
+            finally:
+                wait(futures)  # every worker done writing before anything is rolled back (even on an interrupt)
+            results = [f.result() for f in futures]
+        else:
+            results = [run(parts[0])]
+        for (a, b), (j, k) in zip(parts, results):
+            end = b if j < 0 else a + j
+            for q in range(a, end):  # first every written chunk into the undo log, then anything that may raise
+                i, t, pos, raw, vals = owners[q]
+                undo.entries.append((_BATCHED, t, pos, old[offsets[q]:offsets[q + 1]]))
+                done.append((i, fpds, q))
+            if j >= 0:
+                i, t, pos, _, _ = owners[a + j]
+                if bad is None or i < bad[0]:
+                    bad = (i, f"change position {int(pos[k])} is outside a tensor of {int(jobs[a + j, 1])} words")
+    fp_of = [fps[name] for name, _ in work]
+    for i, arr, q in done:  # chunk by chunk, as _patch_tensor_compiled updates them
+        fp_of[i] = update_fingerprint(fp_of[i], int(arr[q]))
+    out: dict[str, int] = {}
+    for i, (name, _) in enumerate(work):
+        if bad is not None and i == bad[0]:
+            raise IndexError(bad[1])
+        fp = fp_of[i]
+        if fp_hex(fp) != records[name].fp_after:
+            raise IntegrityError(
+                f"{name}: fingerprint after patching is {fp_hex(fp)}, manifest says {records[name].fp_after}; rolled back")
+        out[name] = fp
+    return out
+
+
+BATCH_PART_MIN = 1 << 15  # _patch_batched with an executor: fewer changes than this of a word size in one call
 PATCH_TASKS = 4  # stage_prepared with an executor: tensors in this many tasks of about equal change counts
 
 

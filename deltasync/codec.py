@@ -306,13 +306,23 @@ def diff_states(
             if host is None and name not in fps_before:
                 fps_before[name] = tensor_fingerprint(o_t, executor=executor)
             prepared.append((name, info, ow, nw, ranges, host))
-        pieces = _host_pieces(prepared, executor is not None)
+        pieces = _host_pieces(prepared, executor is not None, progress is None)
         want = base_fps is None
 
         def run(task):
-            return [kernels.diff_span(prepared[t][5][0], prepared[t][5][1], prepared[t][4][a][0],
-                                      prepared[t][4][b - 1][1], prepared[t][1].word_size, want_lanes=want,
-                                      update_old=update_old) for t, a, b in task]
+            # one compiled call per word size for the whole task (kernels.diff_jobs), results in task order
+            by_size: dict[int, list[int]] = {}
+            for i, (t, _, _) in enumerate(task):
+                by_size.setdefault(prepared[t][1].word_size, []).append(i)
+            out = [None] * len(task)
+            for w, idx in by_size.items():
+                spans = []
+                for i in idx:
+                    t, a, b = task[i]
+                    spans.append((prepared[t][5][0], prepared[t][5][1], prepared[t][4][a][0], prepared[t][4][b - 1][1]))
+                for i, r in zip(idx, kernels.diff_jobs(spans, w, want_lanes=want, update_old=update_old)):
+                    out[i] = r
+            return out
 
         if executor is not None and len(pieces) > 1:
             results = (r for rs in executor.map(run, pieces) for r in rs)
@@ -404,9 +414,11 @@ def _on_host(t) -> bool:
     return isinstance(t, HostTensor) or t.device.type == "cpu"
 
 
-def _host_pieces(prepared, threaded: bool) -> list[list[tuple[int, int, int]]]:
+def _host_pieces(prepared, threaded: bool, whole: bool = False) -> list[list[tuple[int, int, int]]]:
     """Tasks of (tensor index, first chunk, end chunk) for the host tensors: without threads one piece per
-    tensor; with, pieces of whole chunks of about ``PIECE_WORDS`` words, small ones grouped into a task."""
+    tensor, in one task when ``whole`` (one compiled call for the state) else a task each (progress after
+    each tensor); with threads, pieces of whole chunks of about ``PIECE_WORDS`` words, small ones grouped
+    into a task."""
     tasks: list[list[tuple[int, int, int]]] = []
     group: list[tuple[int, int, int]] = []
     words = 0
@@ -414,7 +426,10 @@ def _host_pieces(prepared, threaded: bool) -> list[list[tuple[int, int, int]]]:
         if host is None or not ranges:
             continue
         if not threaded:
-            tasks.append([(t, 0, len(ranges))])
+            if whole and tasks:
+                tasks[0].append((t, 0, len(ranges)))
+            else:
+                tasks.append([(t, 0, len(ranges))])
             continue
         a = 0
         while a < len(ranges):

@@ -7,6 +7,8 @@ against the reference, bit for bit, and the threaded decode and apply against th
 * ``kernels.patch_chunk`` must leave the words, old words and fingerprint change of ``patch_words``
   (itself tested against the numpy reference in test_core_kernels.py), and write nothing when a position
   leaves the tensor.
+* ``stage_prepared``'s batched patch (``kernels.patch_jobs``, every tensor in one call per word size) against
+  the tensor-by-tensor path: the same words, fingerprints, rollback and first failure.
 * ``prepare_delta`` / ``stage_prepared`` with a 2-thread pool: the same patches, the same fingerprints, and
   on a failure every word restored (the task groups report their first failure).
 """
@@ -254,6 +256,71 @@ def test_failed_apply_restores_every_word(threads, selection):
     with ThreadPoolExecutor(2) as pool:
         prep = prepare_delta(manifest, enc.blobs)
         with pytest.raises(IntegrityError, match=f"{bad}: fingerprint after patching"):
+            stage_prepared(live, prep, fps, executor=pool if threads else None)
+    for k in a:
+        assert torch.equal(live[k].view(torch.uint8), a[k].view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("threads", (0, 2))
+def test_batched_patch_equals_tensor_by_tensor(monkeypatch, threads):
+    """``apply._patch_batched`` (every chunk of every word size through ``kernels.patch_jobs``) leaves the words,
+    fingerprints and undo log of the tensor-by-tensor compiled path, and a staged patch rolls back to the base."""
+    from deltasync import apply as apply_mod
+
+    a, b, enc = _delta(13, 0.05, True, chunk_words=1 << 10)
+    fps = fingerprint_state(a)
+    kernels.select("numba")
+    monkeypatch.setattr(apply_mod, "BATCH_PART_MIN", 0)  # with threads: every word size in parts
+    calls = []
+    real = kernels.patch_jobs
+    monkeypatch.setattr(kernels, "patch_jobs", lambda *x: calls.append(1) or real(*x))
+    with ThreadPoolExecutor(2) as pool:
+        ex = pool if threads else None
+        prep = prepare_delta(enc.manifest, enc.blobs)
+        one = {k: v.clone() for k, v in a.items()}
+        staged = stage_prepared(one, prep, fps, executor=ex)
+        assert calls, "the batched path did not run"
+        monkeypatch.setattr(apply_mod, "_patch_batched", lambda *x: None)  # the tensor-by-tensor path
+        two = {k: v.clone() for k, v in a.items()}
+        f2 = apply_prepared(two, prep, fps, executor=ex)
+    assert staged.fps == f2 == enc.fps
+    for k in b:
+        assert torch.equal(one[k].view(torch.uint8), b[k].view(torch.uint8))
+        assert torch.equal(two[k].view(torch.uint8), b[k].view(torch.uint8))
+    staged.rollback()
+    for k in a:
+        assert torch.equal(one[k].view(torch.uint8), a[k].view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("threads", (0, 2))
+def test_batched_patch_out_of_range_fails_first_in_tensor_order(monkeypatch, threads):
+    """A position outside its tensor in one chunk, a wrong recorded fingerprint in a later tensor: the batched
+    path raises the earlier failure (ApplyError for the position, as the tensor-by-tensor path) and every word
+    of every tensor is restored."""
+    import dataclasses
+
+    from deltasync.errors import ApplyError
+
+    from deltasync import apply as apply_mod
+
+    monkeypatch.setattr(apply_mod, "BATCH_PART_MIN", 0)
+    a, _, enc = _delta(14, 0.05, True, chunk_words=1 << 10)
+    fps = fingerprint_state(a)
+    kernels.select("numba")
+    names = sorted(r.name for r in enc.manifest.tensors if r.changed)
+    late = names[-1]
+    tensors = tuple(dataclasses.replace(r, fp_after="0" * 16) if r.name == late else r for r in enc.manifest.tensors)
+    prep = prepare_delta(dataclasses.replace(enc.manifest, tensors=tensors), enc.blobs)
+    patches = dict(prep.patches)
+    p = patches[names[1]][-1]
+    pos = p.changes.positions.copy()
+    pos[-1] = 10**9
+    patches[names[1]] = patches[names[1]][:-1] + [dataclasses.replace(p, changes=Changes(
+        positions=pos, raw=p.changes.raw, values=p.changes.values))]
+    prep = dataclasses.replace(prep, patches=patches)
+    live = {k: v.clone() for k, v in a.items()}
+    with ThreadPoolExecutor(2) as pool:
+        with pytest.raises(ApplyError, match="change position 1000000000 is outside"):
             stage_prepared(live, prep, fps, executor=pool if threads else None)
     for k in a:
         assert torch.equal(live[k].view(torch.uint8), a[k].view(torch.uint8)), k

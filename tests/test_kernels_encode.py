@@ -3,6 +3,7 @@
 * ``kernels.diff_span`` (compare + gather + fingerprint change + the base's lanes sum, one pass) against
   ``np.flatnonzero`` + ``fingerprint_delta`` + the torch ``lanes_sum``, on every word width, unaligned
   spans, outputs that must grow, read-only inputs and in-place updates;
+* ``kernels.diff_jobs`` (many spans in one call, shared outputs grown by projection) against ``diff_span``;
 * ``diff_states(base_fps=None)`` (the base fingerprint from that same pass) against ``tensor_fingerprint``,
   serial and threaded;
 * ``rans.word_symbols`` / ``rans.chunk_symbols`` against ``values.changes_from_words`` +
@@ -98,6 +99,38 @@ def test_diff_span_grows_past_a_tiny_buffer_and_reads_read_only_words():
     pos, got_old, got_new, got_fpd, got_lanes = kernels.diff_span(old, new, 5, old.size, 2, want_lanes=True, cap=1)
     assert np.array_equal(pos, rel) and np.array_equal(got_old, ow) and np.array_equal(got_new, nw)
     assert (got_fpd, got_lanes) == (fpd, lanes)
+
+
+@pytest.mark.parametrize("w", (1, 2, 4, 8))
+@pytest.mark.parametrize("room", (1 << 40, 1024))
+def test_diff_jobs_equals_diff_span_per_span(monkeypatch, w, room):
+    """``kernels.diff_jobs`` (many tensors' spans in one call, shared outputs that start tiny and grow by
+    projection when ``room`` is huge) gives each span exactly what ``diff_span`` gives it, and updates the
+    old words in place alike; densities differ from span to span (the projection is off and must regrow)."""
+    monkeypatch.setattr(kernels, "_DIFF_ROOM", room)
+    rng = np.random.default_rng(w)
+    dt = np.dtype(f"u{w}")
+    spans = []
+    for i, (size, density) in enumerate(((70_001, 0.001), (5, 1.0), (130_000, 0.3), (64, 0.5), (9_999, 0.0),
+                                         (200_003, 0.02))):
+        old = rng.integers(0, np.iinfo(dt).max, size, dtype=dt, endpoint=True)
+        new = old.copy()
+        sel = rng.random(size) < density
+        new[sel] += dt.type(1 + i)
+        first, last = (3, size - 2) if size > 8 else (0, size)
+        spans.append((old, new, first, last))
+    for want, update in ((True, False), (False, True)):
+        expect = [kernels.diff_span(o.copy(), n, a, b, w, want_lanes=want, update_old=update) for o, n, a, b in spans]
+        olds = [o.copy() for o, _, _, _ in spans]
+        got = kernels.diff_jobs([(oc, n, a, b) for oc, (_, n, a, b) in zip(olds, spans)], w, want_lanes=want,
+                                update_old=update)
+        for (pe, oe, ne, fe, le), (pg, og, ng, fg, lg), oc, (o, n, a, b) in zip(expect, got, olds, spans):
+            assert np.array_equal(pe, pg) and np.array_equal(oe, og) and np.array_equal(ne, ng)
+            assert (fe, le) == (fg, lg)
+            ref = o.copy()
+            if update:
+                ref[pe] = ne
+            assert np.array_equal(oc, ref)
 
 
 def _states(seed: int):

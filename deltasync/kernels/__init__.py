@@ -23,6 +23,7 @@ selection and returns exactly what its reference returns):
 update_old=False)``                            fingerprint change); ``codec.diff_chunk`` on CPU
 ``diff_span(o, n, first, last, word_size,      changed words of a span of a tensor, and the lanes
 want_lanes=, update_old=)``                    sum of its old words, one pass (numba only)
+``diff_jobs(spans, word_size, ...)``           ``diff_span`` of many tensors' spans in one call (numba only)
 ``changes_from_words(positions, old, new,      ``values.changes_from_words``
 is_float=)``
 ``encode_values(changes)`` /                   ``values.encode_values`` / ``decode_values``
@@ -41,6 +42,7 @@ word_size)``
 chunks, executor=)``                           chunks: one compiled call per word size (in parts on
                                                the executor's threads), Changes as views of it
 ``patch_chunk(words, changes, word_size)``     ``patch_words`` in one prefetching pass (apply.py)
+``patch_jobs(jobs, like, old, fpds, w)``       ``patch_chunk`` of many tensors' chunks in one call (apply.py)
 ``gather_words`` / ``scatter_words``           ``out[:] = words[pos]`` / ``words[pos] = src`` (the
                                                ``--out`` journal, undo records)
 ``journal_gather(words, pos, start, stop,      a sparse chunk's ``--out`` undo record in one pass:
@@ -228,6 +230,39 @@ def diff_span(o: np.ndarray, n: np.ndarray, first: int, last: int, word_size: in
     else:
         pos, ow, nw = pos[:count], ow[:count], nw[:count]
     return pos, ow, nw, int(fpd), int(total) if want_lanes else None
+
+
+_DIFF_ROOM = 1024  # diff_jobs's first output room: one entry per this many words (it grows by projection)
+
+
+def diff_jobs(spans: list[tuple[np.ndarray, np.ndarray, int, int]], word_size: int, *, want_lanes: bool = False,
+              update_old: bool = False):
+    """Numba only: :func:`diff_span` of many spans ``(o, n, first, last)`` (whole unsigned word arrays of
+    tensors of one word size, C-contiguous; with ``update_old`` ``o`` is written) in one compiled call:
+    [(positions, old, new, fingerprint change, lanes sum of the old words or None)] per span, views of
+    shared arrays."""
+    if not spans:
+        return []
+    if not all(o.flags.c_contiguous and n.flags.c_contiguous and o.dtype == n.dtype == spans[0][0].dtype
+               and (o.flags.writeable or not update_old)
+               for o, n, _, _ in spans):  # addressed words must be plain (and writeable) arrays: one call per span then
+        return [diff_span(o, n, a, b, word_size, want_lanes=want_lanes, update_old=update_old) for o, n, a, b in spans]
+    k = cpu_kernels()
+    like = np.empty(0, spans[0][0].dtype)
+    lane_like = like if word_size <= 2 else np.empty(0, np.uint16)
+    jobs = np.array([(o.ctypes.data, n.ctypes.data, o.size, first, last) for o, n, first, last in spans],
+                    dtype=np.int64).reshape(-1, 5)
+    cap = 1024 + int((jobs[:, 4] - jobs[:, 3]).sum()) // _DIFF_ROOM
+    pos, ow, nw, offsets, fpds, totals = k.diff_jobs(jobs, like, lane_like, _table(), _per(word_size), want_lanes,
+                                                     update_old, cap)
+    found = int(offsets[-1])
+    if pos.size > 2 * found + 4096:  # mostly unused room: keep only what was found
+        pos, ow, nw = pos[:found].copy(), ow[:found].copy(), nw[:found].copy()
+    out = []
+    bounds = offsets.tolist()
+    for j, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        out.append((pos[a:b], ow[a:b], nw[a:b], int(fpds[j]), int(totals[j]) if want_lanes else None))
+    return out
 
 
 # -- values ----------------------------------------------------------------------------------------
@@ -495,6 +530,13 @@ def patch_chunk(words: np.ndarray, changes, word_size: int):
     if bad >= 0:
         raise IndexError(f"change position {int(changes.positions[bad])} is outside a tensor of {words.size} words")
     return old, int(fpd)
+
+
+def patch_jobs(jobs: np.ndarray, like: np.ndarray, old: np.ndarray, fpds: np.ndarray, word_size: int) -> tuple[int, int]:
+    """:func:`patch_chunk` of many chunks in one compiled call (``cpu.patch_jobs``: rows of addresses, see there):
+    (-1, 0), or (job, index) of the first out-of-range position (that job and later ones wrote nothing). Numba only."""
+    j, k = cpu_kernels().patch_jobs(jobs, like, old, fpds, _per(word_size), _table())
+    return int(j), int(k)
 
 
 def gather_words(words: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:

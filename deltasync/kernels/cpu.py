@@ -22,7 +22,7 @@ import warnings
 
 import numpy as np
 from llvmlite import ir
-from numba import njit
+from numba import carray, njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
@@ -647,12 +647,24 @@ def diff_span(o, n, ol, dst, first, last, per, table, want_lanes, update_old, ca
     offset ``first * L``), so a base fingerprint costs no second read. ``update_old``: write each
     changed new word into ``dst`` (``o`` itself; any writeable array otherwise, so ``o`` may be read-only). Words are compared 64 at a time into a bit mask; only set bits cost
     more; output room is checked per batch of blocks, not per block."""
-    L = max(per, 1)
     size = max(cap, 128)
-    pos = np.empty(size, np.int64)
-    ow = np.empty(size, o.dtype)
-    nw = np.empty(size, o.dtype)
-    k = 0
+    return _diff_span_into(o, n, ol, dst, first, last, per, table, want_lanes, update_old,
+                           np.empty(size, np.int64), np.empty(size, o.dtype), np.empty(size, o.dtype), 0, 0,
+                           last - first)
+
+
+@_jit
+def _diff_span_into(o, n, ol, dst, first, last, per, table, want_lanes, update_old, pos, ow, nw, k, before, words):
+    """:func:`diff_span` appending to ``pos``/``ow``/``nw`` from index ``k``: (positions, old words, new words,
+    index past the last entry, fingerprint change, lanes sum). When they run short they grow to the count
+    projected from the share found so far (``before`` words compared ahead of this span out of ``words`` in
+    all), with a quarter more room, and at least by half."""
+    L = max(per, 1)
+    if pos.size - k < 64:  # the unaligned head below writes without a check
+        size = max(2 * pos.size, k + 64)
+        pos = _grow(pos, size)
+        ow = _grow(ow, size)
+        nw = _grow(nw, size)
     lb = np.int64(-1)  # fingerprint-delta block cache (_word_delta)
     lk = np.uint64(0)
     fpd = np.uint64(0)
@@ -681,7 +693,8 @@ def diff_span(o, n, ol, dst, first, last, per, table, want_lanes, update_old, ca
     while blk < end:
         room = (pos.size - k) // 64  # blocks that fit whatever they hold
         if room == 0:
-            size = 2 * pos.size
+            seen = max(before + blk * 64 - first, 1)
+            size = max(pos.size + pos.size // 2, min((k + 1) * words // seen, k + words - seen + 64) * 5 // 4 + 4096)
             pos = _grow(pos, size)
             ow = _grow(ow, size)
             nw = _grow(nw, size)
@@ -774,6 +787,44 @@ def diff_span(o, n, ol, dst, first, last, per, table, want_lanes, update_old, ca
             if update_old:
                 dst[p] = b
     return pos, ow, nw, k, fpd, total
+
+
+@_jit
+def diff_jobs(jobs, like, lane_like, table, per, want_lanes, update_old, cap):
+    """:func:`diff_span` of many spans (of many tensors of one word dtype) in one call, into shared outputs.
+    ``jobs`` int64[J, 5] rows: (address of the old words, of the new words, the tensor's word count, first,
+    last); ``like``/``lane_like``: empty arrays of the word and lane dtypes (``diff_span``'s ``ol``: the words
+    themselves for 1- and 2-byte words, their uint16 lanes for wider ones). With ``update_old`` the changed
+    new words are written into the old words (which must be writeable). Returns (positions, old words,
+    new words, offsets int64[J + 1]: job j's entries are [offsets[j], offsets[j + 1]), fingerprint changes
+    uint64[J], lanes sums uint64[J]); the outputs start at ``cap`` entries and grow to the count projected
+    from the share of changed words found so far."""
+    J = jobs.shape[0]
+    size = max(cap, 128)
+    pos = np.empty(size, np.int64)
+    ow = np.empty(size, like.dtype)
+    nw = np.empty(size, like.dtype)
+    offsets = np.zeros(J + 1, np.int64)
+    fpds = np.zeros(J, np.uint64)
+    totals = np.zeros(J, np.uint64)
+    L = max(per, 1)
+    k = 0
+    words = 0
+    for j in range(J):
+        words += jobs[j, 4] - jobs[j, 3]
+    before = 0
+    for j in range(J):
+        nwords = jobs[j, 2]
+        o = carray(_addr_as(jobs[j, 0], like), nwords)
+        n = carray(_addr_as(jobs[j, 1], like), nwords)
+        ol = carray(_addr_as(jobs[j, 0], lane_like), nwords * L)
+        pos, ow, nw, k, fpd, total = _diff_span_into(o, n, ol, o, jobs[j, 3], jobs[j, 4], per, table, want_lanes,
+                                                     update_old, pos, ow, nw, k, before, words)
+        before += jobs[j, 4] - jobs[j, 3]
+        offsets[j + 1] = k
+        fpds[j] = fpd
+        totals[j] = total
+    return pos, ow, nw, offsets, fpds, totals
 
 
 # -- A: whole-chunk decode, fused patch and journal kernels --------------------------------------
@@ -950,16 +1001,10 @@ _AHEAD = 32
 
 
 @_jit
-def patch_chunk(words, positions, raw, values, old, per, table):
-    """:func:`patch_words` in one pass over the positions (gather the old word into ``old``, write the new
-    one, read it back and add its fingerprint change), prefetching ahead. Returns (fingerprint change,
-    index of the first out-of-range position or -1: nothing is written then)."""
+def _patch_run(words, positions, raw, values, old, o, per, table):
+    """The one-pass patch of :func:`patch_chunk` (positions in range: the caller checked), old words into
+    ``old[o:]``: returns the fingerprint change."""
     count = positions.size
-    n = words.size
-    for k in range(count):
-        p = positions[k]
-        if p < 0 or p >= n:
-            return np.uint64(0), k
     lb = np.int64(-1)
     lk = np.uint64(0)
     fpd = np.uint64(0)
@@ -968,7 +1013,7 @@ def patch_chunk(words, positions, raw, values, old, per, table):
             _prefetch(words, positions[k + _AHEAD])
         p = positions[k]
         a = words[p]
-        old[k] = a
+        old[o + k] = a
         if raw[k]:
             words[p] = values[k]
         else:
@@ -983,7 +1028,62 @@ def patch_chunk(words, positions, raw, values, old, per, table):
         else:
             dd, lb, lk = _word_delta(p, np.uint64(a), np.uint64(b), per, table, lb, lk)
             fpd += dd
-    return fpd, -1
+    return fpd
+
+
+@_jit
+def patch_chunk(words, positions, raw, values, old, per, table):
+    """:func:`patch_words` in one pass over the positions (gather the old word into ``old``, write the new
+    one, read it back and add its fingerprint change), prefetching ahead. Returns (fingerprint change,
+    index of the first out-of-range position or -1: nothing is written then)."""
+    count = positions.size
+    n = words.size
+    for k in range(count):
+        p = positions[k]
+        if p < 0 or p >= n:
+            return np.uint64(0), k
+    return _patch_run(words, positions, raw, values, old, 0, per, table), -1
+
+
+@intrinsic
+def _addr_as(typingctx, addr, like):
+    """A pointer to ``like``'s dtype at the integer address ``addr`` (for ``numba.carray``): the arrays of
+    :func:`patch_jobs` are passed as addresses, so one call patches any number of tensors."""
+    if not (isinstance(like, types.Array) and isinstance(addr, types.Integer)):
+        return None
+    ptrty = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptrty))
+
+    return ptrty(addr, like), codegen
+
+
+@_jit
+def patch_jobs(jobs, like, old, fpds, per, table):
+    """:func:`patch_chunk` of many chunks (of many tensors of one word dtype) in one call. ``jobs`` int64[J, 6]
+    rows: (address of the tensor's words, its word count, address of the chunk's int64 positions, of its raw
+    flags (bytes), of its values (words like ``like``), change count). Old words go to ``old`` one job after
+    the other, each job's fingerprint change to ``fpds[j]``. Jobs run in order; returns (-1, 0), or (j, k)
+    at the first job whose position k is out of range: that job writes nothing, later ones do not run. The
+    caller keeps every addressed array alive and contiguous."""
+    pos_like = np.empty(0, np.int64)
+    raw_like = np.empty(0, np.uint8)
+    o = 0
+    for j in range(jobs.shape[0]):
+        n = jobs[j, 1]
+        count = jobs[j, 5]
+        words = carray(_addr_as(jobs[j, 0], like), n)
+        positions = carray(_addr_as(jobs[j, 2], pos_like), count)
+        raw = carray(_addr_as(jobs[j, 3], raw_like), count)
+        values = carray(_addr_as(jobs[j, 4], like), count)
+        for k in range(count):
+            p = positions[k]
+            if p < 0 or p >= n:
+                return j, k
+        fpds[j] = _patch_run(words, positions, raw, values, old, o, per, table)
+        o += count
+    return -1, 0
 
 
 @_jit
