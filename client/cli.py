@@ -162,28 +162,24 @@ def _served_base(args, budgeter):
     return None if got is None else (h.version, got[0], got[1])
 
 
-async def _publish_files(args, token: str, signer, verifier: Verifier | None, state) -> int | None:
+async def _publish_files(args, token: str, signer, verifier: Verifier | None, state, base, base_error) -> int | None:
     """Publish from files, O(changed): a keyframe streamed shard by shard when the origin has no version
     (or ``--base`` is not its head and ``--keyframe-on-mismatch`` says so), else a delta against ``--base``.
     None: no ``--base`` and the origin has a head (the caller rebuilds the head state from the servers).
+    ``base``: the mapped ``--base`` file's host words (None: no ``--base``, or ``base_error`` says why it could
+    not be mapped; that is raised only if the origin has a head to diff against).
 
     With ``--base`` of the state's layout, the compare pass starts first (it needs only the two maps) and
     runs on the pool while the HTTP client is imported and the origin's head is read; its result is
     checked against that head before anything is encoded or sent."""
     from deltasync.codec import EncodeOptions, state_layout
-    from deltasync.tensorfile import MappedTensorFile
 
     from .filepublish import compare_pool, start_compare
 
     options = EncodeOptions(coding=args.coding)
     async with contextlib.AsyncExitStack() as stack:
         pool = stack.enter_context(compare_pool())
-        base = compared = base_error = None
-        if args.base:
-            try:
-                base = stack.enter_context(MappedTensorFile(args.base)).host  # numpy words over the map: no torch
-            except (OSError, DeltaSyncError) as e:  # raised only if the origin has a head to diff against
-                base_error = e
+        compared = None
         if base is not None and state_layout(base) == state_layout(state):
             compared = start_compare(base, state, options=options, executor=pool)
             timeline.debug("mono=%.6f publish-compare-started", time.monotonic())
@@ -304,33 +300,71 @@ def _side_failed(args, version: int, error: str | None) -> None:
           file=sys.stderr, flush=True)
 
 
-def _warm_up_kernels() -> threading.Thread:
-    """Start loading the compiled kernels (numba's import and its target registries, ~0.7 s cold) on a thread of
-    its own, so that it overlaps reading the options, keys and files instead of delaying the first compare."""
+class _Warmer:
+    """The compiled kernels made ready on a thread of their own from a ``publish``'s start, so that loading them
+    overlaps the command's imports, its reading of options, keys and files, and the compare pass instead of
+    delaying them: first numba's import and runtime (``kernels.warm_up``), then, once the command has mapped
+    its state and says that a delta is likely (:meth:`delta_of`), the kernels a delta of the state's dtypes
+    runs (``filepublish.warm_delta_kernels``: the compare's, loaded before the pool needs them, and the
+    encode's, loaded while the compare runs)."""
 
-    def warm() -> None:
+    def __init__(self) -> None:
+        self._delta: tuple[set[str], str] | None = None
+        self._said = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="deltasync-warm-up", daemon=True)
+        self.thread.start()
+
+    def delta_of(self, dtypes: set[str], coding: str) -> None:
+        self._delta = (dtypes, coding)
+        self._said.set()
+
+    def done(self) -> None:
+        """Nothing more to warm (the command is ending)."""
+        self._said.set()
+
+    def _run(self) -> None:
         try:
             from deltasync import kernels
 
             kernels.warm_up()
+            self._said.wait()
+            if self._delta is not None:
+                from deltasync.codec import EncodeOptions
+
+                from .filepublish import warm_delta_kernels
+
+                dtypes, coding = self._delta
+                warm_delta_kernels(dtypes, EncodeOptions(coding=coding))
+                timeline.debug("mono=%.6f publish-kernels-warmed", time.monotonic())
         except Exception as e:  # the first kernel call meets the same problem and reports it
             log.debug("kernel warm-up failed: %s: %s", type(e).__name__, e)
 
-    t = threading.Thread(target=warm, name="deltasync-warm-up", daemon=True)
+
+def cmd_publish(args) -> int:
+    warmer = _Warmer()
+    try:
+        return _cmd_publish(args, warmer)
+    finally:
+        warmer.done()
+        if warmer.thread.is_alive():
+            warmer.thread.join(60)  # an early error return: not while the thread is inside an import (interpreter exit)
+
+
+def _prefault(files) -> threading.Thread:
+    """The mapped files' pages entered into the maps' page tables on a thread (``MappedTensorFile.prefault``:
+    the GIL is released), while the main thread imports the codec: the compare pass then takes no page fault."""
+
+    def run() -> None:
+        for f in files:
+            f.prefault()
+        timeline.debug("mono=%.6f publish-prefaulted", time.monotonic())
+
+    t = threading.Thread(target=run, name="deltasync-prefault", daemon=True)
     t.start()
     return t
 
 
-def cmd_publish(args) -> int:
-    warming = _warm_up_kernels()
-    try:
-        return _cmd_publish(args)
-    finally:
-        if warming.is_alive():
-            warming.join(60)  # an early error return: not while the thread is inside an import (interpreter exit)
-
-
-def _cmd_publish(args) -> int:
+def _cmd_publish(args, warmer: _Warmer) -> int:
     _setup_logging(args)
     if os.environ.get("DELTASYNC_TIMELINE"):  # this command's stamps (benchmarks/step_timeline.py)
         timeline.setLevel(logging.DEBUG)
@@ -359,7 +393,23 @@ def _cmd_publish(args) -> int:
 
     state_file = MappedTensorFile(args.state)
     if policy is None:
-        done = asyncio.run(asyncio.wait_for(_publish_files(args, token, signer, verifier, state_file.host), args.timeout))
+        base_file = base_error = None
+        if args.base:
+            try:
+                base_file = MappedTensorFile(args.base)
+            except (OSError, DeltaSyncError) as e:  # raised only if the origin has a head to diff against
+                base_error = e
+        prefaulting = _prefault([f for f in (base_file, state_file) if f is not None])
+        if base_file is not None:  # a delta is likely: its kernels are loaded on the warm-up thread meanwhile
+            warmer.delta_of({t.dtype for t in state_file.host.values()}, args.coding)
+        try:
+            done = asyncio.run(asyncio.wait_for(
+                _publish_files(args, token, signer, verifier, state_file.host,
+                               base_file.host if base_file is not None else None, base_error), args.timeout))
+        finally:
+            prefaulting.join()  # before the maps may close
+            if base_file is not None:
+                base_file.close()
         if done is not None:
             return done
         log.info("no --base: rebuilding %s's head state from %s to diff against (pass --base to skip that)",

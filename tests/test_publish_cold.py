@@ -123,6 +123,9 @@ def test_publish_base_compared_early_keeps_its_answers(tmp_path):
         r = _cli(*pub, "--quiet", "--base", paths[0], paths[1], env={"DELTASYNC_TIMELINE": "1"})
         assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
         stamps = re.findall(r"mono=(\d+\.\d+) (publish-[a-z-]+)", r.stderr)
+        side = ("publish-prefaulted", "publish-kernels-warmed")  # the prefault and warm-up threads', in any order
+        assert sorted(w for _, w in stamps if w in side) == sorted(side), r.stderr
+        stamps = [(t, w) for t, w in stamps if w not in side]
         assert [w for _, w in stamps] == ["publish-start", "publish-compare-started", "publish-head", "publish-compared",
                                           "publish-encoded", "publish-uploaded", "publish-committed"], r.stderr
         times = [float(t) for t, _ in stamps]
@@ -161,3 +164,57 @@ def test_http_client_for_plain_urls_skips_only_aiohttps_default_ca_loading():
     """)
     aio, plain = map(int, re.search(r"aiohttp (\d+) plain (\d+)", r.stdout).groups())
     assert aio == plain  # an https URL: aiohttp's defaults trust the system store, as without this function
+
+
+def test_prefault_maps_the_pages_and_changes_nothing(tmp_path):
+    import numpy as np
+
+    from deltasync.tensorfile import MappedTensorFile
+
+    path = tmp_path / "s.safetensors"
+    write_state_file(path, RLTrace(SHAPE, lr=1e-4, seed=3).step())
+    before = path.read_bytes()
+    f = MappedTensorFile(path)
+    words = {n: t.words.copy() for n, t in f.host.items()}
+    assert f.prefault() is True  # Linux >= 5.14 (MADV_POPULATE_READ)
+    assert all(np.array_equal(words[n], t.words) for n, t in f.host.items())
+    f.close()
+    assert f.prefault() is False  # a closed map: nothing to do
+    assert path.read_bytes() == before
+
+
+def test_warm_delta_kernels_loads_every_kernel_a_real_delta_of_those_dtypes_runs(tmp_path):
+    """After ``warm_delta_kernels``, diffing and encoding two mapped files of those dtypes loads no further
+    kernel (each numba dispatcher's cache hits and misses stay as they were)."""
+    r = _py(f"""
+        import numpy as np
+        from numba.core.dispatcher import Dispatcher
+        from deltasync import kernels, rans
+        from deltasync.codec import EncodeOptions, diff_states, encode_diff
+        from deltasync.tensorfile import MappedTensorFile, write_state_file
+        from deltasync.testing.trace import ModelShape, RLTrace
+        from deltasync.client.filepublish import compare_pool, warm_delta_kernels
+        import torch
+
+        trace = RLTrace(ModelShape(vocab=128, hidden=16, layers=1, ffn=32), lr=1e-4, seed=4)
+        a, b = trace.step(), trace.step()
+        a["f32"] = torch.randn(5000); b["f32"] = a["f32"].clone(); b["f32"][::7] += 1
+        write_state_file("{tmp_path}/a.safetensors", a)
+        write_state_file("{tmp_path}/b.safetensors", b)
+        fa, fb = MappedTensorFile("{tmp_path}/a.safetensors"), MappedTensorFile("{tmp_path}/b.safetensors")
+        kernels.warm_up()
+        warm_delta_kernels({{t.dtype for t in fb.host.values()}}, EncodeOptions())
+
+        def loads():
+            return {{f"{{m.__name__}}.{{k}}": sum(v.stats.cache_hits.values()) + sum(v.stats.cache_misses.values())
+                    for m in (kernels.cpu_kernels(), rans) for k, v in vars(m).items() if isinstance(v, Dispatcher)}}
+
+        before = loads()
+        with compare_pool() as pool:
+            d = diff_states(fa.host, fb.host, update_old=False, executor=pool)
+            encode_diff(d, model="m", version=1, parent=0, base=fa.host, executor=pool)
+        after = loads()
+        print("warmed", sorted(k for k, v in before.items() if v))
+        print("new", {{k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}})
+    """, DELTASYNC_KERNELS="")
+    assert "new {}" in r.stdout and "diff_span" in r.stdout, r.stdout
