@@ -187,6 +187,14 @@ async def _publish_files(args, token: str, signer, verifier: Verifier | None, st
         return await _publish_files_to(args, token, signer, verifier, state, base, base_error, compared, pool, options)
 
 
+def _plain_origin(url: str) -> bool:
+    """Whether ``publish`` reads the head and sends a delta through ``client/plainhttp.py`` (a plain-HTTP origin;
+    ``DELTASYNC_PUBLISH_HTTP=aiohttp`` sends everything through aiohttp, as before)."""
+    from .plainhttp import supports
+
+    return supports(url) and os.environ.get("DELTASYNC_PUBLISH_HTTP", "").lower() != "aiohttp"
+
+
 def _http_client_for(urls: list[str]):
     """``client.http.HttpClient``, importing aiohttp for talking to ``urls``.
 
@@ -232,9 +240,26 @@ async def _publish_files_to(args, token: str, signer, verifier: Verifier | None,
     from .filepublish import check_base_file, publish_delta, publish_keyframe
     from .streams import keyframe_stream
 
-    HttpClient = _http_client_for([args.origin])  # aiohttp's import overlaps the compare pass
+    async with contextlib.AsyncExitStack() as stack:
+        def aiohttp_client():
+            return _http_client_for([args.origin])([args.origin], token=token, ssl=_ssl(args), read_token=token)
 
-    async with HttpClient([args.origin], token=token, ssl=_ssl(args), read_token=token) as client:
+        # the head and a delta go to a plain-HTTP origin without aiohttp (client/plainhttp.py: ~0.25 CPU-s of
+        # imports less, in the middle of the compare pass); keyframes (pieces of the mapped file) through aiohttp
+        plain = _plain_origin(args.origin)
+        if plain:
+            from .plainhttp import PlainOrigin
+
+            client = await stack.enter_async_context(PlainOrigin(args.origin, token=token, read_token=token))
+        else:
+            client = await stack.enter_async_context(aiohttp_client())
+        keyframes: list = [] if plain else [client]
+
+        async def keyframe_client():
+            if not keyframes:
+                keyframes.append(await stack.enter_async_context(aiohttp_client()))
+            return keyframes[0]
+
         try:
             head = await client.get_head(args.model)
         except DeltaSyncError as e:
@@ -272,14 +297,15 @@ async def _publish_files_to(args, token: str, signer, verifier: Verifier | None,
                                             "a keyframe instead") from None
                 _say(args, f"{e}; publishing a keyframe (--keyframe-on-mismatch)")
         if not delta:
-            res = await publish_keyframe(client, model=args.model, version=step, state=state, signer=signer)
+            res = await publish_keyframe(await keyframe_client(), model=args.model, version=step, state=state,
+                                         signer=signer)
             side = 0
         else:
             side = 0
             if args.keyframe:
                 try:
-                    side = (await publish_keyframe(client, model=keyframe_stream(args.model), version=step,
-                                                   state=state, signer=signer)).blob_bytes
+                    side = (await publish_keyframe(await keyframe_client(), model=keyframe_stream(args.model),
+                                                   version=step, state=state, signer=signer)).blob_bytes
                 except DeltaSyncError as e:
                     side_error = f"{type(e).__name__}: {e}"
     pct = 100.0 * res.blob_bytes / max(res.raw_bytes, 1)
@@ -305,7 +331,7 @@ class _Warmer:
     overlaps the command's imports, its reading of options, keys and files, and the compare pass instead of
     delaying them: first numba's import and runtime (``kernels.warm_up``), then, once the command has mapped
     its state and says that a delta is likely (:meth:`delta_of`), the kernels a delta of the state's dtypes
-    runs (``filepublish.warm_delta_kernels``: the compare's, loaded before the pool needs them, and the
+    runs (``codec.warm_encode_kernels``: the compare's, loaded before the pool needs them, and the
     encode's, loaded while the compare runs)."""
 
     def __init__(self) -> None:
@@ -329,12 +355,10 @@ class _Warmer:
             kernels.warm_up()
             self._said.wait()
             if self._delta is not None:
-                from deltasync.codec import EncodeOptions
-
-                from .filepublish import warm_delta_kernels
+                from deltasync.codec import EncodeOptions, warm_encode_kernels
 
                 dtypes, coding = self._delta
-                warm_delta_kernels(dtypes, EncodeOptions(coding=coding))
+                warm_encode_kernels(dtypes, EncodeOptions(coding=coding))
                 timeline.debug("mono=%.6f publish-kernels-warmed", time.monotonic())
         except Exception as e:  # the first kernel call meets the same problem and reports it
             log.debug("kernel warm-up failed: %s: %s", type(e).__name__, e)

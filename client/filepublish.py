@@ -33,7 +33,6 @@ from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import xxhash
 
 from deltasync.blob import blob_id
@@ -53,7 +52,7 @@ if TYPE_CHECKING:  # .http and .upload import aiohttp (~0.25 s): loaded when a f
     from .http import HttpClient
 
 __all__ = ["FILE_SHARD_BYTES", "HASH_SLICE_BYTES", "Published", "ShardPieces", "check_base_file", "compare_pool",
-           "publish_delta", "publish_keyframe", "shard_pieces", "start_compare", "warm_delta_kernels"]
+           "publish_delta", "publish_keyframe", "shard_pieces", "start_compare"]
 
 timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps (``DELTASYNC_TIMELINE=1``)
 
@@ -90,41 +89,6 @@ def start_compare(base: Mapping[str, torch.Tensor | HostTensor], state: Mapping[
     chunk_words = (options or EncodeOptions()).chunk_words
     return asyncio.get_running_loop().run_in_executor(
         None, lambda: diff_states(base, state, chunk_words=chunk_words, update_old=False, executor=executor))
-
-
-WARM_WORDS = 1 << 12  # a tiny delta's tensor (of each dtype) in warm_delta_kernels
-
-
-def warm_delta_kernels(dtypes, options: EncodeOptions | None = None) -> None:
-    """Load the compiled kernels a delta of ``dtypes`` (deltasync dtype names) runs through
-    :func:`start_compare` and :func:`publish_delta` (compare, symbols, position and value coding), by diffing
-    and encoding a tiny state of each dtype as host words, so that the real pass finds them loaded.
-
-    numba loads each kernel (and signature) from its cache at its first call, under its compile lock: ~0.02 s
-    each, on the critical path of a cold ``publish --base`` when the first compare or encode pays for it;
-    ``publish --base`` runs this on its warm-up thread once it knows the state's dtypes, while the compare
-    runs. Touches nothing but its own small arrays; a no-op with the reference kernels."""
-    from deltasync import kernels
-    from deltasync.dtypes import numpy_word_dtype, word_count
-
-    if kernels.cpu_kernels() is None:
-        return
-    rng = np.random.default_rng(0)
-    for name in sorted(set(dtypes)):
-        info = dtype_info(name)
-        if info.name == "bool":
-            continue  # no valid random words
-        shape = (WARM_WORDS // info.words_per_element,)
-        n = word_count(shape, info)
-        wdt = numpy_word_dtype(info.word_size)
-        old = rng.integers(0, 1 << min(14, 8 * info.word_size - 2), n, dtype=np.int64).astype(wdt)
-        new = old.copy()
-        new[::29] += wdt.type(1)  # ULP steps ...
-        new[5::211] = wdt.type(7)  # ... and raw words
-        base = {"w": HostTensor(dtype=name, shape=shape, words=old)}
-        state = {"w": HostTensor(dtype=name, shape=shape, words=new)}
-        diff = diff_states(base, state, update_old=False)
-        encode_diff(diff, model="warm", version=1, parent=0, options=options, base=base)
 
 
 def _raw(state: Mapping[str, torch.Tensor | HostTensor]) -> int:

@@ -183,17 +183,17 @@ def test_prefault_maps_the_pages_and_changes_nothing(tmp_path):
     assert path.read_bytes() == before
 
 
-def test_warm_delta_kernels_loads_every_kernel_a_real_delta_of_those_dtypes_runs(tmp_path):
-    """After ``warm_delta_kernels``, diffing and encoding two mapped files of those dtypes loads no further
+def test_warm_encode_kernels_loads_every_kernel_a_real_delta_of_those_dtypes_runs(tmp_path):
+    """After ``codec.warm_encode_kernels``, diffing and encoding two mapped files of those dtypes loads no further
     kernel (each numba dispatcher's cache hits and misses stay as they were)."""
     r = _py(f"""
         import numpy as np
         from numba.core.dispatcher import Dispatcher
         from deltasync import kernels, rans
-        from deltasync.codec import EncodeOptions, diff_states, encode_diff
+        from deltasync.codec import EncodeOptions, diff_states, encode_diff, warm_encode_kernels
         from deltasync.tensorfile import MappedTensorFile, write_state_file
         from deltasync.testing.trace import ModelShape, RLTrace
-        from deltasync.client.filepublish import compare_pool, warm_delta_kernels
+        from deltasync.client.filepublish import compare_pool
         import torch
 
         trace = RLTrace(ModelShape(vocab=128, hidden=16, layers=1, ffn=32), lr=1e-4, seed=4)
@@ -203,7 +203,7 @@ def test_warm_delta_kernels_loads_every_kernel_a_real_delta_of_those_dtypes_runs
         write_state_file("{tmp_path}/b.safetensors", b)
         fa, fb = MappedTensorFile("{tmp_path}/a.safetensors"), MappedTensorFile("{tmp_path}/b.safetensors")
         kernels.warm_up()
-        warm_delta_kernels({{t.dtype for t in fb.host.values()}}, EncodeOptions())
+        warm_encode_kernels({{t.dtype for t in fb.host.values()}}, EncodeOptions())
 
         def loads():
             return {{f"{{m.__name__}}.{{k}}": sum(v.stats.cache_hits.values()) + sum(v.stats.cache_misses.values())
