@@ -12,7 +12,8 @@ token (origins and relays that require one). Exit codes:
 
 Start-up: this module imports only argparse and the error tree; each command imports what it runs.
 ``publish`` from files (``--base``, or the first keyframe; no ``--budget``) reads the states as numpy
-words over their memory maps (``MappedTensorFile.host``) and never imports torch.
+words over their memory maps (``MappedTensorFile.host``) and never imports torch; a ``--base`` delta to a
+plain-HTTP origin does not import aiohttp either (``client/plainhttp.py``).
 """
 
 from __future__ import annotations
