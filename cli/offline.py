@@ -75,10 +75,10 @@ def cmd_diff(args) -> int:
     whole); the same ``diff_span`` kernel and pool as ``publish --base``; the same bytes as ``encode_delta``
     of the files' torch tensors.
 
-    Start-up, as ``publish --base``'s: the files are mapped before the codec (and numba) is imported, their
-    pages entered into the maps on a thread (``MappedTensorFile.prefault``, GIL released) and the kernels of a
-    delta of their dtypes loaded on another (``kernels.warm_up``, ``codec.warm_encode_kernels``) while the
-    main thread imports; the compare then takes no page fault and waits for no kernel load."""
+    Start-up: the files are mapped before the codec (and numba) is imported and their pages entered into the
+    maps on a thread (``MappedTensorFile.prefault``, GIL released) while the main thread imports: the compare
+    then takes no page fault. (A warm-up thread as ``publish``'s measured no gain here: nothing else runs
+    while the kernels load, and on a small pair the command waited for the thread's own tiny delta.)"""
     import threading
 
     from deltasync.tensorfile import MappedTensorFile
@@ -89,9 +89,7 @@ def cmd_diff(args) -> int:
     threads = max(args.threads, 1)
     with MappedTensorFile(args.old) as of, MappedTensorFile(args.new) as nf:
         old, new = of.host, nf.host
-        side = [threading.Thread(target=_prefault, args=((of, nf),), name="deltasync-prefault", daemon=True),
-                threading.Thread(target=_warm, args=({t.dtype for t in new.values()}, args.chunk_words),
-                                 name="deltasync-warm-up", daemon=True)]
+        side = [threading.Thread(target=_prefault, args=((of, nf),), name="deltasync-prefault", daemon=True)]
         for t in side:
             t.start()
         try:
@@ -126,19 +124,6 @@ def cmd_diff(args) -> int:
 def _prefault(files) -> None:
     for f in files:
         f.prefault()
-
-
-def _warm(dtypes: set[str], chunk_words: int | None) -> None:
-    """The kernels a delta of ``dtypes`` runs, loaded ahead (a failure here is met again, and reported, by the
-    real pass)."""
-    try:
-        from deltasync import kernels
-        from deltasync.codec import warm_encode_kernels
-
-        kernels.warm_up()
-        warm_encode_kernels(dtypes)
-    except Exception:
-        pass
 
 
 def cmd_replay(args) -> int:
