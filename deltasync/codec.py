@@ -881,35 +881,3 @@ def _decode_chunk(name: str, info: DtypeInfo, start: int, stop: int, count: int,
     sym, tokens, ext, raw = parts
     changes = decode_values(rel + start, sym, tokens, ext, raw, info.word_size)
     return ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, changes=changes)
-
-
-WARM_WORDS = 1 << 12  # a tiny delta's tensor (of each dtype) in warm_encode_kernels
-
-
-def warm_encode_kernels(dtypes, options: EncodeOptions | None = None) -> None:
-    """Load the compiled kernels that diffing and encoding host words (:class:`~deltasync.dtypes.HostTensor`,
-    mapped files) of ``dtypes`` (deltasync dtype names) run (compare, symbols, position and value coding),
-    by diffing and encoding a tiny state of each dtype, so that the real pass finds them loaded.
-
-    numba loads each kernel (and signature) from its cache at its first call, under its compile lock: ~0.02 s
-    each, on the critical path of a cold ``publish --base`` when the first compare or encode pays for it;
-    ``publish --base`` and ``diff`` run this on a warm-up thread once they know the state's dtypes, while
-    the compare runs. Touches nothing but its own small arrays; a no-op with the reference kernels."""
-    if kernels.cpu_kernels() is None:
-        return
-    rng = np.random.default_rng(0)
-    for name in sorted(set(dtypes)):
-        info = dtype_info(name)
-        if info.name == "bool":
-            continue  # no valid random words
-        shape = (WARM_WORDS // info.words_per_element,)
-        n = word_count(shape, info)
-        wdt = numpy_word_dtype(info.word_size)
-        old = rng.integers(0, 1 << min(14, 8 * info.word_size - 2), n, dtype=np.int64).astype(wdt)
-        new = old.copy()
-        new[::29] += wdt.type(1)  # ULP steps ...
-        new[5::211] = wdt.type(7)  # ... and raw words
-        base = {"w": HostTensor(dtype=name, shape=shape, words=old)}
-        state = {"w": HostTensor(dtype=name, shape=shape, words=new)}
-        diff = diff_states(base, state, update_old=False)
-        encode_diff(diff, model="warm", version=1, parent=0, options=options, base=base)

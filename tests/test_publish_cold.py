@@ -123,8 +123,8 @@ def test_publish_base_compared_early_keeps_its_answers(tmp_path):
         r = _cli(*pub, "--quiet", "--base", paths[0], paths[1], env={"DELTASYNC_TIMELINE": "1"})
         assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
         stamps = re.findall(r"mono=(\d+\.\d+) (publish-[a-z-]+)", r.stderr)
-        side = ("publish-prefaulted", "publish-kernels-warmed")  # the prefault and warm-up threads', in any order
-        assert sorted(w for _, w in stamps if w in side) == sorted(side), r.stderr
+        side = ("publish-prefaulted",)  # the prefault thread's, at any point
+        assert [w for _, w in stamps if w in side] == list(side), r.stderr
         stamps = [(t, w) for t, w in stamps if w not in side]
         assert [w for _, w in stamps] == ["publish-start", "publish-compare-started", "publish-head", "publish-compared",
                                           "publish-encoded", "publish-uploaded", "publish-committed"], r.stderr
@@ -181,40 +181,3 @@ def test_prefault_maps_the_pages_and_changes_nothing(tmp_path):
     f.close()
     assert f.prefault() is False  # a closed map: nothing to do
     assert path.read_bytes() == before
-
-
-def test_warm_encode_kernels_loads_every_kernel_a_real_delta_of_those_dtypes_runs(tmp_path):
-    """After ``codec.warm_encode_kernels``, diffing and encoding two mapped files of those dtypes loads no further
-    kernel (each numba dispatcher's cache hits and misses stay as they were)."""
-    r = _py(f"""
-        import numpy as np
-        from numba.core.dispatcher import Dispatcher
-        from deltasync import kernels, rans
-        from deltasync.codec import EncodeOptions, diff_states, encode_diff, warm_encode_kernels
-        from deltasync.tensorfile import MappedTensorFile, write_state_file
-        from deltasync.testing.trace import ModelShape, RLTrace
-        from deltasync.client.filepublish import compare_pool
-        import torch
-
-        trace = RLTrace(ModelShape(vocab=128, hidden=16, layers=1, ffn=32), lr=1e-4, seed=4)
-        a, b = trace.step(), trace.step()
-        a["f32"] = torch.randn(5000); b["f32"] = a["f32"].clone(); b["f32"][::7] += 1
-        write_state_file("{tmp_path}/a.safetensors", a)
-        write_state_file("{tmp_path}/b.safetensors", b)
-        fa, fb = MappedTensorFile("{tmp_path}/a.safetensors"), MappedTensorFile("{tmp_path}/b.safetensors")
-        kernels.warm_up()
-        warm_encode_kernels({{t.dtype for t in fb.host.values()}}, EncodeOptions())
-
-        def loads():
-            return {{f"{{m.__name__}}.{{k}}": sum(v.stats.cache_hits.values()) + sum(v.stats.cache_misses.values())
-                    for m in (kernels.cpu_kernels(), rans) for k, v in vars(m).items() if isinstance(v, Dispatcher)}}
-
-        before = loads()
-        with compare_pool() as pool:
-            d = diff_states(fa.host, fb.host, update_old=False, executor=pool)
-            encode_diff(d, model="m", version=1, parent=0, base=fa.host, executor=pool)
-        after = loads()
-        print("warmed", sorted(k for k, v in before.items() if v))
-        print("new", {{k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}})
-    """, DELTASYNC_KERNELS="")
-    assert "new {}" in r.stdout and "diff_span" in r.stdout, r.stdout
