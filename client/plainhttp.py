@@ -7,9 +7,8 @@ the compare pass on a 2-core machine. :class:`PlainOrigin` speaks just that HTTP
 streams: ``Content-Length`` request bodies, answers with ``Content-Length``, chunked or read to the close,
 keep-alive connections reused one request at a time (a few side by side for parallel blob PUTs).
 
-Nothing of the policy is its own: the reads go through ``deltasync.retry.first_source`` under the
-process's failover policy for the URL (``http.shared_failover``'s twin: one source, so the policy only
-matters for its messages), the writes through ``deltasync.retry.retry`` with ``RETRY_BACKOFF`` and the
+Nothing of the policy is its own: the head read goes through ``deltasync.retry.first_source`` under a
+``deltasync.failover.Failover`` of its one URL, the writes through ``deltasync.retry.retry`` with ``RETRY_BACKOFF`` and the
 client's ``write_retries``, the outage rule is ``httpbase.is_outage`` and a server's error answer becomes
 the class of the one error tree it names (``deltasync.errors.from_wire``), as in ``client/http.py``; a
 body that does not parse is ``HeadInfo.from_body``'s ``UpstreamError``. Every wait is bounded by the same
