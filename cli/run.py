@@ -31,6 +31,8 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None = None) 
     """Parse ``argv``, run the chosen subcommand; a DeltaSyncError or a missing/unreadable file
     is one line on stderr and exit status 1, an interrupt 130, a closed stdout 141."""
     args = parser.parse_args(argv)
+    if "numpy" not in sys.modules and _is_the_program():
+        _one_blas_thread()
     if os.environ.get("DELTASYNC_KERNELS"):  # the one place the kernel switch is read (deltasync.kernels)
         from deltasync import kernels
 
@@ -65,6 +67,14 @@ def _is_the_program() -> bool:
     if spec is not None:
         return spec.name in _PROGRAMS
     return os.path.basename(sys.argv[0] if sys.argv else "") == "deltasync"
+
+
+def _one_blas_thread() -> None:
+    """No command of ours does linear algebra in numpy, yet numpy's OpenBLAS starts a thread per core (and their
+    buffers) when numpy is imported: ~0.1 s of a cold command's wall time on this 2-core machine, on its critical
+    path. A command that is the program (before numpy is imported) asks for one, unless the environment already
+    says how many (``OPENBLAS_NUM_THREADS``; the processes it starts inherit the setting)."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 def _exit_now(rc: int) -> None:

@@ -12,7 +12,8 @@ token (origins and relays that require one). Exit codes:
 
 Start-up: this module imports only argparse and the error tree; each command imports what it runs.
 ``publish`` from files (``--base``, or the first keyframe; no ``--budget``) reads the states as numpy
-words over their memory maps (``MappedTensorFile.host``) and never imports torch.
+words over their memory maps (``MappedTensorFile.host``) and never imports torch; a ``--base`` delta to a
+plain-HTTP origin does not import aiohttp either (``client/plainhttp.py``).
 """
 
 from __future__ import annotations
@@ -162,33 +163,37 @@ def _served_base(args, budgeter):
     return None if got is None else (h.version, got[0], got[1])
 
 
-async def _publish_files(args, token: str, signer, verifier: Verifier | None, state) -> int | None:
+async def _publish_files(args, token: str, signer, verifier: Verifier | None, state, base, base_error) -> int | None:
     """Publish from files, O(changed): a keyframe streamed shard by shard when the origin has no version
     (or ``--base`` is not its head and ``--keyframe-on-mismatch`` says so), else a delta against ``--base``.
     None: no ``--base`` and the origin has a head (the caller rebuilds the head state from the servers).
+    ``base``: the mapped ``--base`` file's host words (None: no ``--base``, or ``base_error`` says why it could
+    not be mapped; that is raised only if the origin has a head to diff against).
 
     With ``--base`` of the state's layout, the compare pass starts first (it needs only the two maps) and
     runs on the pool while the HTTP client is imported and the origin's head is read; its result is
     checked against that head before anything is encoded or sent."""
     from deltasync.codec import EncodeOptions, state_layout
-    from deltasync.tensorfile import MappedTensorFile
 
     from .filepublish import compare_pool, start_compare
 
     options = EncodeOptions(coding=args.coding)
     async with contextlib.AsyncExitStack() as stack:
         pool = stack.enter_context(compare_pool())
-        base = compared = base_error = None
-        if args.base:
-            try:
-                base = stack.enter_context(MappedTensorFile(args.base)).host  # numpy words over the map: no torch
-            except (OSError, DeltaSyncError) as e:  # raised only if the origin has a head to diff against
-                base_error = e
+        compared = None
         if base is not None and state_layout(base) == state_layout(state):
             compared = start_compare(base, state, options=options, executor=pool)
             timeline.debug("mono=%.6f publish-compare-started", time.monotonic())
             stack.push_async_callback(_settled, compared)  # before the pool and the maps close
         return await _publish_files_to(args, token, signer, verifier, state, base, base_error, compared, pool, options)
+
+
+def _plain_origin(url: str) -> bool:
+    """Whether ``publish`` reads the head and sends a delta through ``client/plainhttp.py`` (a plain-HTTP origin;
+    ``DELTASYNC_PUBLISH_HTTP=aiohttp`` sends everything through aiohttp, as before)."""
+    from .plainhttp import supports
+
+    return supports(url) and os.environ.get("DELTASYNC_PUBLISH_HTTP", "").lower() != "aiohttp"
 
 
 def _http_client_for(urls: list[str]):
@@ -236,9 +241,26 @@ async def _publish_files_to(args, token: str, signer, verifier: Verifier | None,
     from .filepublish import check_base_file, publish_delta, publish_keyframe
     from .streams import keyframe_stream
 
-    HttpClient = _http_client_for([args.origin])  # aiohttp's import overlaps the compare pass
+    async with contextlib.AsyncExitStack() as stack:
+        def aiohttp_client():
+            return _http_client_for([args.origin])([args.origin], token=token, ssl=_ssl(args), read_token=token)
 
-    async with HttpClient([args.origin], token=token, ssl=_ssl(args), read_token=token) as client:
+        # the head and a delta go to a plain-HTTP origin without aiohttp (client/plainhttp.py: ~0.25 CPU-s of
+        # imports less, in the middle of the compare pass); keyframes (pieces of the mapped file) through aiohttp
+        plain = _plain_origin(args.origin)
+        if plain:
+            from .plainhttp import PlainOrigin
+
+            client = await stack.enter_async_context(PlainOrigin(args.origin, token=token, read_token=token))
+        else:
+            client = await stack.enter_async_context(aiohttp_client())
+        keyframes: list = [] if plain else [client]
+
+        async def keyframe_client():
+            if not keyframes:
+                keyframes.append(await stack.enter_async_context(aiohttp_client()))
+            return keyframes[0]
+
         try:
             head = await client.get_head(args.model)
         except DeltaSyncError as e:
@@ -276,14 +298,15 @@ async def _publish_files_to(args, token: str, signer, verifier: Verifier | None,
                                             "a keyframe instead") from None
                 _say(args, f"{e}; publishing a keyframe (--keyframe-on-mismatch)")
         if not delta:
-            res = await publish_keyframe(client, model=args.model, version=step, state=state, signer=signer)
+            res = await publish_keyframe(await keyframe_client(), model=args.model, version=step, state=state,
+                                         signer=signer)
             side = 0
         else:
             side = 0
             if args.keyframe:
                 try:
-                    side = (await publish_keyframe(client, model=keyframe_stream(args.model), version=step,
-                                                   state=state, signer=signer)).blob_bytes
+                    side = (await publish_keyframe(await keyframe_client(), model=keyframe_stream(args.model),
+                                                   version=step, state=state, signer=signer)).blob_bytes
                 except DeltaSyncError as e:
                     side_error = f"{type(e).__name__}: {e}"
     pct = 100.0 * res.blob_bytes / max(res.raw_bytes, 1)
@@ -305,8 +328,10 @@ def _side_failed(args, version: int, error: str | None) -> None:
 
 
 def _warm_up_kernels() -> threading.Thread:
-    """Start loading the compiled kernels (numba's import and its target registries, ~0.7 s cold) on a thread of
-    its own, so that it overlaps reading the options, keys and files instead of delaying the first compare."""
+    """Start getting the compiled kernels ready (numba's import and runtime: ``kernels.warm_up``) on a thread of
+    its own, so that it overlaps reading the options, keys and files instead of delaying the first compare.
+    (Loading the delta's own kernels there too, by coding a tiny delta of the state's dtypes while the compare
+    runs, measured no gain: 6% slower in 12 interleaved pairs on this 2-core machine.)"""
 
     def warm() -> None:
         try:
@@ -328,6 +353,20 @@ def cmd_publish(args) -> int:
     finally:
         if warming.is_alive():
             warming.join(60)  # an early error return: not while the thread is inside an import (interpreter exit)
+
+
+def _prefault(files) -> threading.Thread:
+    """The mapped files' pages entered into the maps' page tables on a thread (``MappedTensorFile.prefault``:
+    the GIL is released), while the main thread imports the codec: the compare pass then takes no page fault."""
+
+    def run() -> None:
+        for f in files:
+            f.prefault()
+        timeline.debug("mono=%.6f publish-prefaulted", time.monotonic())
+
+    t = threading.Thread(target=run, name="deltasync-prefault", daemon=True)
+    t.start()
+    return t
 
 
 def _cmd_publish(args) -> int:
@@ -359,7 +398,21 @@ def _cmd_publish(args) -> int:
 
     state_file = MappedTensorFile(args.state)
     if policy is None:
-        done = asyncio.run(asyncio.wait_for(_publish_files(args, token, signer, verifier, state_file.host), args.timeout))
+        base_file = base_error = None
+        if args.base:
+            try:
+                base_file = MappedTensorFile(args.base)
+            except (OSError, DeltaSyncError) as e:  # raised only if the origin has a head to diff against
+                base_error = e
+        prefaulting = _prefault([f for f in (base_file, state_file) if f is not None])
+        try:
+            done = asyncio.run(asyncio.wait_for(
+                _publish_files(args, token, signer, verifier, state_file.host,
+                               base_file.host if base_file is not None else None, base_error), args.timeout))
+        finally:
+            prefaulting.join()  # before the maps may close
+            if base_file is not None:
+                base_file.close()
         if done is not None:
             return done
         log.info("no --base: rebuilding %s's head state from %s to diff against (pass --base to skip that)",

@@ -528,3 +528,8 @@ def encode_chunk_pos(positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc):
     out[at] = np.uint16(x & _U(0xFFFF))
     out[at + 1] = np.uint16((x >> _U(16)) & _U(0xFFFF))
     return out[at:].copy()
+
+
+from .kernels import load_cached_directly  # noqa: E402  (the kernels above load their cached code directly)
+
+load_cached_directly(globals())

@@ -55,6 +55,7 @@ The whole-chunk decode, the one-pass patch and gather/scatter are tested in ``te
 from __future__ import annotations
 
 import threading
+import types
 
 import numpy as np
 
@@ -88,6 +89,7 @@ def select(name: str = "auto", *, lazy: bool = False) -> str:
                               "or select 'reference'") from None
         _selected, _cpu = "reference", None
         return _selected
+    load_cached_directly(vars(mod))
     _selected, _cpu = "numba", mod
     return _selected
 
@@ -559,45 +561,55 @@ def scatter_words(words: np.ndarray, positions: np.ndarray, src: np.ndarray) -> 
 
 # -- P: a command's cold start -------------------------------------------------------------------
 
-#: Modules numba imports while it first loads its CPU target's registries that no kernel of ours needs:
-#: ``numba.np.arraymath`` probes for BLAS at import (``scipy.linalg.cython_blas``: ~0.25 s of scipy.linalg),
-#: only to pick BLAS over a plain loop inside njit ``np.correlate``/``np.convolve``; ours use neither. Its typing
-#: registry imports cffi and builds a ``cffi.FFI()`` (pycparser: ~0.1 s) only to type cffi functions called from
-#: njit code; ours call none.
-_NOT_FOR_OUR_KERNELS = ("scipy.linalg", "cffi")
 _warmed = False
 _warm_lock = threading.Lock()
 
 
-class _HiddenModules:
-    """A ``sys.meta_path`` finder that makes ``names`` (and their submodules) fail to import, for a moment."""
+def _load_cached(cache, sig, target_context):
+    """``FunctionCache.load_overload`` without its ``target_context.refresh()``.
 
-    def __init__(self, names: tuple[str, ...]) -> None:
-        self.names = names
+    numba refreshes the CPU target before every cache lookup, and the first refresh of a process fills every
+    registry numba has (~70 modules: its typed containers, random, linalg, polynomial, datetime, cffi... and,
+    through ``numba.np.arraymath``'s BLAS probe, ``scipy.linalg``): ~0.2 s of a cold command, under the GIL and
+    numba's compile lock, that loading a kernel's cached machine code does not use (that needs the runtime (NRT)
+    and the code generator only; the modules its environment names are imported by the unpickling itself). A
+    lookup that misses falls through to numba's compiler, which refreshes everything first, as before."""
+    from numba.core.runtime import rtsys
 
-    def find_spec(self, fullname: str, path=None, target=None):
-        if any(fullname == n or fullname.startswith(n + ".") for n in self.names):
-            raise ModuleNotFoundError(f"{fullname} is hidden while numba loads its registries (deltasync.kernels."
-                                      "warm_up)", name=fullname)
-        return None
+    rtsys.initialize(target_context)  # idempotent; what the cached code calls into (allocation, refcounts)
+    with cache._guard_against_spurious_io_errors():
+        return cache._load_overload(sig, target_context)
+
+
+def load_cached_directly(namespace: dict) -> int:
+    """Make the cached njit dispatchers among ``namespace``'s values (a kernel module's ``globals()``) load their
+    machine code with :func:`_load_cached`; returns how many. Called by the modules that define kernels
+    (:mod:`deltasync.kernels.cpu` when selected, :mod:`deltasync.rans`); dispatchers of other code are left
+    alone. Where numba's cache objects lack the two private methods it calls (another numba), nothing changes."""
+    try:
+        from numba.core.caching import FunctionCache
+        from numba.core.dispatcher import Dispatcher
+    except ImportError:
+        return 0
+    if not all(hasattr(FunctionCache, n) for n in ("_guard_against_spurious_io_errors", "_load_overload")):
+        return 0
+    n = 0
+    for obj in list(namespace.values()):
+        cache = getattr(obj, "_cache", None) if isinstance(obj, Dispatcher) else None
+        if isinstance(cache, FunctionCache) and "load_overload" not in vars(cache):
+            cache.load_overload = types.MethodType(_load_cached, cache)
+            n += 1
+    return n
 
 
 def warm_up() -> str:
-    """Get the selected CPU kernels ready to run, so their first call costs only loading its cached code.
+    """Get the selected CPU kernels ready to run, so that their first call costs only loading its cached code.
 
     For a command's start (``deltasync publish`` runs it on a thread of its own while it reads its options,
-    keys and files): resolves the selection (imports numba when it is chosen) and loads numba's CPU target
-    registries, which numba would otherwise do in the first kernel call (~0.4 s, under its compile lock).
-    While it loads them, the modules of ``_NOT_FOR_OUR_KERNELS`` that are not imported yet are hidden from
-    numba. **What that changes, for the rest of the process:** njit ``np.correlate``/``np.convolve`` use
-    numba's plain loop instead of BLAS (``np.dot`` and ``np.linalg`` in njit code still find scipy: numba
-    checks for it again when they compile), and njit code cannot call cffi functions (numba's
-    ``cffi_utils.SUPPORTED`` stays False); scipy and cffi themselves, imported afterwards, work as usual. Call it only in a process of our own (a command), never
-    from a library a program embeds; idempotent and thread-safe; returns :func:`active`. The import hook is
-    process-wide while it runs: another thread importing ``scipy.linalg`` at that moment gets ImportError."""
+    keys and files): resolves the selection (imports numba when it is chosen) and initialises numba's runtime
+    and code generator, which the first kernel call would otherwise do under numba's compile lock. numba's
+    registries are not loaded (see :func:`_load_cached`). Idempotent and thread-safe; returns :func:`active`."""
     global _warmed
-    import sys
-
     name = active()
     with _warm_lock:
         if _warmed or name != "numba":
@@ -605,17 +617,10 @@ def warm_up() -> str:
             return name
         from numba.core.compiler_lock import global_compiler_lock
         from numba.core.registry import cpu_target
+        from numba.core.runtime import rtsys
 
-        hidden = tuple(n for n in _NOT_FOR_OUR_KERNELS if n not in sys.modules)
-        hook = _HiddenModules(hidden)
-        with global_compiler_lock:  # numba refreshes under it too: no kernel loads while the registries fill
-            if hidden:
-                sys.meta_path.insert(0, hook)
-            try:
-                cpu_target.target_context.refresh()
-            finally:
-                if hidden:
-                    sys.meta_path.remove(hook)
+        with global_compiler_lock:
+            rtsys.initialize(cpu_target.target_context)
         _warmed = True
     return name
 
