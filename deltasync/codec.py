@@ -34,7 +34,7 @@ from .errors import ChainError, FormatError, UnsupportedError
 from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, fp_hex, state_fingerprint, tensor_fingerprint,
                           update_fingerprint, words_range_delta)
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
-from .entropy import AnsBlobCoder, AnsChunk, AnsTables, decode_ans_chunks, word_symbols
+from .entropy import AnsBlobCoder, AnsTables, word_symbols
 from .conditioned import (CODING_BASE_CONDITIONED, CODING_BASE_FREE, CODING_META, CODINGS, CondBlobCoder, CondTables,
                           PendingChanges, chunk_ranks, context_spec)
 from . import kernels
@@ -805,18 +805,28 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
     ctables: list[CondTables] = []  # v3: the blob's per-context models, parsed at its first ansx chunk
 
     jobs: list[Callable[[], ChunkPatch] | None] = []
-    ans_batch: list[tuple[int, str, str, int, AnsChunk]] = []  # (index in jobs, tensor, dtype, stop, its streams)
+    # ans chunks: (index in jobs, tensor, dtype, stop) and their kernel rows (kernels.decode_ans_rows)
+    ans_batch: list[tuple[int, str, str, int]] = []
+    ans_rows: list[tuple[int, int, int, int, int, int, int, int]] = []
+    dtypes: dict[str, tuple] = {}  # dtype name -> (info, word size, numpy word dtype, raw stream name)
+    sizes: dict[str, int] = {}  # stream -> its size in items (ans chunks' cursors move without slicing)
     for rec in reader.chunks:
-        if set(rec) != keys:
+        if rec.keys() != keys:
             raise FormatError(f"blob chunk fields must be {sorted(keys)} (blob format version {reader.version}), "
                               f"found {sorted(rec)}")
         name, dtname, mode = rec["tensor"], rec["dtype"], rec["mode"]
-        if not isinstance(name, str) or not isinstance(dtname, str):
-            raise FormatError("blob chunk: tensor and dtype must be strings")
-        info = dtype_info(dtname)
-        w = info.word_size
-        wdt = numpy_word_dtype(w)
-        start, stop, count = _nonneg(rec, "start"), _nonneg(rec, "stop"), _nonneg(rec, "count")
+        if type(name) is not str or type(dtname) is not str:
+            if not isinstance(name, str) or not isinstance(dtname, str):
+                raise FormatError("blob chunk: tensor and dtype must be strings")
+        d = dtypes.get(dtname)
+        if d is None:
+            info = dtype_info(dtname)
+            d = dtypes[dtname] = (info, info.word_size, numpy_word_dtype(info.word_size), f"raw{info.word_size}")
+        info, w, wdt, rawname = d
+        start, stop, count = rec["start"], rec["stop"], rec["count"]
+        if type(start) is not int or type(stop) is not int or type(count) is not int or not (
+                0 <= start <= MAX_WORDS and 0 <= stop <= MAX_WORDS and 0 <= count <= MAX_WORDS):
+            start, stop, count = _nonneg(rec, "start"), _nonneg(rec, "stop"), _nonneg(rec, "count")
         length = stop - start
         if length <= 0 or count == 0 or count > length:
             raise FormatError(f"blob chunk {name}[{start}:{stop}] with {count} changes is inconsistent")
@@ -848,12 +858,21 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
             if not tables:
                 tables.append(AnsTables.parse(reader.stream("ansm")))
                 cursors["ansm"] = reader.stream("ansm").size
-            at, r0 = cursors.get("ans", 0), cursors.get(f"raw{w}", 0)
-            na, nr = _nonneg(rec, "na"), _nonneg(rec, "nr")
-            take("ans", 2 * na)
-            take(f"raw{w}", nr, wdt)
-            ans_batch.append((len(jobs), name, info.name, stop,
-                              AnsChunk(count=count, length=length, start=start, at=at, na=na, r0=r0, nr=nr, word_size=w)))
+            na, nr = rec["na"], rec["nr"]
+            if type(na) is not int or type(nr) is not int or not (0 <= na <= MAX_WORDS and 0 <= nr <= MAX_WORDS):
+                na, nr = _nonneg(rec, "na"), _nonneg(rec, "nr")
+            # take("ans", 2 * na) and take(raw, nr, wdt) without the slices (the kernel addresses the streams)
+            at, r0 = cursors.get("ans", 0), cursors.get(rawname, 0)
+            for stream, n, dt in (("ans", 2 * na, None), (rawname, nr, wdt)):
+                size = sizes.get(stream)
+                if size is None:
+                    size = sizes[stream] = reader.stream(stream, dt).size
+                end = cursors.get(stream, 0) + n
+                if end > size:
+                    raise FormatError(f"blob stream {stream!r} is shorter than its chunks need (truncated or corrupt)")
+                cursors[stream] = end
+            ans_batch.append((len(jobs), name, info.name, stop))
+            ans_rows.append((at, na, count, length, start, r0, nr, w))
             jobs.append(None)  # decoded with the blob's other ans chunks, below
             continue
         if mode == "gap":
@@ -874,11 +893,11 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
             raise FormatError(f"blob stream {stream!r} has bytes no chunk uses")
     out: list[ChunkPatch | None] = [None] * len(jobs)
     if ans_batch:  # (format 2 blobs have no gap/bitmap chunks, so errors still come in chunk order)
-        raws = {w: reader.stream(f"raw{w}", numpy_word_dtype(w)) for w in {b[-1].word_size for b in ans_batch}}
-        decoded = decode_ans_chunks(tables[0], reader.stream("ans"), raws, [b[-1] for b in ans_batch],
-                                    executor=executor)
-        for (i, name, dtname, stop, a), ch in zip(ans_batch, decoded):
-            out[i] = ChunkPatch(tensor=name, dtype=dtname, start=a.start, stop=stop, changes=ch)
+        raws = {w: reader.stream(f"raw{w}", numpy_word_dtype(w)) for w in {r[-1] for r in ans_rows}}
+        decoded = kernels.decode_ans_rows(tables[0], reader.stream("ans"), raws, ans_rows, executor=executor)
+        new = _new_patch
+        for (i, name, dtname, stop), (_, _, _, _, start, _, _, _), ch in zip(ans_batch, ans_rows, decoded):
+            out[i] = new(name, dtname, start, stop, ch)
     todo = [i for i, job in enumerate(jobs) if job is not None]
     if executor is None or len(todo) < 2:
         for i in todo:
@@ -887,6 +906,23 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
         for i, p in zip(todo, executor.map(lambda i: jobs[i](), todo)):
             out[i] = p
     return out
+
+
+_setattr = object.__setattr__
+
+
+def _new_patch(tensor: str, dtype: str, start: int, stop: int, changes: Changes) -> ChunkPatch:
+    """``ChunkPatch(tensor=..., dtype=..., start=..., stop=..., changes=...)`` without the keyword
+    ``__init__`` of a frozen dataclass (decode_blob makes one per chunk)."""
+    p = object.__new__(ChunkPatch)
+    _setattr(p, "tensor", tensor)
+    _setattr(p, "dtype", dtype)
+    _setattr(p, "start", start)
+    _setattr(p, "stop", stop)
+    _setattr(p, "changes", changes)
+    _setattr(p, "dense", None)
+    _setattr(p, "pending", None)
+    return p
 
 
 def _decode_chunk(name: str, info: DtypeInfo, start: int, stop: int, count: int, pos, parts) -> ChunkPatch:
