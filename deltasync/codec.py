@@ -451,6 +451,9 @@ def _host_pieces(prepared, threaded: bool, whole: bool = False) -> list[list[tup
 
 # -- packing chunks into blobs ------------------------------------------------------------
 
+_RAW_STREAM = {w: f"raw{w}" for w in (1, 2, 4, 8)}
+
+
 class ChunkPacker:
     """Turns per-chunk Changes into chunk records and streams, and closes blobs at the target size.
 
@@ -510,18 +513,32 @@ class ChunkPacker:
         return (self.options.blob_format == 2 and 0 < c.positions.size < c.stop - c.start
                 and kernels.cpu_kernels() is not None)
 
-    def add_words(self, name: str, info: DtypeInfo, c: ChunkDiff, symbols=None) -> bool:
+    def add_words(self, name: str, info: DtypeInfo, c: ChunkDiff, symbols=None, *, checked: bool = False) -> bool:
         """:meth:`add` of a chunk's changed words, ``ans``-coded straight from them (one compiled pass;
         the bytes :meth:`add` writes from ``changes_from_words``). Returns False, doing nothing, where
         that path does not apply (:meth:`takes_words`): call :meth:`add`. ``symbols``:
-        ``entropy.word_symbols`` of the chunk, computed ahead (on another thread)."""
-        if not self.takes_words(c):
+        ``entropy.word_symbols`` of the chunk, computed ahead (on another thread). ``checked``: the caller
+        knows :meth:`takes_words` holds."""
+        if not checked and not self.takes_words(c):
             return False
-        count = int(c.positions.size)
+        count = c.positions.size
         record: dict = {"tensor": name, "dtype": info.name, "start": c.start, "stop": c.stop, "count": count}
         raw = self._ans.add_words(record, c.positions, c.start, c.old, c.new, is_float=info.is_float, symbols=symbols)
-        self.writer.raw_bytes += 2 * count
-        self._add(name, record, {f"raw{info.word_size}": raw})
+        writer = self.writer
+        writer.raw_bytes += 2 * count
+        # self._add(name, record, {raw stream: raw}) without the stream-name check (format 2 has raw{w})
+        if raw.size:
+            parts = writer._parts
+            key = _RAW_STREAM[info.word_size]
+            if key in parts:
+                parts[key].append(raw)
+            else:
+                parts[key] = [raw]
+            writer.raw_bytes += raw.nbytes
+        writer.chunks.append(record)
+        self._pending.append((name, len(writer.chunks) - 1))
+        if writer.raw_bytes >= self.options.blob_target:
+            self.close_blob()
         return True
 
     def add_dense(self, name: str, info: DtypeInfo, start: int, stop: int, words: np.ndarray) -> None:
@@ -729,13 +746,18 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
     infos = {name: dtype_info(diff.layout[name][0]) for name in names}
     symbols = _chunk_symbols(packer, order, infos, executor)
     last = None
+    writer = packer.writer
+    cell_min, by_tensor, late = options.cell_blob_min, options.pack == "tensor", options.dim1_suffixes
     for cell, name, c in order:
-        if (name, cell) != last and packer.writer.raw_bytes >= options.cell_blob_min \
-                and (options.pack == "tensor" or last is None or cell != last[1] or name.endswith(options.dim1_suffixes)):
+        if (name, cell) != last and writer.raw_bytes >= cell_min \
+                and (by_tensor or last is None or cell != last[1] or name.endswith(late)):
             packer.close_blob()
+            writer = packer.writer
         last = (name, cell)
         info = infos[name]
-        if packer.add_words(name, info, c, next(symbols)):
+        sym = next(symbols)
+        if sym is not None:  # _chunk_symbols asked takes_words already
+            packer.add_words(name, info, c, sym, checked=True)
             continue
         ch = changes_from_words(c.positions, c.old, c.new, is_float=info.is_float)
         if c.positions.size == c.stop - c.start and ch.raw.mean() > 0.5:  # a rewritten chunk: ship it whole
@@ -744,12 +766,14 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
             packer.add(name, info, c.start, c.stop, ch, ranks.get((name, c.start)) if ranks is not None else None)
     packer.close_blob()
     tensors = []
+    layout, fps_before, fps_after, refs, chunks = diff.layout, diff.fps_before, diff.fps_after, packer.refs, diff.chunks
     for name in names:
-        dtype, shape = diff.layout[name]
+        dtype, shape = layout[name]
+        cs = chunks.get(name)
         tensors.append(TensorRecord(
-            name=name, dtype=dtype, shape=shape, fp_before=fp_hex(diff.fps_before[name]),
-            fp_after=fp_hex(diff.fps_after[name]), changed=sum(c.positions.size for c in diff.chunks.get(name, ())),
-            chunks=tuple(packer.refs.get(name, ()))))
+            name=name, dtype=dtype, shape=shape, fp_before=fp_hex(fps_before[name]),
+            fp_after=fp_hex(fps_after[name]), changed=sum(c.positions.size for c in cs) if cs else 0,
+            chunks=tuple(refs[name]) if name in refs else ()))
     meta = dict(meta or {})
     if options.coding == CODING_BASE_CONDITIONED:
         meta[CODING_META] = CODING_BASE_CONDITIONED  # readers (relays, subscribers) know before fetching a blob
@@ -760,8 +784,8 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
     manifest = Manifest(
         model=model, version=version, parent=parent, kind="delta", tensors=tuple(tensors),
         blobs=tuple(BlobRef(id=b, size=len(packer.blobs[b])) for b in packer.order),
-        state_fp=state_fingerprint((t.name, t.dtype, t.shape, int(t.fp_after, 16)) for t in tensors),
-        state_fp_before=state_fingerprint((t.name, t.dtype, t.shape, int(t.fp_before, 16)) for t in tensors),
+        state_fp=state_fingerprint((t.name, t.dtype, t.shape, fps_after[t.name]) for t in tensors),
+        state_fp_before=state_fingerprint((t.name, t.dtype, t.shape, fps_before[t.name]) for t in tensors),
         meta=meta,
     )
     return Encoded(manifest=manifest, blobs=packer.blobs, fps=dict(diff.fps_after))
