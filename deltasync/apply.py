@@ -101,6 +101,10 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
     spans = chunk_spans(manifest) if only is not None else {}
     for rec in manifest.tensors:
         info = dtype_info(rec.dtype)
+        if not rec.chunks:  # unchanged (most tensors of a sparse step): nothing to decode or check but its count
+            if rec.changed != 0:
+                raise FormatError(f"{rec.name}: chunks carry 0 changes, manifest says {rec.changed}")
+            continue
         words = rec.words
         if only is not None:
             inside = [ref.blob in decoded for ref in rec.chunks]
