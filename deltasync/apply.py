@@ -101,6 +101,10 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
     spans = chunk_spans(manifest) if only is not None else {}
     for rec in manifest.tensors:
         info = dtype_info(rec.dtype)
+        if not rec.chunks:  # unchanged (most tensors of a sparse step): nothing to decode or check but its count
+            if rec.changed != 0:
+                raise FormatError(f"{rec.name}: chunks carry 0 changes, manifest says {rec.changed}")
+            continue
         words = rec.words
         if only is not None:
             inside = [ref.blob in decoded for ref in rec.chunks]
@@ -429,8 +433,10 @@ def _patch_batched(tensors: Mapping[str, torch.Tensor], work: list[tuple[str, li
     The same words, old words and fingerprints as :func:`_patch_tensor_compiled`, and the same failure: the
     first in tensor order (a position out of range, raised as IndexError, or a fingerprint that is not the
     manifest's, IntegrityError) after every tensor before it was patched; each patched chunk is in ``undo``."""
-    if kernels.cpu_kernels() is None or not work:
+    cpu = kernels.cpu_kernels()
+    if cpu is None or not work:
         return None
+    addresses = cpu.array_addresses  # (positions, raw flags, values) -> their addresses, per chunk
     groups: dict[int, list] = {}  # word size -> [(tensor index, name, tensor, changes)]
     for i, (name, chunks) in enumerate(work):
         t = tensors[name]
@@ -456,7 +462,7 @@ def _patch_batched(tensors: Mapping[str, torch.Tensor], work: list[tuple[str, li
                 pos, raw = ch.positions, ch.raw
                 if not (pos.flags.c_contiguous and raw.flags.c_contiguous and vals.flags.c_contiguous):
                     pos, raw, vals = np.ascontiguousarray(pos), np.ascontiguousarray(raw), np.ascontiguousarray(vals)
-                rows.append((addr, n, pos.ctypes.data, raw.ctypes.data, vals.ctypes.data, pos.size))
+                rows.append((addr, n, *addresses(pos, raw, vals), pos.size))
                 owners.append((i, t, pos, raw, vals))
                 counts.append(pos.size)
         jobs = np.array(rows, dtype=np.int64).reshape(-1, 6)

@@ -34,7 +34,7 @@ from .errors import ChainError, FormatError, UnsupportedError
 from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, fp_hex, state_fingerprint, tensor_fingerprint,
                           update_fingerprint, words_range_delta)
 from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
-from .entropy import AnsBlobCoder, AnsChunk, AnsTables, decode_ans_chunks, word_symbols
+from .entropy import AnsBlobCoder, AnsTables, word_symbols
 from .conditioned import (CODING_BASE_CONDITIONED, CODING_BASE_FREE, CODING_META, CODINGS, CondBlobCoder, CondTables,
                           PendingChanges, chunk_ranks, context_spec)
 from . import kernels
@@ -451,6 +451,9 @@ def _host_pieces(prepared, threaded: bool, whole: bool = False) -> list[list[tup
 
 # -- packing chunks into blobs ------------------------------------------------------------
 
+_RAW_STREAM = {w: f"raw{w}" for w in (1, 2, 4, 8)}
+
+
 class ChunkPacker:
     """Turns per-chunk Changes into chunk records and streams, and closes blobs at the target size.
 
@@ -510,18 +513,32 @@ class ChunkPacker:
         return (self.options.blob_format == 2 and 0 < c.positions.size < c.stop - c.start
                 and kernels.cpu_kernels() is not None)
 
-    def add_words(self, name: str, info: DtypeInfo, c: ChunkDiff, symbols=None) -> bool:
+    def add_words(self, name: str, info: DtypeInfo, c: ChunkDiff, symbols=None, *, checked: bool = False) -> bool:
         """:meth:`add` of a chunk's changed words, ``ans``-coded straight from them (one compiled pass;
         the bytes :meth:`add` writes from ``changes_from_words``). Returns False, doing nothing, where
         that path does not apply (:meth:`takes_words`): call :meth:`add`. ``symbols``:
-        ``entropy.word_symbols`` of the chunk, computed ahead (on another thread)."""
-        if not self.takes_words(c):
+        ``entropy.word_symbols`` of the chunk, computed ahead (on another thread). ``checked``: the caller
+        knows :meth:`takes_words` holds."""
+        if not checked and not self.takes_words(c):
             return False
-        count = int(c.positions.size)
+        count = c.positions.size
         record: dict = {"tensor": name, "dtype": info.name, "start": c.start, "stop": c.stop, "count": count}
         raw = self._ans.add_words(record, c.positions, c.start, c.old, c.new, is_float=info.is_float, symbols=symbols)
-        self.writer.raw_bytes += 2 * count
-        self._add(name, record, {f"raw{info.word_size}": raw})
+        writer = self.writer
+        writer.raw_bytes += 2 * count
+        # self._add(name, record, {raw stream: raw}) without the stream-name check (format 2 has raw{w})
+        if raw.size:
+            parts = writer._parts
+            key = _RAW_STREAM[info.word_size]
+            if key in parts:
+                parts[key].append(raw)
+            else:
+                parts[key] = [raw]
+            writer.raw_bytes += raw.nbytes
+        writer.chunks.append(record)
+        self._pending.append((name, len(writer.chunks) - 1))
+        if writer.raw_bytes >= self.options.blob_target:
+            self.close_blob()
         return True
 
     def add_dense(self, name: str, info: DtypeInfo, start: int, stop: int, words: np.ndarray) -> None:
@@ -729,13 +746,18 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
     infos = {name: dtype_info(diff.layout[name][0]) for name in names}
     symbols = _chunk_symbols(packer, order, infos, executor)
     last = None
+    writer = packer.writer
+    cell_min, by_tensor, late = options.cell_blob_min, options.pack == "tensor", options.dim1_suffixes
     for cell, name, c in order:
-        if (name, cell) != last and packer.writer.raw_bytes >= options.cell_blob_min \
-                and (options.pack == "tensor" or last is None or cell != last[1] or name.endswith(options.dim1_suffixes)):
+        if (name, cell) != last and writer.raw_bytes >= cell_min \
+                and (by_tensor or last is None or cell != last[1] or name.endswith(late)):
             packer.close_blob()
+            writer = packer.writer
         last = (name, cell)
         info = infos[name]
-        if packer.add_words(name, info, c, next(symbols)):
+        sym = next(symbols)
+        if sym is not None:  # _chunk_symbols asked takes_words already
+            packer.add_words(name, info, c, sym, checked=True)
             continue
         ch = changes_from_words(c.positions, c.old, c.new, is_float=info.is_float)
         if c.positions.size == c.stop - c.start and ch.raw.mean() > 0.5:  # a rewritten chunk: ship it whole
@@ -744,12 +766,14 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
             packer.add(name, info, c.start, c.stop, ch, ranks.get((name, c.start)) if ranks is not None else None)
     packer.close_blob()
     tensors = []
+    layout, fps_before, fps_after, refs, chunks = diff.layout, diff.fps_before, diff.fps_after, packer.refs, diff.chunks
     for name in names:
-        dtype, shape = diff.layout[name]
+        dtype, shape = layout[name]
+        cs = chunks.get(name)
         tensors.append(TensorRecord(
-            name=name, dtype=dtype, shape=shape, fp_before=fp_hex(diff.fps_before[name]),
-            fp_after=fp_hex(diff.fps_after[name]), changed=sum(c.positions.size for c in diff.chunks.get(name, ())),
-            chunks=tuple(packer.refs.get(name, ()))))
+            name=name, dtype=dtype, shape=shape, fp_before=fp_hex(fps_before[name]),
+            fp_after=fp_hex(fps_after[name]), changed=sum(c.positions.size for c in cs) if cs else 0,
+            chunks=tuple(refs[name]) if name in refs else ()))
     meta = dict(meta or {})
     if options.coding == CODING_BASE_CONDITIONED:
         meta[CODING_META] = CODING_BASE_CONDITIONED  # readers (relays, subscribers) know before fetching a blob
@@ -760,8 +784,8 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
     manifest = Manifest(
         model=model, version=version, parent=parent, kind="delta", tensors=tuple(tensors),
         blobs=tuple(BlobRef(id=b, size=len(packer.blobs[b])) for b in packer.order),
-        state_fp=state_fingerprint((t.name, t.dtype, t.shape, int(t.fp_after, 16)) for t in tensors),
-        state_fp_before=state_fingerprint((t.name, t.dtype, t.shape, int(t.fp_before, 16)) for t in tensors),
+        state_fp=state_fingerprint((t.name, t.dtype, t.shape, fps_after[t.name]) for t in tensors),
+        state_fp_before=state_fingerprint((t.name, t.dtype, t.shape, fps_before[t.name]) for t in tensors),
         meta=meta,
     )
     return Encoded(manifest=manifest, blobs=packer.blobs, fps=dict(diff.fps_after))
@@ -805,18 +829,28 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
     ctables: list[CondTables] = []  # v3: the blob's per-context models, parsed at its first ansx chunk
 
     jobs: list[Callable[[], ChunkPatch] | None] = []
-    ans_batch: list[tuple[int, str, str, int, AnsChunk]] = []  # (index in jobs, tensor, dtype, stop, its streams)
+    # ans chunks: (index in jobs, tensor, dtype, stop) and their kernel rows (kernels.decode_ans_rows)
+    ans_batch: list[tuple[int, str, str, int]] = []
+    ans_rows: list[tuple[int, int, int, int, int, int, int, int]] = []
+    dtypes: dict[str, tuple] = {}  # dtype name -> (info, word size, numpy word dtype, raw stream name)
+    sizes: dict[str, int] = {}  # stream -> its size in items (ans chunks' cursors move without slicing)
     for rec in reader.chunks:
-        if set(rec) != keys:
+        if rec.keys() != keys:
             raise FormatError(f"blob chunk fields must be {sorted(keys)} (blob format version {reader.version}), "
                               f"found {sorted(rec)}")
         name, dtname, mode = rec["tensor"], rec["dtype"], rec["mode"]
-        if not isinstance(name, str) or not isinstance(dtname, str):
-            raise FormatError("blob chunk: tensor and dtype must be strings")
-        info = dtype_info(dtname)
-        w = info.word_size
-        wdt = numpy_word_dtype(w)
-        start, stop, count = _nonneg(rec, "start"), _nonneg(rec, "stop"), _nonneg(rec, "count")
+        if type(name) is not str or type(dtname) is not str:
+            if not isinstance(name, str) or not isinstance(dtname, str):
+                raise FormatError("blob chunk: tensor and dtype must be strings")
+        d = dtypes.get(dtname)
+        if d is None:
+            info = dtype_info(dtname)
+            d = dtypes[dtname] = (info, info.word_size, numpy_word_dtype(info.word_size), f"raw{info.word_size}")
+        info, w, wdt, rawname = d
+        start, stop, count = rec["start"], rec["stop"], rec["count"]
+        if type(start) is not int or type(stop) is not int or type(count) is not int or not (
+                0 <= start <= MAX_WORDS and 0 <= stop <= MAX_WORDS and 0 <= count <= MAX_WORDS):
+            start, stop, count = _nonneg(rec, "start"), _nonneg(rec, "stop"), _nonneg(rec, "count")
         length = stop - start
         if length <= 0 or count == 0 or count > length:
             raise FormatError(f"blob chunk {name}[{start}:{stop}] with {count} changes is inconsistent")
@@ -848,12 +882,21 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
             if not tables:
                 tables.append(AnsTables.parse(reader.stream("ansm")))
                 cursors["ansm"] = reader.stream("ansm").size
-            at, r0 = cursors.get("ans", 0), cursors.get(f"raw{w}", 0)
-            na, nr = _nonneg(rec, "na"), _nonneg(rec, "nr")
-            take("ans", 2 * na)
-            take(f"raw{w}", nr, wdt)
-            ans_batch.append((len(jobs), name, info.name, stop,
-                              AnsChunk(count=count, length=length, start=start, at=at, na=na, r0=r0, nr=nr, word_size=w)))
+            na, nr = rec["na"], rec["nr"]
+            if type(na) is not int or type(nr) is not int or not (0 <= na <= MAX_WORDS and 0 <= nr <= MAX_WORDS):
+                na, nr = _nonneg(rec, "na"), _nonneg(rec, "nr")
+            # take("ans", 2 * na) and take(raw, nr, wdt) without the slices (the kernel addresses the streams)
+            at, r0 = cursors.get("ans", 0), cursors.get(rawname, 0)
+            for stream, n, dt in (("ans", 2 * na, None), (rawname, nr, wdt)):
+                size = sizes.get(stream)
+                if size is None:
+                    size = sizes[stream] = reader.stream(stream, dt).size
+                end = cursors.get(stream, 0) + n
+                if end > size:
+                    raise FormatError(f"blob stream {stream!r} is shorter than its chunks need (truncated or corrupt)")
+                cursors[stream] = end
+            ans_batch.append((len(jobs), name, info.name, stop))
+            ans_rows.append((at, na, count, length, start, r0, nr, w))
             jobs.append(None)  # decoded with the blob's other ans chunks, below
             continue
         if mode == "gap":
@@ -874,11 +917,11 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
             raise FormatError(f"blob stream {stream!r} has bytes no chunk uses")
     out: list[ChunkPatch | None] = [None] * len(jobs)
     if ans_batch:  # (format 2 blobs have no gap/bitmap chunks, so errors still come in chunk order)
-        raws = {w: reader.stream(f"raw{w}", numpy_word_dtype(w)) for w in {b[-1].word_size for b in ans_batch}}
-        decoded = decode_ans_chunks(tables[0], reader.stream("ans"), raws, [b[-1] for b in ans_batch],
-                                    executor=executor)
-        for (i, name, dtname, stop, a), ch in zip(ans_batch, decoded):
-            out[i] = ChunkPatch(tensor=name, dtype=dtname, start=a.start, stop=stop, changes=ch)
+        raws = {w: reader.stream(f"raw{w}", numpy_word_dtype(w)) for w in {r[-1] for r in ans_rows}}
+        decoded = kernels.decode_ans_rows(tables[0], reader.stream("ans"), raws, ans_rows, executor=executor)
+        new = _new_patch
+        for (i, name, dtname, stop), (_, _, _, _, start, _, _, _), ch in zip(ans_batch, ans_rows, decoded):
+            out[i] = new(name, dtname, start, stop, ch)
     todo = [i for i, job in enumerate(jobs) if job is not None]
     if executor is None or len(todo) < 2:
         for i in todo:
@@ -887,6 +930,23 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
         for i, p in zip(todo, executor.map(lambda i: jobs[i](), todo)):
             out[i] = p
     return out
+
+
+_setattr = object.__setattr__
+
+
+def _new_patch(tensor: str, dtype: str, start: int, stop: int, changes: Changes) -> ChunkPatch:
+    """``ChunkPatch(tensor=..., dtype=..., start=..., stop=..., changes=...)`` without the keyword
+    ``__init__`` of a frozen dataclass (decode_blob makes one per chunk)."""
+    p = object.__new__(ChunkPatch)
+    _setattr(p, "tensor", tensor)
+    _setattr(p, "dtype", dtype)
+    _setattr(p, "start", start)
+    _setattr(p, "stop", stop)
+    _setattr(p, "changes", changes)
+    _setattr(p, "dense", None)
+    _setattr(p, "pending", None)
+    return p
 
 
 def _decode_chunk(name: str, info: DtypeInfo, start: int, stop: int, count: int, pos, parts) -> ChunkPatch:

@@ -82,6 +82,8 @@ class AnsBlobCoder:
         self._chunks: list[tuple[dict, np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]] = []
         self._gcount = np.zeros(rans.N_GAP, dtype=np.int64)
         self._vcount = np.zeros(rans.N_VAL, dtype=np.int64)
+        self._gls: list[np.ndarray] = []  # add_words' per-chunk gap-bucket counts, summed in finish
+        self._vls: list[np.ndarray] = []  # ... and symbol counts
 
     def add(self, record: dict, rel: np.ndarray, changes: Changes) -> np.ndarray:
         """Queue one chunk (``rel``: positions relative to the chunk start); sets ``record``'s mode and
@@ -107,9 +109,13 @@ class AnsBlobCoder:
         ahead (e.g. on another thread). Compiled kernels only."""
         sym, bigneg, bigmag, raw, gl, vl = symbols if symbols is not None else word_symbols(positions, start, old, new,
                                                                                             is_float=is_float)
-        self._gcount += gl
-        self._vcount += vl
-        return self._queue(record, positions, start, sym, bigneg, bigmag, raw)
+        self._gls.append(gl)
+        self._vls.append(vl)
+        record["mode"] = "ans"
+        record["na"] = 0
+        record["nr"] = raw.size
+        self._chunks.append((record, positions, start, sym, bigneg, bigmag))
+        return raw
 
     def _queue(self, record, positions, start, sym, bigneg, bigmag, raw) -> np.ndarray:
         record.update(mode="ans", na=0, nr=int(raw.size))
@@ -120,16 +126,22 @@ class AnsBlobCoder:
         """Append ``ansm`` and each queued chunk's message (in chunk order) to ``writer``; reset."""
         if not self._chunks:
             return
+        if self._gls:
+            self._gcount += np.add.reduce(self._gls)
+            self._vcount += np.add.reduce(self._vls)
         tables = AnsTables.from_freqs(rans.normalize(self._gcount), rans.normalize(self._vcount))
         writer.append("ansm", tables.to_bytes())
         (gf, gc, _), (vf, vc, _) = tables.g, tables.v
         fast = cpu_kernels() is not None
 
+        encode = rans.encode_chunk_pos
+
         def code(item):
             _, positions, start, sym, bigneg, bigmag = item
             if fast:
-                return rans.encode_chunk_pos(np.ascontiguousarray(positions, np.int64), start, sym, bigneg, bigmag,
-                                             gf, gc, vf, vc)
+                if positions.dtype != np.int64 or not positions.flags.c_contiguous:
+                    positions = np.ascontiguousarray(positions, np.int64)
+                return encode(positions, start, sym, bigneg, bigmag, gf, gc, vf, vc)
             gaps = (np.diff(positions, prepend=start - 1) - 1).astype(np.int64)
             return rans.encode_chunk(gaps, sym, bigneg, bigmag, gf, gc, vf, vc)
 
@@ -137,10 +149,14 @@ class AnsBlobCoder:
             messages = self._executor.map(code, self._chunks)
         else:
             messages = map(code, self._chunks)
+        append = writer.append
         for (record, *_), words in zip(self._chunks, messages):
-            record["na"] = int(words.size)
-            writer.append("ans", words.astype("<u2", copy=False).view(np.uint8))
+            record["na"] = words.size
+            append("ans", words.astype("<u2", copy=False).view(np.uint8))
         self.__init__(self._executor)
+
+
+_RAW_LIMIT = {w: _raw_limit(w * 8) for w in (1, 2, 4, 8)}
 
 
 def word_symbols(positions: np.ndarray, start: int, old: np.ndarray, new: np.ndarray, *, is_float: bool):
@@ -148,8 +164,10 @@ def word_symbols(positions: np.ndarray, start: int, old: np.ndarray, new: np.nda
     (value symbols, BIG signs, BIG magnitudes, raw words, gap-bucket counts, symbol counts)."""
     gl = np.zeros(rans.N_GAP, dtype=np.int64)
     vl = np.zeros(rans.N_VAL, dtype=np.int64)
-    sym, bigneg, bigmag, raw, zero = rans.word_symbols(np.ascontiguousarray(positions, np.int64), start, old, new,
-                                                       _raw_limit(old.dtype.itemsize * 8), bool(is_float), gl, vl)
+    if positions.dtype != np.int64 or not positions.flags.c_contiguous:
+        positions = np.ascontiguousarray(positions, np.int64)
+    sym, bigneg, bigmag, raw, zero = rans.word_symbols(positions, start, old, new, _RAW_LIMIT[old.dtype.itemsize],
+                                                       bool(is_float), gl, vl)
     if zero:
         raise ValueError("a zero step is not a change")
     return sym, bigneg, bigmag, raw, gl, vl

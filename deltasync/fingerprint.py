@@ -337,10 +337,14 @@ def parse_fp(text: str) -> int:
 
 def state_fingerprint(records: Iterable[tuple[str, str, tuple[int, ...] | list[int], int]]) -> str:
     """xxh3-64 over sorted (name, dtype name, shape, tensor fp) records, as 16 hex digits."""
-    h = xxhash.xxh3_64()
-    for name, dtype, shape, fp in sorted(records, key=lambda r: r[0]):
-        h.update(f"{name}\x00{dtype}\x00{','.join(str(int(s)) for s in shape)}\x00{fp_hex(fp)}\n".encode())
-    return h.hexdigest()
+    # one hash over the records' lines (the same digest as feeding them one by one: ~3x less Python per tensor)
+    text = "".join([f"{name}\x00{dtype}\x00{','.join(map(str, map(int, shape)))}\x00{fp & _MASK64:016x}\n"
+                    for name, dtype, shape, fp in sorted(records, key=_first)])
+    return xxhash.xxh3_64_hexdigest(text.encode())
+
+
+def _first(record):
+    return record[0]
 
 
 def fingerprint_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
