@@ -13,6 +13,8 @@ process on this machine.
   clock starts; then ``deltasync publish`` (with ``--base PREV`` when this build's CLI has it).
   Timed from the publish command's start until every subscriber exited holding the version
   (verified). Full copy (v0, a keyframe), then a step with ~1% of the bf16 elements changed.
+- ``ROUNDS`` rounds (shardcast, then the two CLI rows, fresh servers and outputs each round); the table
+  gives the medians and every round's ratios; the sidecar rows run in the last round.
 
 Peak RSS of every process comes from ``wait4`` (subscribers, publish, shardcast clients) or
 VmHWM (servers).
@@ -45,6 +47,10 @@ MiB = 1 << 20
 CHANGED = 0.01
 SIDECAR_MODEL = "sc-sidecar"
 SIDECAR_POLL = 0.1  # the sidecar's folder scan interval: at most this much of each sidecar row is waiting
+# shardcast and the CLI rows run in turn this many times (a round each): one run of each moved by 2x between
+# make bench runs on this shared VM (fresh memory after a large free costs about twice as much to write here),
+# so the table gives medians and every round's ratios
+ROUNDS = 3
 
 
 def _shardcast_python() -> Path:
@@ -186,7 +192,7 @@ def _has_base() -> bool:
     return "--base" in r.stdout
 
 
-def _deltasync(work: Path, state: Path, step: Path) -> dict:
+def _deltasync(work: Path, state: Path, step: Path, *, sidecar: bool = True) -> dict:
     key = os.urandom(32)
     cluster = LocalCluster(work / "servers", key=key)
     base_flag = _has_base()
@@ -222,7 +228,8 @@ def _deltasync(work: Path, state: Path, step: Path) -> dict:
                            "publish_anon": pub.anon_mb, "sub_anon": [s.anon_mb for s in subs],
                            "sub_idle_anon": [s.idle_anon_mb for s in subs],
                            "server_cpu_s": {n: cpu_seconds(cluster.servers[n].proc.pid) - c for n, c in cpu0.items()}}
-        rows["sidecar"] = _sidecar_rows(cluster, work, state, step, outs)
+        if sidecar:
+            rows["sidecar"] = _sidecar_rows(cluster, work, state, step, outs)
         rows["servers_rss"] = {n: max_rss_mb(p.pid) for n, p in
                                ((n, cluster.servers[n].proc) for n in ("origin", "r1", "r2"))}
         rows["base"] = base_flag
@@ -319,15 +326,40 @@ def run(quick: bool = False) -> str:
         step_state(tensors, step, CHANGED)
         del tensors
         load0 = os.getloadavg()[0]
-        sc = _shardcast(work, state)
-        ds = _deltasync(work, state, step)
-        return _report(sc, ds, size, quick, (load0, os.getloadavg()[0]), work)
+        rounds = []
+        n = 1 if quick else ROUNDS
+        for i in range(n):  # shardcast, then the CLI rows (the sidecar's in the last round only), in turn
+            folder = work / f"round{i}"
+            folder.mkdir()
+            sc = _shardcast(folder, state)
+            ds = _deltasync(folder, state, step, sidecar=i == n - 1)
+            rounds.append((sc, ds))
+            if os.environ.get("DELTASYNC_BENCH_KEEP") is None:
+                shutil.rmtree(folder, ignore_errors=True)  # tmpfs: ~3.5 GiB of stores and outputs a round
+        sc, ds = _medians(rounds)
+        return _report(sc, ds, size, quick, (load0, os.getloadavg()[0]), work, rounds)
     finally:
         if os.environ.get("DELTASYNC_BENCH_KEEP") is None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _report(sc, ds: dict, size: int, quick: bool, load: tuple[float, float], work: Path) -> str:
+def _medians(rounds: list[tuple]) -> tuple:
+    """One (shardcast, deltasync) pair for the table: the last round's details (memory, CPU, the sidecar rows)
+    with the seconds of shardcast and of the two CLI rows replaced by their medians over the rounds."""
+    import statistics
+
+    sc, ds = rounds[-1]
+    ds = dict(ds)
+    for label in ("full", "step"):
+        ds[label] = dict(ds[label], seconds=statistics.median(d[label]["seconds"] for _, d in rounds),
+                         publish_s=statistics.median(d[label]["publish_s"] for _, d in rounds))
+    if not isinstance(sc, str):
+        sc = dict(sc, seconds=statistics.median(s["seconds"] for s, _ in rounds))
+    return sc, ds
+
+
+def _report(sc, ds: dict, size: int, quick: bool, load: tuple[float, float], work: Path,
+            rounds: list[tuple] = ()) -> str:
     out = ["## Shardcast's scenario, side by side (bench_shardcast)", ""]
     out.append(
         f"A {size / MiB:.0f} MiB bf16 state (safetensors, 8 tensors) on tmpfs, origin → 2 relays → 4 clients, each "
@@ -368,6 +400,15 @@ def _report(sc, ds: dict, size: int, quick: bool, load: tuple[float, float], wor
         out.append(f"| {name} | {r['seconds']:.2f} | {ratio} | {car['sidecar_rss']:.0f} (sidecar, whole life) | "
                    f"{max(ds[label]['sub_rss']):.0f} (CLI row) |")
     out.append("")
+    if len(rounds) > 1:
+        out.append(f"Seconds are medians over {len(rounds)} rounds, each round shardcast's full copy then the two CLI "
+                   "rows; the ratios are of those medians. Each round (shardcast / CLI full / CLI step, seconds; "
+                   "ratios): " + "; ".join(
+                       f"{s['seconds']:.2f} / {d['full']['seconds']:.2f} / {d['step']['seconds']:.2f} "
+                       f"({s['seconds'] / d['full']['seconds']:.2f}x, {s['seconds'] / d['step']['seconds']:.2f}x)"
+                       if not isinstance(s, str) else f"{d['full']['seconds']:.2f} / {d['step']['seconds']:.2f}"
+                       for s, d in rounds) + ". The sidecar rows, memory and CPU figures are the last round's.")
+        out.append("")
     if car:
         out.append(
             f"The sidecar rows: `deltasync sidecar --watch DIR --poll {SIDECAR_POLL}` already running (as shardcast's "
