@@ -79,8 +79,8 @@ def cmd_diff(args) -> int:
     maps on a thread (``MappedTensorFile.prefault``, GIL released) while the main thread imports: the compare
     then takes no page fault. (A warm-up thread as ``publish``'s measured no gain here: nothing else runs
     while the kernels load, and on a small pair the command waited for the thread's own tiny delta.)"""
-    import threading
 
+    from deltasync.client.cli import prefault_on_thread
     from deltasync.tensorfile import MappedTensorFile
 
     t0 = time.perf_counter()
@@ -89,9 +89,7 @@ def cmd_diff(args) -> int:
     threads = max(args.threads, 1)
     with MappedTensorFile(args.old) as of, MappedTensorFile(args.new) as nf:
         old, new = of.host, nf.host
-        side = [threading.Thread(target=_prefault, args=((of, nf),), name="deltasync-prefault", daemon=True)]
-        for t in side:
-            t.start()
+        prefaulting = prefault_on_thread((of, nf))
         try:
             from deltasync.codec import EncodeOptions, encode_delta
 
@@ -102,8 +100,7 @@ def cmd_diff(args) -> int:
                 enc = encode_delta(old, new, model=args.model, version=version, parent=args.parent,
                                    options=options, progress=prog.update, executor=pool if threads > 1 else None)
         finally:
-            for t in side:
-                t.join()  # before the maps close
+            prefaulting.join()  # before the maps close
         del old, new
     prog.done()
     from deltasync.deltafile import write_delta_file
@@ -119,11 +116,6 @@ def cmd_diff(args) -> int:
               f"({100 * manifest.changed_words / max(words, 1):.3f}%), {size:,} bytes, ratio {raw / max(size, 1):.1f}x "
               f"vs {raw:,} raw bytes, {dt:.2f} s")
     return 0
-
-
-def _prefault(files) -> None:
-    for f in files:
-        f.prefault()
 
 
 def cmd_replay(args) -> int:

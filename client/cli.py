@@ -355,14 +355,16 @@ def cmd_publish(args) -> int:
             warming.join(60)  # an early error return: not while the thread is inside an import (interpreter exit)
 
 
-def _prefault(files) -> threading.Thread:
+def prefault_on_thread(files, stamp: str | None = None) -> threading.Thread:
     """The mapped files' pages entered into the maps' page tables on a thread (``MappedTensorFile.prefault``:
-    the GIL is released), while the main thread imports the codec: the compare pass then takes no page fault."""
+    the GIL is released), while the main thread imports the codec: the compare pass then takes no page fault.
+    ``publish`` and ``diff`` use it; join the thread before the maps close. ``stamp``: a timeline stamp when done."""
 
     def run() -> None:
         for f in files:
             f.prefault()
-        timeline.debug("mono=%.6f publish-prefaulted", time.monotonic())
+        if stamp:
+            timeline.debug("mono=%.6f %s", time.monotonic(), stamp)
 
     t = threading.Thread(target=run, name="deltasync-prefault", daemon=True)
     t.start()
@@ -404,7 +406,7 @@ def _cmd_publish(args) -> int:
                 base_file = MappedTensorFile(args.base)
             except (OSError, DeltaSyncError) as e:  # raised only if the origin has a head to diff against
                 base_error = e
-        prefaulting = _prefault([f for f in (base_file, state_file) if f is not None])
+        prefaulting = prefault_on_thread([f for f in (base_file, state_file) if f is not None], "publish-prefaulted")
         try:
             done = asyncio.run(asyncio.wait_for(
                 _publish_files(args, token, signer, verifier, state_file.host,
