@@ -39,7 +39,7 @@ _STATUS = re.compile(rb"^HTTP/1\.[01] (\d{3})")
 #: and ``on_body`` hashes and writes it, before it reads the next: one buffer stays in the core's L2, where one
 #: per connection, a blob's shards side by side, did not); a connection's own buffer holds only its answer's head
 #: and what came with it
-_SHARED = memoryview(bytearray(BUFFER))
+RECEIVE_BUFFER = memoryview(bytearray(BUFFER))  # also the origin's upload intake's (server/uploadrecv.py)
 
 
 class BlobResponse:
@@ -86,7 +86,7 @@ class _Conn(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._fill == 0 and self._done is not None and not self._done.done() and self._left > 0:
             self._shared = True  # the body, asked for: straight to on_body from the shared buffer
-            return _SHARED
+            return RECEIVE_BUFFER
         self._shared = False
         if self._fill >= len(self._buf):  # cannot happen (reading pauses first); never overwrite held bytes
             self._overflow = True
@@ -104,7 +104,7 @@ class _Conn(asyncio.BufferedProtocol):
             try:
                 if n > self._left:
                     raise UpstreamError("the parent sent more bytes than its Content-Length")
-                self._on_body(_SHARED[:n])
+                self._on_body(RECEIVE_BUFFER[:n])
                 self._left -= n
                 if self._left == 0:
                     self._done.set_result(None)

@@ -24,17 +24,14 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from .blobget import BUFFER, RECEIVE_BUFFER
 from .connections import UploadPace
 
 #: bodies at least this long are received directly (smaller ones through aiohttp: the connection stays alive)
 DIRECT_MIN = 4 << 20
-#: what one ``recv_into`` may fill; each piece is hashed and written while it is in the core's L2 cache
-BUFFER = 1 << 20
-
-
-#: every upload's pieces are received into this one buffer: each is fed (hashed and written) before the event loop
-#: reads the next, whatever the connection, so one buffer stays in the core's L2 where one per upload did not
-_SHARED = memoryview(bytearray(BUFFER))
+#: every upload's pieces are received into the process's one receive buffer (``BUFFER`` bytes, shared with the relay
+#: fetch in server/blobget.py): each is fed (hashed and written) before the event loop reads the next, whatever the
+#: connection, so one buffer stays in the core's L2 where one per upload did not
 
 
 def usable(request: web.BaseRequest) -> bool:
@@ -57,7 +54,7 @@ class _Body(asyncio.BufferedProtocol):
         self._left = left
         self._feed = feed
         self._pace = pace
-        self._view = _SHARED
+        self._view = RECEIVE_BUFFER
         self._loop = asyncio.get_running_loop()
         self.done: asyncio.Future[None] = self._loop.create_future()
         self.last = self._loop.time()
