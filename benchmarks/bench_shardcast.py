@@ -14,7 +14,12 @@ process on this machine.
   Timed from the publish command's start until every subscriber exited holding the version
   (verified). Full copy (v0, a keyframe), then a step with ~1% of the bf16 elements changed.
 - ``ROUNDS`` rounds (shardcast, then the two CLI rows, fresh servers and outputs each round); the table
-  gives the medians and every round's ratios; the sidecar rows run in the last round.
+  gives the medians and every round's ratios; the sidecar rows run in the last round. Each system runs
+  with only the state files on tmpfs: shardcast's files are removed before deltasync starts, and
+  deltasync's at the round's end. Left in place, the other system's files slowed whichever ran
+  second on this VM: deltasync's CLI full copy took 3.4-3.6 s alone and 5.1-6.7 s beside
+  shardcast's ~3.5 GiB of shards and copies; shardcast took 7.0-7.7 s alone and 7.4-10.5 s beside
+  deltasync's stores and outputs (the servers' CPU seconds were the same either way).
 
 Peak RSS of every process comes from ``wait4`` (subscribers, publish, shardcast clients) or
 VmHWM (servers).
@@ -332,6 +337,10 @@ def run(quick: bool = False) -> str:
             folder = work / f"round{i}"
             folder.mkdir()
             sc = _shardcast(folder, state)
+            # each system runs with only the state files on tmpfs: the other's leftovers (shardcast's ~3.5 GiB of
+            # shards and copies) slowed the next run by up to 2 s on this VM, whichever system ran second
+            if os.environ.get("DELTASYNC_BENCH_KEEP") is None:
+                shutil.rmtree(folder / "shardcast", ignore_errors=True)
             ds = _deltasync(folder, state, step, sidecar=i == n - 1)
             rounds.append((sc, ds))
             if os.environ.get("DELTASYNC_BENCH_KEEP") is None:
@@ -407,7 +416,9 @@ def _report(sc, ds: dict, size: int, quick: bool, load: tuple[float, float], wor
                        f"{s['seconds']:.2f} / {d['full']['seconds']:.2f} / {d['step']['seconds']:.2f} "
                        f"({s['seconds'] / d['full']['seconds']:.2f}x, {s['seconds'] / d['step']['seconds']:.2f}x)"
                        if not isinstance(s, str) else f"{d['full']['seconds']:.2f} / {d['step']['seconds']:.2f}"
-                       for s, d in rounds) + ". The sidecar rows, memory and CPU figures are the last round's.")
+                       for s, d in rounds) + ". The sidecar rows, memory and CPU figures are the last round's. Shardcast's "
+                   "files are removed before deltasync's run, deltasync's at the round's end (each system runs with only "
+                   "the state files on tmpfs; the other's leftovers slowed whichever ran second by up to 2 s here).")
         out.append("")
     if car:
         out.append(

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,8 @@ async def _run(size: int, runs: int, key: bool, pyspy: str | None, relay_args: t
             await asyncio.sleep(1.0)
         best = floor = None
         best_before = None
+        runs_after: list[float] = []
+        runs_before: list[float] = []
         src = None
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
@@ -81,6 +84,7 @@ async def _run(size: int, runs: int, key: bool, pyspy: str | None, relay_args: t
                         await _get_ok(rb.url, bid, size)
                         c1 = cpu_seconds(rb.pid, split=True)
                         run = ((c1[0] - c0[0]) / (size / 1e9), (c1[1] - c0[1]) / (size / 1e9))
+                        runs_before.append(sum(run))
                         if best_before is None or sum(run) < sum(best_before):
                             best_before = run
                     bid, data = _data(size, 700 + i)
@@ -104,6 +108,7 @@ async def _run(size: int, runs: int, key: bool, pyspy: str | None, relay_args: t
                         c1 = cpu_seconds(r.pid, split=True)
                     gb = size / 1e9
                     run = ((c1[0] - c0[0]) / gb, (c1[1] - c0[1]) / gb)
+                    runs_after.append(sum(run))
                     if best is None or sum(run) < sum(best):
                         best = run
                     # the floor on the same bytes, interleaved with the relay's rounds (the load drifts)
@@ -116,7 +121,7 @@ async def _run(size: int, runs: int, key: bool, pyspy: str | None, relay_args: t
                 spy.wait(30)
             stop(r, o, *([rb] if before is not None else []))
         return {"relay": best, "floor": floor, "size": size, "runs": runs, "key": key,
-                "load": os.getloadavg()[0], "before": best_before}
+                "load": os.getloadavg()[0], "before": best_before, "all": runs_after, "all_before": runs_before}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -145,10 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{what}: relay {ru + rk:.3f} CPU-s/GB (user {ru:.3f}, sys {rk:.3f}); floor {fu + fk:.3f} "
           f"(user {fu:.3f}, sys {fk:.3f}); ratio {(ru + rk) / (fu + fk):.2f}x; {res['size'] >> 20} MiB, best of "
           f"{res['runs']}, load {res['load']:.1f}")
+    print("every round: " + " ".join(f"{x:.3f}" for x in res["all"]) + f" (median {statistics.median(res['all']):.3f})")
     if res["before"] is not None:
         bu, bk = res["before"]
         print(f"before ({a.before}): relay {bu + bk:.3f} CPU-s/GB (user {bu:.3f}, sys {bk:.3f}); ratio to the floor "
               f"{(bu + bk) / (fu + fk):.2f}x; after / before {(ru + rk) / (bu + bk):.2f}")
+        mb, ma = statistics.median(res["all_before"]), statistics.median(res["all"])
+        print("before, every round: " + " ".join(f"{x:.3f}" for x in res["all_before"])
+              + f" (median {mb:.3f}); medians after / before {ma / mb:.2f}")
 
 
 if __name__ == "__main__":
