@@ -12,8 +12,8 @@ token (origins and relays that require one). Exit codes:
 
 Start-up: this module imports only argparse and the error tree; each command imports what it runs.
 ``publish`` from files (``--base``, or the first keyframe; no ``--budget``) reads the states as numpy
-words over their memory maps (``MappedTensorFile.host``) and never imports torch; a ``--base`` delta to a
-plain-HTTP origin does not import aiohttp either (``client/plainhttp.py``).
+words over their memory maps (``MappedTensorFile.host``) and never imports torch; to a plain-HTTP origin,
+a ``--base`` delta or a keyframe does not import aiohttp either (``client/plainhttp.py``).
 """
 
 from __future__ import annotations
@@ -242,24 +242,16 @@ async def _publish_files_to(args, token: str, signer, verifier: Verifier | None,
     from .streams import keyframe_stream
 
     async with contextlib.AsyncExitStack() as stack:
-        def aiohttp_client():
-            return _http_client_for([args.origin])([args.origin], token=token, ssl=_ssl(args), read_token=token)
-
-        # the head and a delta go to a plain-HTTP origin without aiohttp (client/plainhttp.py: ~0.25 CPU-s of
-        # imports less, in the middle of the compare pass); keyframes (pieces of the mapped file) through aiohttp
-        plain = _plain_origin(args.origin)
-        if plain:
+        # a plain-HTTP origin is spoken to without aiohttp (client/plainhttp.py: its import alone is ~0.1 s of the
+        # command's start, and ~0.25 CPU-s in the middle of a delta's compare pass): the head, a delta, a keyframe
+        # (the pieces of the mapped file, never joined)
+        if _plain_origin(args.origin):
             from .plainhttp import PlainOrigin
 
             client = await stack.enter_async_context(PlainOrigin(args.origin, token=token, read_token=token))
         else:
-            client = await stack.enter_async_context(aiohttp_client())
-        keyframes: list = [] if plain else [client]
-
-        async def keyframe_client():
-            if not keyframes:
-                keyframes.append(await stack.enter_async_context(aiohttp_client()))
-            return keyframes[0]
+            client = await stack.enter_async_context(
+                _http_client_for([args.origin])([args.origin], token=token, ssl=_ssl(args), read_token=token))
 
         try:
             head = await client.get_head(args.model)
@@ -298,14 +290,14 @@ async def _publish_files_to(args, token: str, signer, verifier: Verifier | None,
                                             "a keyframe instead") from None
                 _say(args, f"{e}; publishing a keyframe (--keyframe-on-mismatch)")
         if not delta:
-            res = await publish_keyframe(await keyframe_client(), model=args.model, version=step, state=state,
+            res = await publish_keyframe(client, model=args.model, version=step, state=state,
                                          signer=signer)
             side = 0
         else:
             side = 0
             if args.keyframe:
                 try:
-                    side = (await publish_keyframe(await keyframe_client(), model=keyframe_stream(args.model),
+                    side = (await publish_keyframe(client, model=keyframe_stream(args.model),
                                                    version=step, state=state, signer=signer)).blob_bytes
                 except DeltaSyncError as e:
                     side_error = f"{type(e).__name__}: {e}"

@@ -229,8 +229,6 @@ async def _publish_pieces(client: HttpClient, state: Mapping[str, HostTensor], g
                           concurrency: int = 2) -> None:
     """Hash the shards on a pool (slices in cache, GIL released by the hashers and kernels) while the
     ones already hashed upload; nothing is copied, so memory is the mapped file's pages."""
-    from .upload import PiecesPayload
-
     loop = asyncio.get_running_loop()
     sem = asyncio.Semaphore(max(1, concurrency))
     with _pool() as pool:
@@ -240,7 +238,7 @@ async def _publish_pieces(client: HttpClient, state: Mapping[str, HostTensor], g
         async def send(k: int) -> ShardPieces:
             sp = await hashed[k]
             async with sem:
-                await client.put_blob(sp.id, PiecesPayload(sp.pieces))
+                await client.put_blob(sp.id, sp.pieces)  # the pieces as they are, never joined
             return sp
 
         try:

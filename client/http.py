@@ -487,7 +487,13 @@ class HttpClient:
         except NETWORK_ERRORS as e:
             raise UpstreamError(f"{method} {url}{path}: {describe(e)}") from e
 
-    async def put_blob(self, bid: str, data: bytes) -> None:
+    async def put_blob(self, bid: str, data: bytes | bytearray | memoryview | tuple[memoryview, ...]) -> None:
+        """PUT a blob's bytes: one buffer, or a tuple of pieces that concatenate to it (a keyframe shard's header
+        and views of a mapped file, sent as they are: ``pieces.PiecesPayload``)."""
+        if isinstance(data, tuple):
+            from .pieces import PiecesPayload
+
+            data = PiecesPayload(data)
         await self._write("PUT", f"/v1/blobs/{check_blob_id(bid)}", data, content_type="application/octet-stream")
 
     async def put_manifest(self, model: str, version: int, data: bytes) -> None:

@@ -116,7 +116,7 @@ class PlainOrigin:
             raise UpstreamTimeout(f"{self.url}: no connection within {self.timeouts.connect:g} s") from None
         return _Conn(reader, writer)
 
-    async def _request(self, method: str, path: str, *, body: bytes | bytearray | memoryview = b"",
+    async def _request(self, method: str, path: str, *, body: bytes | bytearray | memoryview | tuple = b"",
                        headers: dict[str, str] | None = None, limit: int = MAX_BODY) -> tuple[int, _Headers, bytes]:
         """(status, headers, body) of one request; network failures and cut answers are UpstreamError /
         UpstreamTimeout (an outage), with the method and URL in the message."""
@@ -145,15 +145,16 @@ class PlainOrigin:
     async def _exchange(self, conn: _Conn, method: str, path: str, body, headers: dict[str, str], limit: int,
                         where: str) -> tuple[int, _Headers, bytes, bool]:
         t = self.timeouts
-        view = memoryview(body).cast("B") if not isinstance(body, bytes) else memoryview(body)
+        views = _views(body)
         lines = [f"{method} {self._prefix}{path} HTTP/1.1", f"Host: {self._host_header}",
-                 f"Content-Length: {len(view)}"]
+                 f"Content-Length: {sum(len(v) for v in views)}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
         conn.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-        for at in range(0, len(view), WRITE_PIECE):
-            conn.writer.write(view[at : at + WRITE_PIECE])
-            async with asyncio.timeout(t.read):  # the origin takes nothing for that long: a stalled upload
-                await conn.writer.drain()
+        for view in views:
+            for at in range(0, len(view), WRITE_PIECE):
+                conn.writer.write(view[at : at + WRITE_PIECE])
+                async with asyncio.timeout(t.read):  # the origin takes nothing for that long: a stalled upload
+                    await conn.writer.drain()
         async with asyncio.timeout(t.read):
             await conn.writer.drain()
         ttfb = max(t.ttfb, t.read)  # one origin: nowhere else to go, so a slow one is waited for
@@ -256,7 +257,7 @@ class PlainOrigin:
         async def once() -> int:
             status, head, body = await self._request(method, path, body=data, headers=headers, limit=MAX_ERROR)
             if status in (200, 201, 204):
-                self.bytes_out += len(data)
+                self.bytes_out += sum(len(v) for v in _views(data))
                 return status
             raise from_wire(status, body[:500], head, where=f"{method} {self.url}{path}")
 
@@ -268,11 +269,19 @@ class PlainOrigin:
 
         return await retry(once, backoff=RETRY_BACKOFF, attempts=self.write_retries, again=again, on_retry=on_retry)
 
-    async def put_blob(self, bid: str, data: bytes | bytearray | memoryview) -> None:
+    async def put_blob(self, bid: str, data: bytes | bytearray | memoryview | tuple[memoryview, ...]) -> None:
+        """PUT a blob's bytes: one buffer, or a tuple of pieces that concatenate to it (a keyframe shard's header
+        and views of a mapped file, written as they are, never joined)."""
         await self._write("PUT", f"/v1/blobs/{check_blob_id(bid)}", data, content_type="application/octet-stream")
 
     async def put_manifest(self, model: str, version: int, data: bytes) -> None:
         await self._write("PUT", f"/v1/models/{quote(model)}/versions/{version}", data, content_type="application/json")
+
+
+def _views(body) -> tuple[memoryview, ...]:
+    """A request body as byte views: one buffer, or a tuple of pieces sent one after the other."""
+    pieces = body if isinstance(body, tuple) else (body,)
+    return tuple(v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in map(memoryview, pieces))
 
 
 def _parse_head(raw: bytes, where: str) -> tuple[int, _Headers]:

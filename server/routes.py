@@ -296,9 +296,10 @@ async def put_blob(request: web.Request) -> web.Response:
         _check_token(svc, request)
         blob_id = check_blob_id(request.match_info["id"])
         assert svc.intake is not None
+        taken = False  # the body was taken past aiohttp's parser: the connection closes after the answer
         try:
             if uploadrecv.usable(request):  # a large body: received straight into one buffer (uploadrecv.py)
-                size, created = await _put_blob_direct(svc.intake, blob_id, request)
+                size, created, taken = await _put_blob_direct(svc.intake, blob_id, request)
             else:
                 size, created = await svc.intake.put_blob(blob_id, _pieces(request.content,
                                                                            UploadPace(svc.config.limits)),
@@ -308,19 +309,23 @@ async def put_blob(request: web.Request) -> web.Response:
     except DeltaSyncError:
         svc.metrics.inc("upload_rejections")
         raise
-    return web.json_response({"id": blob_id, "size": size, "created": created}, status=201 if created else 200,
+    resp = web.json_response({"id": blob_id, "size": size, "created": created}, status=201 if created else 200,
                              headers={"ETag": f'"{blob_id}"', "Location": f"/v1/blobs/{blob_id}"})
+    if taken:
+        resp.force_close()  # says "Connection: close", so a client does not send its next request on it
+    return resp
 
 
-async def _put_blob_direct(intake, blob_id: str, request: web.Request) -> tuple[int, bool]:
+async def _put_blob_direct(intake, blob_id: str, request: web.Request) -> tuple[int, bool, bool]:
+    """(size, created, whether the body was taken past aiohttp: then the connection closes after the answer)."""
     size = intake.stored_size(blob_id, declared=request.content_length)
     if size is not None:
-        return size, False  # its body is not read (aiohttp drains it, as for any upload of a stored blob)
+        return size, False, False  # its body is not read (aiohttp drains it, as for any upload of a stored blob)
     up = await intake.open_upload(blob_id, declared=request.content_length)
     intake.metrics.inc("uploads_direct")
     try:
         await uploadrecv.receive(request, up.feed, UploadPace(_svc(request).config.limits))
-        return await up.finish()
+        return (*await up.finish(), True)
     finally:
         up.close()
 

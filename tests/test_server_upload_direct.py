@@ -114,3 +114,4 @@ async def test_the_connection_closes_after_a_direct_upload(srv):
         got += chunk
     c.close()
     assert got.startswith(b"HTTP/1.1 201") and f'"{bid}"'.encode() in got
+    assert b"\r\nconnection: close\r\n" in got.split(b"\r\n\r\n")[0].lower() + b"\r\n"  # it says so
