@@ -78,11 +78,15 @@ def error_response(status: int, code: str, message: str, **extra) -> web.Respons
 _HTTP_CODES = {400: "format", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
 
 
+#: set on a request whose body ``uploadrecv`` took past aiohttp's parser: its connection closes after the answer
+_BODY_TAKEN = "deltasync.body_taken"
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     resp = await _handle(request, handler)
-    if resp.status >= 400 and request.body_exists and not request.content.is_eof():
-        resp.force_close()  # a refused upload's unread body is not worth draining: drop the connection
+    if resp.status >= 400 and (request.get(_BODY_TAKEN) or (request.body_exists and not request.content.is_eof())):
+        resp.force_close()  # a refused upload's unread (or taken) body: drop the connection, and say so
     return resp
 
 
@@ -296,10 +300,9 @@ async def put_blob(request: web.Request) -> web.Response:
         _check_token(svc, request)
         blob_id = check_blob_id(request.match_info["id"])
         assert svc.intake is not None
-        taken = False  # the body was taken past aiohttp's parser: the connection closes after the answer
         try:
             if uploadrecv.usable(request):  # a large body: received straight into one buffer (uploadrecv.py)
-                size, created, taken = await _put_blob_direct(svc.intake, blob_id, request)
+                size, created = await _put_blob_direct(svc.intake, blob_id, request)
             else:
                 size, created = await svc.intake.put_blob(blob_id, _pieces(request.content,
                                                                            UploadPace(svc.config.limits)),
@@ -311,21 +314,21 @@ async def put_blob(request: web.Request) -> web.Response:
         raise
     resp = web.json_response({"id": blob_id, "size": size, "created": created}, status=201 if created else 200,
                              headers={"ETag": f'"{blob_id}"', "Location": f"/v1/blobs/{blob_id}"})
-    if taken:
+    if request.get(_BODY_TAKEN):
         resp.force_close()  # says "Connection: close", so a client does not send its next request on it
     return resp
 
 
-async def _put_blob_direct(intake, blob_id: str, request: web.Request) -> tuple[int, bool, bool]:
-    """(size, created, whether the body was taken past aiohttp: then the connection closes after the answer)."""
+async def _put_blob_direct(intake, blob_id: str, request: web.Request) -> tuple[int, bool]:
     size = intake.stored_size(blob_id, declared=request.content_length)
     if size is not None:
-        return size, False, False  # its body is not read (aiohttp drains it, as for any upload of a stored blob)
+        return size, False  # its body is not read (aiohttp drains it, as for any upload of a stored blob)
     up = await intake.open_upload(blob_id, declared=request.content_length)
     intake.metrics.inc("uploads_direct")
     try:
+        request[_BODY_TAKEN] = True  # from here on the connection closes after the answer, whatever it is
         await uploadrecv.receive(request, up.feed, UploadPace(_svc(request).config.limits))
-        return (*await up.finish(), True)
+        return await up.finish()
     finally:
         up.close()
 

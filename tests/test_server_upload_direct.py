@@ -101,6 +101,7 @@ async def test_a_stalled_upload_times_out_and_closes(srv):
         got += chunk
     c.close()
     assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert b"\r\nconnection: close\r\n" in got.split(b"\r\n\r\n")[0].lower() + b"\r\n"  # and it says so
     await _wait_tmp_empty(work)
 
 
