@@ -308,15 +308,23 @@ WORK_PREFIX = "deltasync-bench-shardcast-"
 
 
 def _sweep_stale(base: str | None) -> None:
-    """Remove work folders of earlier runs that were killed (their owner pid is gone): on tmpfs they are RAM."""
+    """Remove work folders of earlier runs that were killed (their owner pid is gone, or they never got a pid
+    file and are older than a minute: a run writes it right after creating the folder): on tmpfs they are RAM,
+    and a few GiB of them slow every process of the next run (see the module docstring)."""
     for d in Path(base or tempfile.gettempdir()).glob(WORK_PREFIX + "*"):
         try:
             pid = int((d / "owner.pid").read_text())
             os.kill(pid, 0)
         except ProcessLookupError:
             shutil.rmtree(d, ignore_errors=True)
+        except FileNotFoundError:
+            try:
+                if time.time() - d.stat().st_mtime > 60:
+                    shutil.rmtree(d, ignore_errors=True)
+            except OSError:
+                pass
         except (OSError, ValueError):
-            pass  # not ours to judge (no pid file yet, or another user's)
+            pass  # not ours to judge (another user's)
 
 
 def run(quick: bool = False) -> str:

@@ -174,6 +174,8 @@ class BlobFetcher:
         fetch = _Fetch(blob, self._expected.get(blob.id), digests=self.check_digests)
         try:
             blob.part = await self.store.open_partial(blob.id)
+            if fetch.expected is not None:
+                self._size_from_manifest(fetch)
 
             def again(e: BaseException) -> bool:
                 return isinstance(e, (UpstreamError, IntegrityError))
@@ -213,6 +215,17 @@ class BlobFetcher:
             if self._inflight.get(blob.id) is blob:
                 del self._inflight[blob.id]
             blob.finish()
+
+    def _size_from_manifest(self, fetch: _Fetch) -> None:
+        """A blob of a manifest in hand has its size before any parent answers: room is made and reserved for
+        it now, so the version can be announced and a child's request joins the fetch at once (it is told the
+        size, and gets bytes as they arrive); a parent's answer of another size is refused (``_sink``)."""
+        blob, size = fetch.blob, fetch.expected.size
+        self.store.reserve(size)
+        fetch.reserved = size
+        if hasattr(blob.part, "preallocate"):
+            blob.part.preallocate(size)
+        blob.set_size(size)
 
     async def _round(self, fetch: _Fetch) -> str:
         """One round: every byte from the parents (resuming on the next), then the hash check (and the

@@ -232,13 +232,16 @@ class GateProxy:
     """Forwards TCP to ``target_port`` on its own threads (so it outlives any one test's event loop).
 
     The downstream direction (target → client) can be held after a byte budget shared by all
-    connections (``hold_after``), let go (``release``), or every connection cut (``cut``).
+    connections (``hold_after``), let go (``release``), or every connection cut (``cut``);
+    ``hold_blob_answers`` holds only the answers on connections whose first request is a blob GET
+    (a relay's blob fetches), while its event stream and manifest reads flow.
     """
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self._cond = threading.Condition()
         self._budget: int | None = None
+        self._hold_blobs = False
         self._socks: set[socket.socket] = set()
         self.forwarded = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -251,9 +254,14 @@ class GateProxy:
         with self._cond:
             self._budget = nbytes
 
+    def hold_blob_answers(self) -> None:
+        with self._cond:
+            self._hold_blobs = True
+
     def release(self) -> None:
         with self._cond:
             self._budget = None
+            self._hold_blobs = False
             self._cond.notify_all()
 
     def cut(self) -> None:
@@ -285,10 +293,12 @@ class GateProxy:
                 continue
             with self._cond:
                 self._socks.update((client, upstream))
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+            conn = {"blob": False}  # the first request on it was a blob GET
+            threading.Thread(target=self._pump, args=(client, upstream, False, conn), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True, conn), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, gated: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, gated: bool, conn: dict) -> None:
+        first = True
         try:
             while True:
                 n = 1 << 16
@@ -301,8 +311,13 @@ class GateProxy:
                 data = src.recv(n)
                 if not data:
                     break
+                if not gated and first:
+                    conn["blob"] = data.startswith(b"GET /v1/blobs/")
+                first = False
                 if gated:
                     with self._cond:
+                        while self._hold_blobs and conn["blob"] and not self._closed:
+                            self._cond.wait(0.1)
                         if self._budget is not None:
                             self._budget -= len(data)
                         self.forwarded += len(data)

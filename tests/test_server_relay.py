@@ -66,6 +66,33 @@ async def test_cut_through_child_gets_first_bytes_before_relay_has_the_last(serv
             assert await resp.read() == data[1000:]
 
 
+async def test_a_version_is_announced_before_its_parent_answers_for_the_blobs(tmp_path):
+    """The manifest gives every blob's size: the relay makes room and announces the version at once, before
+    any parent answered a blob GET, and a child asking for a blob is told its size and gets the bytes as they
+    come (they used to wait for every answer's head)."""
+    o = origin(tmp_path)
+    start_all(o)
+    gate = GateProxy(o.port)
+    r = relay(tmp_path, "early", [gate.url])
+    start_all(r)
+    try:
+        bid, data = make_blob(3 << 20, 140)
+        async with session() as s:
+            gate.hold_blob_answers()
+            await publish(s, o.url, keyframe("early", 0, [(bid, data)]), [(bid, data)])
+            await wait_head(s, r.url, "early", 0, timeout=15)  # while the relay's blob fetch has no answer
+            mt = await metrics(s, r.url)
+            assert mt["deltasync_inflight_blobs"] == 1 and mt["deltasync_bytes_in_total"] == 0
+            async with s.get(f"{r.url}/v1/blobs/{bid}") as resp:
+                assert resp.status == 200 and int(resp.headers["Content-Length"]) == len(data)
+                gate.release()
+                assert await resp.read() == data
+    finally:
+        gate.release()
+        assert stop_all(r, o) == [0, 0]
+        gate.close()
+
+
 async def test_32_concurrent_requests_cause_one_upstream_fetch(servers):
     o, gate, r, *_ = servers
     bid, data = make_blob(4 << 20, 101)
