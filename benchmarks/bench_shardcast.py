@@ -13,10 +13,10 @@ process on this machine.
   clock starts; then ``deltasync publish`` (with ``--base PREV`` when this build's CLI has it).
   Timed from the publish command's start until every subscriber exited holding the version
   (verified). Full copy (v0, a keyframe), then a step with ~1% of the bf16 elements changed.
-- ``ROUNDS`` rounds (shardcast, then the two CLI rows, fresh servers and outputs each round); the table
-  gives the medians and every round's ratios; the sidecar rows run in the last round. Each system runs
-  with only the state files on tmpfs: shardcast's files are removed before deltasync starts, and
-  deltasync's at the round's end. Left in place, the other system's files slowed whichever ran
+- ``ROUNDS`` rounds (shardcast and the two CLI rows, fresh servers and outputs each round; shardcast first
+  in odd rounds, deltasync first in even ones: the second system runs on memory the first just freed); the
+  table gives the medians and every round's ratios; the sidecar rows run in the last round. Each system runs
+  with only the state files on tmpfs: each one's files are removed before the other starts. Left in place, the other system's files slowed whichever ran
   second on this VM: deltasync's CLI full copy took 3.4-3.6 s alone and 5.1-6.7 s beside
   shardcast's ~3.5 GiB of shards and copies; shardcast took 7.0-7.7 s alone and 7.4-10.5 s beside
   deltasync's stores and outputs (the servers' CPU seconds were the same either way).
@@ -55,7 +55,7 @@ SIDECAR_POLL = 0.1  # the sidecar's folder scan interval: at most this much of e
 # shardcast and the CLI rows run in turn this many times (a round each): one run of each moved by 2x between
 # make bench runs on this shared VM (fresh memory after a large free costs about twice as much to write here),
 # so the table gives medians and every round's ratios
-ROUNDS = 3
+ROUNDS = 4  # even: each system runs first in half of them
 
 
 def _shardcast_python() -> Path:
@@ -341,18 +341,26 @@ def run(quick: bool = False) -> str:
         load0 = os.getloadavg()[0]
         rounds = []
         n = 1 if quick else ROUNDS
-        for i in range(n):  # shardcast, then the CLI rows (the sidecar's in the last round only), in turn
+        keep = os.environ.get("DELTASYNC_BENCH_KEEP") is not None
+        for i in range(n):  # shardcast and the CLI rows (the sidecar's in the last round only), in turn
             folder = work / f"round{i}"
-            folder.mkdir()
-            sc = _shardcast(folder, state)
+            (folder / "deltasync").mkdir(parents=True)
             # each system runs with only the state files on tmpfs: the other's leftovers (shardcast's ~3.5 GiB of
-            # shards and copies) slowed the next run by up to 2 s on this VM, whichever system ran second
-            if os.environ.get("DELTASYNC_BENCH_KEEP") is None:
-                shutil.rmtree(folder / "shardcast", ignore_errors=True)
-            ds = _deltasync(folder, state, step, sidecar=i == n - 1)
+            # shards and copies) slowed the next run by up to 2 s on this VM, whichever system ran second. Which
+            # runs first alternates (shardcast in odd rounds): the second runs on memory the first just freed.
+            first_sc = i % 2 == 0
+            if first_sc:
+                sc = _shardcast(folder, state)
+                if not keep:
+                    shutil.rmtree(folder / "shardcast", ignore_errors=True)
+            ds = _deltasync(folder / "deltasync", state, step, sidecar=i == n - 1)
+            if not keep:
+                shutil.rmtree(folder / "deltasync", ignore_errors=True)  # tmpfs: ~3.5 GiB of stores and outputs
+            if not first_sc:
+                sc = _shardcast(folder, state)
             rounds.append((sc, ds))
-            if os.environ.get("DELTASYNC_BENCH_KEEP") is None:
-                shutil.rmtree(folder, ignore_errors=True)  # tmpfs: ~3.5 GiB of stores and outputs a round
+            if not keep:
+                shutil.rmtree(folder, ignore_errors=True)
         sc, ds = _medians(rounds)
         return _report(sc, ds, size, quick, (load0, os.getloadavg()[0]), work, rounds)
     finally:
@@ -418,15 +426,15 @@ def _report(sc, ds: dict, size: int, quick: bool, load: tuple[float, float], wor
                    f"{max(ds[label]['sub_rss']):.0f} (CLI row) |")
     out.append("")
     if len(rounds) > 1:
-        out.append(f"Seconds are medians over {len(rounds)} rounds, each round shardcast's full copy then the two CLI "
-                   "rows; the ratios are of those medians. Each round (shardcast / CLI full / CLI step, seconds; "
+        out.append(f"Seconds are medians over {len(rounds)} rounds, each round shardcast's full copy and the two CLI "
+                   "rows (shardcast first in odd rounds, deltasync first in even ones); the ratios are of those medians. Each round (shardcast / CLI full / CLI step, seconds; "
                    "ratios): " + "; ".join(
                        f"{s['seconds']:.2f} / {d['full']['seconds']:.2f} / {d['step']['seconds']:.2f} "
                        f"({s['seconds'] / d['full']['seconds']:.2f}x, {s['seconds'] / d['step']['seconds']:.2f}x)"
                        if not isinstance(s, str) else f"{d['full']['seconds']:.2f} / {d['step']['seconds']:.2f}"
-                       for s, d in rounds) + ". The sidecar rows, memory and CPU figures are the last round's. Shardcast's "
-                   "files are removed before deltasync's run, deltasync's at the round's end (each system runs with only "
-                   "the state files on tmpfs; the other's leftovers slowed whichever ran second by up to 2 s here).")
+                       for s, d in rounds) + ". The sidecar rows, memory and CPU figures are the last round's. Each system's "
+                   "files are removed before the other runs (each runs with only the state files on tmpfs; the other's "
+                   "leftovers slowed whichever ran second by up to 2 s here).")
         out.append("")
     if car:
         out.append(
