@@ -34,6 +34,7 @@ words cost, not a rewrite of the file. The scheme (docs/CLIENT.md, "The --out fi
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import mmap
@@ -604,9 +605,13 @@ class FileTarget(TensorApplier):
         tmp = Path(name)
         try:
             try:
-                os.posix_fallocate(fd, 0, size)
-            except (AttributeError, OSError):
+                os.posix_fallocate(fd, 0, size)  # a disk that cannot hold the version says so now, not mid-receive
+            except AttributeError:  # no posix_fallocate (macOS): the writes will tell
                 os.ftruncate(fd, size)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                os.ftruncate(fd, size)  # a filesystem without fallocate: the writes will tell
             os.pwrite(fd, header, 0)
         except OSError as e:
             os.close(fd)

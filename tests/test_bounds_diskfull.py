@@ -99,3 +99,17 @@ def test_a_follower_behind_a_full_relay_moves_on_to_the_origin(tmp_path, tiny_di
         if sub is not None:
             sub.close()
         assert stop_all(r, o) == [0, 0], [r.log()[-3000:], o.log()[-3000:]]
+
+
+def test_a_keyframe_file_the_disk_cannot_hold_fails_at_creation_and_leaves_nothing(tiny_disk):
+    """``subscribe --out`` on a disk too small for the version: the new file's preallocation fails with a clear
+    StorageError before a byte is received (a sparse file used to stand in, and the disk filled mid-receive),
+    and no temp file is left beside the target."""
+    from deltasync.client.filetarget import FileTarget
+    from deltasync.errors import StorageError
+
+    layout = {"w": ("bfloat16", (8 << 20,))}  # 16 MB on an 8 MB disk
+    target = FileTarget(tiny_disk / "model.safetensors", "m", layout=layout, open_existing=False)
+    with pytest.raises(StorageError, match="cannot create"):
+        target._new_file(layout, 0, "00" * 16)
+    assert list(tiny_disk.iterdir()) == []
