@@ -173,11 +173,13 @@ async def _publish_files(args, token: str, signer, verifier: Verifier | None, st
     With ``--base`` of the state's layout, the compare pass starts first (it needs only the two maps) and
     runs on the pool while the HTTP client is imported and the origin's head is read; its result is
     checked against that head before anything is encoded or sent."""
-    from deltasync.codec import EncodeOptions, state_layout
-
     from .filepublish import compare_pool, start_compare
 
-    options = EncodeOptions(coding=args.coding)
+    options = None
+    if base is not None:  # the codec (and numba with it, ~0.2 s) only for a delta: a keyframe needs neither yet
+        from deltasync.codec import EncodeOptions, state_layout
+
+        options = EncodeOptions(coding=args.coding)
     async with contextlib.AsyncExitStack() as stack:
         pool = stack.enter_context(compare_pool())
         compared = None

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from deltasync.blob import blob_id
-from deltasync.codec import EncodeOptions, StateDiff, diff_states, encode_diff, state_layout
 from deltasync.digest import DigestHasher, blob_digest
 from deltasync.dtypes import HostTensor, dtype_info
 from deltasync.errors import BaseMismatchError
@@ -49,10 +48,12 @@ from deltasync.tensorfile import build_header
 if TYPE_CHECKING:  # .http and .upload import aiohttp (~0.25 s): loaded when a function here first sends
     import torch
 
+    from deltasync.codec import EncodeOptions, StateDiff
+
     from .http import HttpClient
 
 __all__ = ["FILE_SHARD_BYTES", "HASH_SLICE_BYTES", "Published", "ShardPieces", "check_base_file", "compare_pool",
-           "publish_delta", "publish_keyframe", "shard_pieces", "start_compare"]
+           "publish_delta", "publish_keyframe", "shard_fingerprints", "shard_pieces", "start_compare"]
 
 timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps (``DELTASYNC_TIMELINE=1``)
 
@@ -84,6 +85,8 @@ def start_compare(base: Mapping[str, torch.Tensor | HostTensor], state: Mapping[
     same pass) on ``executor``'s threads; needs a running loop. It needs only the two maps, so ``deltasync
     publish --base`` starts it before it imports the HTTP client and asks the origin for its head; nothing
     is sent until :func:`publish_delta` has checked the result against that head."""
+    from deltasync.codec import EncodeOptions, diff_states, state_layout  # a delta's: numba's import (~0.2 s)
+
     if state_layout(base) != state_layout(state):
         raise BaseMismatchError("the state's tensors differ from the base's (names, dtypes or shapes): publish a keyframe")
     chunk_words = (options or EncodeOptions()).chunk_words
@@ -127,6 +130,8 @@ async def publish_delta(client: HttpClient, *, model: str, version: int, parent:
     before anything is encoded or uploaded (BaseMismatchError naming ``where``, nothing sent).
     ``compared``: that compare pass, already started (:func:`start_compare`, on ``executor``, which then
     also codes the chunks); it is checked against ``head`` the same way."""
+    from deltasync.codec import EncodeOptions, diff_states, encode_diff, state_layout
+
     if state_layout(base) != state_layout(state):
         raise BaseMismatchError("the state's tensors differ from the base's (names, dtypes or shapes): publish a keyframe")
     if base_fps is None and head is None:
@@ -191,10 +196,12 @@ class ShardPieces:
     fps: dict[str, int]  # each tensor's fingerprint
 
 
-def shard_pieces(tensors: Mapping[str, HostTensor], *, digest: bool, slice_bytes: int = HASH_SLICE_BYTES) -> ShardPieces:
+def shard_pieces(tensors: Mapping[str, HostTensor], *, digest: bool, slice_bytes: int = HASH_SLICE_BYTES,
+                 fingerprints: bool = True) -> ShardPieces:
     """The shard of ``tensors`` as pieces, with its blob id, digest (``digest=True``) and tensor fingerprints
     from one pass over its bytes, ``slice_bytes`` at a time (each slice hashed, digested and summed while
-    it is in cache). Copies nothing."""
+    it is in cache). Copies nothing. ``fingerprints=False``: no fingerprints (``fps`` is empty; the pass needs
+    no compiled kernel: :func:`shard_fingerprints` sums them apart)."""
     layout = {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
     header, offsets = build_header(layout)
     order = sorted(tensors, key=lambda n: offsets[n])
@@ -207,32 +214,51 @@ def shard_pieces(tensors: Mapping[str, HostTensor], *, digest: bool, slice_bytes
     fps: dict[str, int] = {}
     for name in order:
         t = tensors[name]
-        lanes = host_lanes(t)
-        raw = memoryview(t.words).cast("B") if t.words.size else memoryview(b"")
-        per = max(1, slice_bytes // lanes.itemsize)
         sums = []
-        for at in range(0, lanes.size, per):
-            piece = raw[at * lanes.itemsize : (at + per) * lanes.itemsize]
+        for at, lanes, piece in _slices(t, slice_bytes):
             xh.update(piece)
             if dh is not None:
                 dh.update(piece)
-            sums.append(host_lanes_sum(lanes[at : at + per], at))
-        fps[name] = fingerprint_from_lane_sums(sums, lanes.size)
-        pieces.append(raw)
+            if fingerprints:
+                sums.append(host_lanes_sum(lanes, at))
+        if fingerprints:
+            fps[name] = fingerprint_from_lane_sums(sums, host_lanes(t).size)
+        pieces.append(memoryview(t.words).cast("B") if t.words.size else memoryview(b""))
     size = sum(len(p) for p in pieces)
     return ShardPieces(id=xh.hexdigest(), size=size, digest=dh.digest() if dh is not None else None,
                        pieces=tuple(pieces), fps=fps)
+
+
+def shard_fingerprints(tensors: Mapping[str, HostTensor], *, slice_bytes: int = HASH_SLICE_BYTES) -> dict[str, int]:
+    """Each tensor's fingerprint, ``slice_bytes`` at a time (what :func:`shard_pieces` sums in its pass)."""
+    return {name: fingerprint_from_lane_sums([host_lanes_sum(lanes, at) for at, lanes, _ in _slices(t, slice_bytes)],
+                                             host_lanes(t).size)
+            for name, t in tensors.items()}
+
+
+def _slices(t: HostTensor, slice_bytes: int):
+    """``(first lane, lanes, bytes)`` of a tensor's consecutive slices of about ``slice_bytes``."""
+    lanes = host_lanes(t)
+    raw = memoryview(t.words).cast("B") if t.words.size else memoryview(b"")
+    per = max(1, slice_bytes // lanes.itemsize)
+    for at in range(0, lanes.size, per):
+        yield at, lanes[at : at + per], raw[at * lanes.itemsize : (at + per) * lanes.itemsize]
 
 
 async def _publish_pieces(client: HttpClient, state: Mapping[str, HostTensor], groups: list[list[str]], *,
                           digest: bool, fps: dict[str, int], where: dict[str, str], refs: list[BlobRef],
                           concurrency: int = 2) -> None:
     """Hash the shards on a pool (slices in cache, GIL released by the hashers and kernels) while the
-    ones already hashed upload; nothing is copied, so memory is the mapped file's pages."""
+    ones already hashed upload; nothing is copied, so memory is the mapped file's pages. The fingerprints
+    are summed apart, after the hashes on the same pool: an upload needs only its shard's id, so the first
+    one starts without waiting for the compiled kernels (numba's import, ~0.2 s of a cold ``publish``)."""
     loop = asyncio.get_running_loop()
     sem = asyncio.Semaphore(max(1, concurrency))
     with _pool() as pool:
-        hashed = [loop.run_in_executor(pool, lambda g=g: shard_pieces({n: state[n] for n in g}, digest=digest))
+        hashed = [loop.run_in_executor(pool, lambda g=g: shard_pieces({n: state[n] for n in g}, digest=digest,
+                                                                      fingerprints=False))
+                  for g in groups]
+        summed = [loop.run_in_executor(pool, lambda g=g: shard_fingerprints({n: state[n] for n in g}))
                   for g in groups]
 
         async def send(k: int) -> ShardPieces:
@@ -243,15 +269,15 @@ async def _publish_pieces(client: HttpClient, state: Mapping[str, HostTensor], g
 
         try:
             done = await asyncio.gather(*(send(k) for k in range(len(groups))))
+            sums = await asyncio.gather(*summed)
         finally:
-            for f in hashed:
+            for f in (*hashed, *summed):
                 f.cancel()
-    for group, sp in zip(groups, done):
+    for group, sp, got in zip(groups, done, sums):
         refs.append(BlobRef(id=sp.id, size=sp.size, digest=sp.digest))
         for n in group:
-            fps.setdefault(n, sp.fps[n])
+            fps.setdefault(n, got[n])
             where[n] = sp.id
-
 
 async def publish_keyframe(client: HttpClient, *, model: str, version: int,
                            state: Mapping[str, torch.Tensor | HostTensor], signer: Signer | None,

@@ -14,9 +14,10 @@ import subprocess
 import sys
 import textwrap
 
+import torch
 
 from deltasync.cli.cluster import LocalCluster
-from deltasync.tensorfile import write_state_file
+from deltasync.tensorfile import MappedTensorFile, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 
 KEY = bytes(range(3, 35))
@@ -181,3 +182,28 @@ def test_prefault_maps_the_pages_and_changes_nothing(tmp_path):
     f.close()
     assert f.prefault() is False  # a closed map: nothing to do
     assert path.read_bytes() == before
+
+
+def test_a_keyframe_publish_loads_no_codec(tmp_path):
+    """A keyframe needs the fingerprints' kernel, not the delta codec (its import, numba's with it, used to
+    hold the first upload back ~0.2 s): ``publish`` of a keyframe imports neither ``deltasync.codec`` nor its
+    entropy coders, and the state still arrives whole (the fingerprints, summed apart from the hashes, verify)."""
+    trace = RLTrace(SHAPE, lr=1e-4, seed=12)
+    path = tmp_path / "s0.safetensors"
+    state = trace.step()
+    write_state_file(path, state)
+    with LocalCluster(tmp_path / "tree", key=KEY) as cluster:
+        cluster.start_origin()
+        r = _cli("publish", "--origin", cluster.origin, "--model", "kf", "--token-file", str(cluster.token_file),
+                 "--key-file", str(cluster.key_file), str(path), env={"PYTHONPROFILEIMPORTTIME": "1"})
+        assert r.returncode == 0 and "published kf v0: keyframe" in r.stdout, r.stdout + r.stderr[-2000:]
+        imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+        assert "numba" in imported  # the fingerprints' kernel
+        assert not {"deltasync.codec", "deltasync.entropy", "deltasync.conditioned"} & imported, sorted(
+            m for m in imported if m.startswith("deltasync."))
+        out = tmp_path / "sub.safetensors"
+        r = _cli("subscribe", "--from", cluster.origin, "--model", "kf", "--key-file", str(cluster.key_file),
+                 "--out", str(out), "--until", "0", "--quiet")
+        assert r.returncode == 0, r.stdout + r.stderr
+    with MappedTensorFile(out) as f:
+        assert all(torch.equal(f.tensors[n].view(torch.uint8), t.view(torch.uint8)) for n, t in state.items())

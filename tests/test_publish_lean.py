@@ -188,7 +188,7 @@ def test_host_tensors_fingerprint_and_shard_as_torch_does(tmp_path):
     from deltasync.digest import blob_digest
     from deltasync.fingerprint import tensor_fingerprint
     from deltasync.tensorfile import MappedTensorFile, shard_bytes
-    from deltasync.client.filepublish import shard_pieces
+    from deltasync.client.filepublish import shard_fingerprints, shard_pieces
 
     s0, _ = _states()
     s0["c.complex64"] = torch.randn(5, 3, dtype=torch.complex64)
@@ -210,6 +210,10 @@ def test_host_tensors_fingerprint_and_shard_as_torch_does(tmp_path):
         assert joined == built and sp.size == len(built)
         assert sp.id == blob_id(built) and sp.digest == blob_digest(built)
         assert sp.fps == fps
+        # the keyframe publish's split: ids and digests first (no compiled kernel), the fingerprints apart
+        bare = shard_pieces(host, digest=True, slice_bytes=64, fingerprints=False)
+        assert (bare.id, bare.digest, bare.size, bare.fps) == (sp.id, sp.digest, sp.size, {})
+        assert shard_fingerprints(host, slice_bytes=64) == fps == shard_fingerprints(host)
 
 
 def test_lazy_parser_lists_the_same_commands_and_options():
