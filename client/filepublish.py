@@ -58,11 +58,10 @@ __all__ = ["FILE_SHARD_BYTES", "HASH_SLICE_BYTES", "Published", "ShardPieces", "
 timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps (``DELTASYNC_TIMELINE=1``)
 
 FILE_SHARD_BYTES = 64 << 20  # keyframe shards from files: peak memory is about two of them (none for HostTensors)
-HASH_SLICE_BYTES = 1 << 20  # one-pass shard hashing: id, digest and fingerprint of each slice while it is in cache
-#: the keyframe publish's separate passes (hashes, then fingerprints): a few calls per shard, each of which releases
-#: the GIL; in 1 MiB slices, the first shard's hashes waited on the GIL for every slice while numba was being
-#: imported on the warm-up thread (0.11 s for a 64 MiB shard against 0.03 s; 8 MiB: 0.045 s)
-SPLIT_SLICE_BYTES = 8 << 20
+#: a keyframe shard's passes (hashes, then fingerprints) go this much at a time: a few calls per shard, each of which
+#: releases the GIL; in 1 MiB slices the first shard's hashes waited on the GIL for every slice while numba was
+#: imported on the warm-up thread (0.11 s for a 64 MiB shard against 0.03 s alone; in 8 MiB slices 0.045 s)
+HASH_SLICE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -197,15 +196,12 @@ class ShardPieces:
     size: int
     digest: str | None  # ALG:HEX when asked for
     pieces: tuple[memoryview, ...]
-    fps: dict[str, int]  # each tensor's fingerprint
 
 
-def shard_pieces(tensors: Mapping[str, HostTensor], *, digest: bool, slice_bytes: int = HASH_SLICE_BYTES,
-                 fingerprints: bool = True) -> ShardPieces:
-    """The shard of ``tensors`` as pieces, with its blob id, digest (``digest=True``) and tensor fingerprints
-    from one pass over its bytes, ``slice_bytes`` at a time (each slice hashed, digested and summed while
-    it is in cache). Copies nothing. ``fingerprints=False``: no fingerprints (``fps`` is empty; the pass needs
-    no compiled kernel: :func:`shard_fingerprints` sums them apart)."""
+def shard_pieces(tensors: Mapping[str, HostTensor], *, digest: bool, slice_bytes: int = HASH_SLICE_BYTES) -> ShardPieces:
+    """The shard of ``tensors`` as pieces, with its blob id and digest (``digest=True``) from one pass over its
+    bytes, ``slice_bytes`` at a time. Copies nothing, and needs no compiled kernel (the fingerprints are
+    :func:`shard_fingerprints`'s)."""
     layout = {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
     header, offsets = build_header(layout)
     order = sorted(tensors, key=lambda n: offsets[n])
@@ -215,26 +211,20 @@ def shard_pieces(tensors: Mapping[str, HostTensor], *, digest: bool, slice_bytes
     if dh is not None:
         dh.update(header)
     pieces = [memoryview(header)]
-    fps: dict[str, int] = {}
     for name in order:
-        t = tensors[name]
-        sums = []
-        for at, lanes, piece in _slices(t, slice_bytes):
+        for _, _, piece in _slices(tensors[name], slice_bytes):
             xh.update(piece)
             if dh is not None:
                 dh.update(piece)
-            if fingerprints:
-                sums.append(host_lanes_sum(lanes, at))
-        if fingerprints:
-            fps[name] = fingerprint_from_lane_sums(sums, host_lanes(t).size)
-        pieces.append(memoryview(t.words).cast("B") if t.words.size else memoryview(b""))
+        words = tensors[name].words
+        pieces.append(memoryview(words).cast("B") if words.size else memoryview(b""))
     size = sum(len(p) for p in pieces)
     return ShardPieces(id=xh.hexdigest(), size=size, digest=dh.digest() if dh is not None else None,
-                       pieces=tuple(pieces), fps=fps)
+                       pieces=tuple(pieces))
 
 
 def shard_fingerprints(tensors: Mapping[str, HostTensor], *, slice_bytes: int = HASH_SLICE_BYTES) -> dict[str, int]:
-    """Each tensor's fingerprint, ``slice_bytes`` at a time (what :func:`shard_pieces` sums in its pass)."""
+    """Each tensor's fingerprint, its lanes summed ``slice_bytes`` at a time."""
     return {name: fingerprint_from_lane_sums([host_lanes_sum(lanes, at) for at, lanes, _ in _slices(t, slice_bytes)],
                                              host_lanes(t).size)
             for name, t in tensors.items()}
@@ -252,18 +242,16 @@ def _slices(t: HostTensor, slice_bytes: int):
 async def _publish_pieces(client: HttpClient, state: Mapping[str, HostTensor], groups: list[list[str]], *,
                           digest: bool, fps: dict[str, int], where: dict[str, str], refs: list[BlobRef],
                           concurrency: int = 2) -> None:
-    """Hash the shards on a pool (slices in cache, GIL released by the hashers and kernels) while the
-    ones already hashed upload; nothing is copied, so memory is the mapped file's pages. The fingerprints
-    are summed apart, after the hashes on the same pool: an upload needs only its shard's id, so the first
-    one starts without waiting for the compiled kernels (numba's import, ~0.2 s of a cold ``publish``)."""
+    """Hash the shards on a pool (GIL released by the hashers and kernels) while the ones already hashed
+    upload; nothing is copied, so memory is the mapped file's pages. The fingerprints are summed apart, after
+    the hashes on the same pool: an upload needs only its shard's id, so the first one starts without waiting
+    for the compiled kernels (numba's import, ~0.2 s of a cold ``publish``, on the warm-up thread)."""
     loop = asyncio.get_running_loop()
     sem = asyncio.Semaphore(max(1, concurrency))
     with _pool() as pool:
-        hashed = [loop.run_in_executor(pool, lambda g=g: shard_pieces({n: state[n] for n in g}, digest=digest,
-                                                                      fingerprints=False, slice_bytes=SPLIT_SLICE_BYTES))
+        hashed = [loop.run_in_executor(pool, lambda g=g: shard_pieces({n: state[n] for n in g}, digest=digest))
                   for g in groups]
-        summed = [loop.run_in_executor(pool, lambda g=g: shard_fingerprints({n: state[n] for n in g},
-                                                                            slice_bytes=SPLIT_SLICE_BYTES))
+        summed = [loop.run_in_executor(pool, lambda g=g: shard_fingerprints({n: state[n] for n in g}))
                   for g in groups]
 
         async def send(k: int) -> ShardPieces:
@@ -283,6 +271,7 @@ async def _publish_pieces(client: HttpClient, state: Mapping[str, HostTensor], g
         for n in group:
             fps.setdefault(n, got[n])
             where[n] = sp.id
+
 
 async def publish_keyframe(client: HttpClient, *, model: str, version: int,
                            state: Mapping[str, torch.Tensor | HostTensor], signer: Signer | None,
