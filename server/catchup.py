@@ -184,9 +184,15 @@ class CatchupBuilder:
         self.store.lease(ids)
         try:
             for bid in ids:
+                # the bytes a squash reads are checked as those a child is served are (store.py: rehashed when
+                # not verified lately, after a restart say): a damaged copy is dropped and fetched again
+                if (self.store.has_blob(bid) and self.store.needs_verify(bid)
+                        and not await self.store.verify_cached(bid)):
+                    self.metrics.inc("corrupt_dropped")
                 if not self.store.has_blob(bid):
                     if self.fetcher is None:
-                        raise ChainError(f"blob {bid} of the chain is missing from the store")
+                        raise ChainError(f"blob {bid} of the chain is missing from the store (or failed its hash "
+                                         "check there)")
                     await self.fetcher.ensure(bid, timeout=self.fetch_timeout)
             async with self._cpu:
                 blobs = {bid: await self.store.get_blob(bid) for bid in ids}

@@ -6,7 +6,7 @@
 is answered from memory (versions.py for manifests, retention.py ``BlobLedger`` for
 blobs); only bytes go to the byte layer. Whatever the byte layer lists at start is
 trusted to be what it claims, except that every blob is rehashed before it is first
-served (``needs_verify``). Used from the event loop only.
+served or squashed (``needs_verify``). Used from the event loop only.
 
 Size budget: complete blobs are kept in least-recently-used order. Making room
 evicts the oldest blobs that are neither pinned (referenced by the newest

@@ -179,3 +179,40 @@ async def test_a_relay_rechecks_manifests_it_serves_from_disk_and_refetches_bad_
             assert (await metrics(s, r.url))["deltasync_upstream_failovers_total"] == 0
     finally:
         assert stop_all(r, o) == [0, 0], [r.log()[-3000:], o.log()[-3000:]]
+
+
+async def test_a_restarted_relay_rechecks_the_blobs_a_squash_reads_and_refetches_a_damaged_one(tmp_path):
+    """A squash reads its chain's blobs from the relay's disk: after a restart they are rehashed first, as a
+    blob served to a child is, so one damaged on disk (same size, other bytes) is dropped and fetched again
+    and the squashed delta is the origin's, byte for byte (it used to be built from the damaged bytes)."""
+    from deltasync.client.publisher import Publisher
+    from deltasync.manifest import parse_manifest
+    from deltasync.testing.trace import ModelShape, RLTrace
+    from server_fixtures import fetch_squash, wait_head
+
+    o = origin(tmp_path, "o", "--no-fsync", key=True)
+    r = relay(tmp_path, "r", [o.url], "--no-fsync", key=True)
+    start_all(o, r)
+    try:
+        trace = RLTrace(ModelShape(vocab=256, hidden=32, layers=2, ffn=64), lr=1e-4, seed=5)
+        with Publisher(o.url, "sq", TOKEN, KEY, keyframe_every=0) as p:
+            for v in range(4):
+                p.publish(v, {k: t.clone() for k, t in trace.step().items()})
+            p.flush(60)
+        async with session() as s:
+            await wait_head(s, r.url, "sq", 3)
+            async with s.get(f"{o.url}/v1/models/sq/versions/2") as resp:
+                m2 = parse_manifest(await resp.read())
+        assert stop_all(r) == [0]
+        victim = tmp_path / "r" / "blobs" / m2.blobs[0].id[:2] / m2.blobs[0].id
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))  # same size, one byte changed
+        start_all(r)
+        got = await fetch_squash(r.url, "sq", 0, 3)
+        assert got == await fetch_squash(o.url, "sq", 0, 3)
+        async with session() as s:
+            assert (await metrics(s, r.url))["deltasync_corrupt_dropped_total"] == 1
+        assert victim.read_bytes() != bytes(data)  # fetched again
+    finally:
+        assert stop_all(r, o) == [0, 0], [r.log()[-3000:], o.log()[-3000:]]
