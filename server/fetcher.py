@@ -174,8 +174,8 @@ class BlobFetcher:
         fetch = _Fetch(blob, self._expected.get(blob.id), digests=self.check_digests)
         try:
             blob.part = await self.store.open_partial(blob.id)
-            if fetch.expected is not None:
-                self._size_from_manifest(fetch)
+            if fetch.expected is not None:  # the manifest in hand gives the size: no parent's answer awaited
+                self._hold(fetch, fetch.expected.size)
 
             def again(e: BaseException) -> bool:
                 return isinstance(e, (UpstreamError, IntegrityError))
@@ -216,15 +216,16 @@ class BlobFetcher:
                 del self._inflight[blob.id]
             blob.finish()
 
-    def _size_from_manifest(self, fetch: _Fetch) -> None:
-        """A blob of a manifest in hand has its size before any parent answers: room is made and reserved for
-        it now, so the version can be announced and a child's request joins the fetch at once (it is told the
-        size, and gets bytes as they arrive); a parent's answer of another size is refused (``_sink``)."""
-        blob, size = fetch.blob, fetch.expected.size
+    def _hold(self, fetch: _Fetch, size: int) -> None:
+        """Make room for the blob, reserve and preallocate it, then tell readers its size (in that order: our disk
+        must hold it before any reader hears a size). A blob of a manifest in hand is held when its fetch starts,
+        so the version can be announced and a child's request joins the fetch before any parent answers (a
+        parent's answer of another size is then refused in ``_sink``); any other blob on its first answer."""
+        blob = fetch.blob
         self.store.reserve(size)
         fetch.reserved = size
         if hasattr(blob.part, "preallocate"):
-            blob.part.preallocate(size)
+            blob.part.preallocate(size)  # posix_fallocate: quick
         blob.set_size(size)
 
     async def _round(self, fetch: _Fetch) -> str:
@@ -333,11 +334,7 @@ class BlobFetcher:
         if expected is not None and total != expected.size:
             raise UpstreamError(f"{parent} says blob {blob.id} has {total} bytes; its manifest says {expected.size}")
         if blob.size is None:
-            self.store.reserve(total)
-            fetch.reserved = total
-            if hasattr(blob.part, "preallocate"):  # our disk must hold it before any reader hears a size
-                blob.part.preallocate(total)  # posix_fallocate: quick, and the size is not announced before it
-            blob.set_size(total)
+            self._hold(fetch, total)
         elif total != blob.size:
             if fetch.provisional:
                 raise _SizeConflict(f"{parent} says blob {blob.id} has {total} bytes, another parent said "
