@@ -183,6 +183,9 @@ def register(subparsers) -> None:
                    help="read tokens its children must send (lines 'read MODEL TOKEN'); default: reads are open")
     r.add_argument("--read-token-file", type=Path, metavar="F", help="the read token this relay sends its parents")
     r.add_argument("--ca-file", type=Path, metavar="PEM", help="trust only these CAs for https parents")
+    r.add_argument("--no-hinted-fetch", action="store_true",
+                   help="fetch a blob only when a version names it or a child asks, not when the parent hints "
+                        "that it is receiving it (an upload in progress)")
     r.set_defaults(func=run_relay)
 
 
@@ -259,7 +262,8 @@ def run_relay(args) -> int:
                               ca_file=args.ca_file,
                               retention=args.retention, fsync=not args.no_fsync, timeouts=_timeouts(args),
                               s3_endpoint=args.s3_endpoint,
-                              bucket_poll=1.0 if args.bucket_poll is None else args.bucket_poll, **_limits(args))
+                              bucket_poll=1.0 if args.bucket_poll is None else args.bucket_poll,
+                              hinted_fetch=not args.no_hinted_fetch, **_limits(args))
     except (OSError, ValueError, DeltaSyncError) as e:
         print(f"deltasync relay: {e}", file=sys.stderr)
         return 2

@@ -68,6 +68,7 @@ class ServerConfig:
     store_kind: str = "disk"  # "disk" | "memory" (tests: nothing survives a restart) | "s3"
     bucket: BucketSettings | None = None  # the s3 store's bucket (origin), see BucketSettings
     bucket_poll: float = 1.0  # relay: seconds between polls of a bucket parent's heads.json
+    hinted_fetch: bool = True  # relay: fetch a blob the parent hints it is receiving (server/prefetch.py)
     s3_endpoint: str | None = None  # S3 API endpoint of s3:// stores and parents (None: AWS)
     timeouts: Timeouts = field(default_factory=Timeouts)
     limits: ServerLimits = field(default_factory=ServerLimits)  # what clients may hold (server/connections.py)

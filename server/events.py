@@ -8,6 +8,12 @@ by the core (``deltasync.sse``: ``format_event``, ``SSEDecoder``).
 An event's data is the version summary (``VersionInfo.event()``) and, when the
 manifest is at most ``INLINE_MANIFEST_MAX`` bytes, the manifest itself under
 ``"manifest"``: a follower then starts fetching blobs without another round trip.
+
+A *hint* (``EventHub.hint``) goes only to streams of every model (``/v1/events``, what relays
+follow): a ``blob`` event, ``{"id": ..., "size": ...}``, when the origin starts receiving a large
+upload (or a relay starts fetching one it was hinted). It names no version and promises nothing; a
+relay may start fetching the blob at once (the origin serves an upload while it arrives, see
+intake.py), so that when the version naming it is committed its bytes are already on the way.
 """
 
 from __future__ import annotations
@@ -41,10 +47,18 @@ def event_payload(info: VersionInfo, manifest: bytes | None) -> bytes:
     return base[:-1] + b',"manifest":' + manifest + b"}"
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hint:
+    """A blob on its way in (an upload or a hinted fetch): the ``blob`` event's JSON data."""
+
+    blob_id: str
+    payload: bytes
+
+
 class Subscription:
     def __init__(self, model: str | None, size: int) -> None:
         self.model = model  # None: every model
-        self.queue: asyncio.Queue[Announcement | None] = asyncio.Queue(maxsize=size)
+        self.queue: asyncio.Queue[Announcement | Hint | None] = asyncio.Queue(maxsize=size)
         self.dropped = False
 
 
@@ -82,6 +96,17 @@ class EventHub:
         ev = self._changed.pop(info.model, None)
         if ev is not None:
             ev.set()
+
+    def hint(self, blob_id: str, size: int) -> None:
+        """Tell the streams of every model (relays) that blob ``blob_id`` of ``size`` bytes is arriving."""
+        hint = Hint(blob_id=blob_id, payload=json.dumps({"id": blob_id, "size": size}, separators=(",", ":")).encode())
+        for sub in list(self._subs):
+            if sub.model is not None:
+                continue
+            try:
+                sub.queue.put_nowait(hint)
+            except asyncio.QueueFull:
+                self._drop(sub)
 
     def _drop(self, sub: Subscription) -> None:
         """Cut off a subscriber that stopped reading: empty its queue and leave only the end marker."""

@@ -23,7 +23,10 @@ another size makes the fetch start over (``InflightBlob.restart``: children told
 the old size are cut off) with the liar put down. On a relay holding a verify key,
 the BLAKE3/SHA-256 digest of the signed manifest is checked with the xxh3 before
 the last byte goes to any child or the blob into the cache; a relay without a key
-relays on xxh3 alone.
+relays on xxh3 alone. A blob fetched before any manifest in hand names it (a child asked for it by
+id, or the parent hinted it: ``get(hinted=True)``) is hashed with the default digest as well, and the
+result is kept (``UNCHECKED_MAX`` newest): when a signed manifest names the blob, ``check_stored``
+compares, and a blob that is not the signed one is dropped and fetched again.
 
 A blob no parent has is remembered for ``NEGATIVE_TTL`` seconds (the newest
 ``NEGATIVE_MAX`` ids): asking for it again in that time is answered 404 at once, not
@@ -43,7 +46,7 @@ from collections import OrderedDict
 import aiohttp
 
 from deltasync.blob import check_blob_id
-from deltasync.digest import DigestHasher, parse_digest
+from deltasync.digest import DEFAULT_DIGEST, DigestHasher, blob_digest, parse_digest
 from deltasync.errors import (
     DeltaSyncError,
     IntegrityError,
@@ -73,6 +76,7 @@ NEGATIVE_MAX = 4096
 #: a received piece is written and hashed in slices of this size (they stay in the core's L2 cache)
 SLICE = 256 << 10
 EXPECTED_MAX = 1 << 16  # blob refs of manifests in hand kept for fetches (newest)
+UNCHECKED_MAX = 4096  # digests kept of blobs fetched before a signed manifest named them (newest)
 
 
 class BlobFetcher:
@@ -88,6 +92,8 @@ class BlobFetcher:
         self._closed = False
         self._missing: OrderedDict[str, float] = OrderedDict()  # blob id -> when the negative entry expires
         self._expected: OrderedDict[str, BlobRef] = OrderedDict()  # blob id -> its ref in a manifest in hand
+        #: blob id -> the digest of the copy stored, for blobs no signed manifest had named when they were fetched
+        self._unchecked: OrderedDict[str, str] = OrderedDict()
         #: digests are checked only when manifests were verified (the relay holds a key)
         self.check_digests = upstream.key is not None
         #: why the last fetch could not be stored (our disk full), until a blob is stored again; /healthz shows it
@@ -129,9 +135,30 @@ class BlobFetcher:
         while len(self._expected) > EXPECTED_MAX:
             self._expected.popitem(last=False)
 
-    def get(self, blob_id: str) -> tuple[InflightBlob, bool]:
+    async def check_stored(self, ref: BlobRef) -> bool:
+        """Whether the stored copy of ``ref``'s blob is the one its (verified) manifest signs, when this relay
+        fetched it before any manifest named it; one that is not is dropped (the caller fetches it again)."""
+        found = self._unchecked.pop(ref.id, None)
+        if found is None or not self.check_digests or ref.digest is None:
+            return True
+        alg = parse_digest(ref.digest)[0]
+        if parse_digest(found)[0] != alg:  # signed with another algorithm than the one computed: reread
+            try:
+                found = await asyncio.to_thread(blob_digest, await self.store.get_blob(ref.id), alg)
+            except (OSError, DeltaSyncError):
+                return not self.store.has_blob(ref.id)  # gone meanwhile: the caller fetches it
+        if found == ref.digest:
+            return True
+        self.metrics.inc("hash_failures")
+        log.error("blob %s: the stored copy hashes to %s but a signed manifest says %s (crafted bytes that share "
+                  "its id); dropped, refetching", ref.id, found, ref.digest)
+        self.store.drop_blob(ref.id)
+        return False
+
+    def get(self, blob_id: str, *, hinted: bool = False) -> tuple[InflightBlob, bool]:
         """The blob's fetch, started if needed; the flag says whether this call started it. NotFoundError at
-        once for a blob no parent had moments ago (the negative cache)."""
+        once for a blob no parent had moments ago (the negative cache). ``hinted``: a fetch the parent's
+        ``blob`` hint started (no reader waits on it): a parent that has no such blob is not remembered."""
         blob = self._inflight.get(blob_id)
         if blob is not None:
             return blob, False
@@ -144,7 +171,7 @@ class BlobFetcher:
         blob = InflightBlob(check_blob_id(blob_id))
         self._inflight[blob_id] = blob
         self.metrics.inc("upstream_fetches")
-        task = asyncio.get_running_loop().create_task(self._run(blob), name=f"fetch-{blob_id}")
+        task = asyncio.get_running_loop().create_task(self._run(blob, hinted), name=f"fetch-{blob_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return blob, True
@@ -168,7 +195,7 @@ class BlobFetcher:
         self._getter.close()
 
     # -- the fetch -----------------------------------------------------------------------
-    async def _run(self, blob: InflightBlob) -> None:
+    async def _run(self, blob: InflightBlob, hinted: bool = False) -> None:
         started = time.monotonic()
         timeline.info("mono=%.6f fetch-start %s", started, blob.id)
         fetch = _Fetch(blob, self._expected.get(blob.id), digests=self.check_digests)
@@ -187,6 +214,11 @@ class BlobFetcher:
                                  again=again, on_retry=on_retry)
             blob.verified = True
             blob.progress()
+            if fetch.digest is not None and not fetch.digest_checked:  # no signed manifest named it yet
+                self._unchecked[blob.id] = fetch.digest.digest()  # before the commit makes it stored
+                self._unchecked.move_to_end(blob.id)
+                while len(self._unchecked) > UNCHECKED_MAX:
+                    self._unchecked.popitem(last=False)
             await blob.part.commit()
             self.storage_error = None
             timeline.info("mono=%.6f fetch-stored %s", time.monotonic(), blob.id)
@@ -197,13 +229,15 @@ class BlobFetcher:
             raise
         except DeltaSyncError as e:
             blob.fail(e)
-            if isinstance(e, StorageError):  # our own disk, not the parent's fault (it is not marked down)
-                self.storage_error = str(e)
-                self.metrics.inc("storage_errors")
-            if isinstance(e, NotFoundError):
+            if hinted:  # only a parent's hint wanted it (a version naming it fetches it again)
+                log.info("hinted blob %s: not fetched: %s", blob.id, e)
+            elif isinstance(e, NotFoundError):
                 self.remember_missing(blob.id)
             else:
                 log.error("blob %s: giving up: %s", blob.id, e)
+            if isinstance(e, StorageError) and not hinted:  # our own disk, not the parent's fault
+                self.storage_error = str(e)
+                self.metrics.inc("storage_errors")
         except asyncio.TimeoutError:
             blob.fail(UpstreamTimeout(f"every parent timed out sending blob {blob.id}"))
             log.error("blob %s: giving up: every parent timed out", blob.id)
@@ -237,7 +271,7 @@ class BlobFetcher:
                                                  rotate=fetch.rotate, on_failure=lambda p, e: self._failed(fetch, p))
         try:
             blob.part.verify()
-            fetch.check_digest()
+            fetch.check_digest(self._expected.get(blob.id))
         except IntegrityError as e:
             self.metrics.inc("hash_failures")
             senders = fetch.senders or [parent]
@@ -390,7 +424,7 @@ class _Fetch:
     """What one blob's fetch carries from round to round."""
 
     __slots__ = ("blob", "reserved", "rotate", "expected", "senders", "digest", "_alg",
-                 "size_suspect")
+                 "size_suspect", "digest_checked")
 
     def __init__(self, blob: InflightBlob, expected: BlobRef | None, *, digests: bool) -> None:
         self.blob = blob
@@ -399,8 +433,13 @@ class _Fetch:
         self.expected = expected  # the blob's ref in a manifest in hand: its size is the size
         self.senders: list[str] = []  # parents that sent bytes of the current copy
         self.size_suspect = False  # the copy hashed to the id before the announced end
-        self._alg = parse_digest(expected.digest)[0] if digests and expected is not None and expected.digest else None
+        # a relay holding a key hashes every fetch: with the manifest's algorithm, or (no manifest names the
+        # blob yet) the default one, compared when a manifest does (``BlobFetcher.check_stored``)
+        self._alg: str | None = None
+        if digests:
+            self._alg = parse_digest(expected.digest)[0] if expected is not None and expected.digest else DEFAULT_DIGEST
         self.digest: DigestHasher | None = None
+        self.digest_checked = False
         self.new_digest()
 
     @property
@@ -411,14 +450,21 @@ class _Fetch:
     def new_digest(self) -> None:
         self.digest = DigestHasher(self._alg) if self._alg is not None else None
 
-    def check_digest(self) -> None:
-        """IntegrityError unless the copy hashes to the signed manifest's digest (when it is checked)."""
+    def check_digest(self, ref: BlobRef | None) -> None:
+        """IntegrityError unless the copy hashes to the signed manifest's digest (when it is checked):
+        the manifest in hand when the fetch started, else ``ref`` (one that came meanwhile), when its
+        algorithm is the one computed; ``digest_checked`` says whether a comparison was made."""
+        self.digest_checked = False
         if self.digest is None:
             return
+        ref = self.expected or ref
+        if ref is None or ref.digest is None or parse_digest(ref.digest)[0] != self._alg:
+            return
         found = self.digest.digest()
-        if found != self.expected.digest:
+        if found != ref.digest:
             raise IntegrityError(f"blob {self.blob.id}: bytes hash to {found} but the signed manifest says "
-                                 f"{self.expected.digest} (crafted or corrupted bytes)")
+                                 f"{ref.digest} (crafted or corrupted bytes)")
+        self.digest_checked = True
 
 
 def _body_range(resp: aiohttp.ClientResponse, offset: int) -> tuple[int, int]:

@@ -12,6 +12,14 @@ carry a cryptographic digest of every blob, and each must match the stored bytes
 digest is computed while the upload streams in (kept for the blobs of recent uploads)
 or, for an older blob, by rereading it. A blob whose bytes do not match is refused
 (422 integrity), so the origin never serves a version whose blobs are not the signed ones.
+
+An upload of ``HINT_MIN`` bytes or more with a ``Content-Length`` is servable while it arrives: it
+is registered as an ``InflightBlob`` (inflight.py, the relay fetch's cut-through) and announced to
+the streams of every model as a ``blob`` hint (events.py). A relay that follows this origin may
+then fetch it at once; it receives the bytes as they are written, and the last byte only once the
+whole upload hashed to its id (a failed or cut upload aborts those responses: the relay sees a
+truncated transfer). A version is still committed only when its blobs are stored: the hint lets
+the relays' copies of a keyframe start with its upload instead of after its commit.
 """
 
 from __future__ import annotations
@@ -29,12 +37,14 @@ from deltasync.errors import (
     MissingBlobsError,
     StorageError,
     TooLargeError,
+    UnavailableError,
 )
 from deltasync.digest import DEFAULT_DIGEST, DigestHasher, blob_digest, parse_digest
 from deltasync.manifest import Manifest, parse_manifest
 from deltasync.signing import Verifier
 
 from .events import EventHub
+from .inflight import InflightBlob
 from .metrics import Metrics
 from .blobstore import BlobStore
 from .versions import VersionInfo
@@ -46,6 +56,8 @@ timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps: b
 class Intake:
     #: digests of this many recent uploads are kept for the commit check (older blobs are reread)
     DIGEST_MEMORY = 4096
+    #: uploads at least this long (with a declared size) are hinted to relays and servable while they arrive
+    HINT_MIN = 1 << 20
 
     def __init__(self, *, store: BlobStore, hub: EventHub, metrics: Metrics, key: Verifier | bytes | None,
                  max_blob_size: int) -> None:
@@ -56,6 +68,11 @@ class Intake:
         self.max_blob_size = max_blob_size
         self._locks: dict[str, asyncio.Lock] = {}
         self._digests: dict[str, str] = {}  # blob id -> DEFAULT_DIGEST of its uploaded bytes (insertion order)
+        self._inflight: dict[str, InflightBlob] = {}  # uploads being received that readers may follow
+
+    def inflight(self, blob_id: str) -> InflightBlob | None:
+        """The upload of ``blob_id`` being received now, when it is servable while it arrives."""
+        return self._inflight.get(blob_id)
 
     async def put_blob(self, blob_id: str, body: AsyncIterator[bytes], *, declared: int | None) -> tuple[int, bool]:
         """Store an uploaded blob; returns (size, created). Nothing is kept unless every check passes."""
@@ -88,7 +105,14 @@ class Intake:
         except OSError as e:
             raise StorageError(f"cannot store blob {blob_id}: {e.strerror or e}") from e
         timeline.info("mono=%.6f upload-start %s", time.monotonic(), blob_id)
-        return Upload(self, blob_id, part, declared)
+        up = Upload(self, blob_id, part, declared)
+        if declared is not None and declared >= self.HINT_MIN and blob_id not in self._inflight:
+            blob = up.blob = InflightBlob(blob_id)
+            blob.part = part
+            blob.set_size(declared)
+            self._inflight[blob_id] = blob
+            self.hub.hint(blob_id, declared)
+        return up
 
     async def commit(self, model: str, version: int, body: bytes) -> tuple[VersionInfo, bool]:
         """Commit a version; returns (info, created). Re-sending a committed manifest is a no-op."""
@@ -158,7 +182,7 @@ class Upload:
     when the origin holds a key) and written as it comes (``feed``: synchronous, so a receive callback can
     call it with a view of its buffer); ``finish`` checks and stores it; ``close`` drops what is left."""
 
-    __slots__ = ("intake", "blob_id", "part", "declared", "hasher")
+    __slots__ = ("intake", "blob_id", "part", "declared", "hasher", "blob", "stored")
 
     def __init__(self, intake: Intake, blob_id: str, part, declared: int | None) -> None:
         self.intake = intake
@@ -166,6 +190,8 @@ class Upload:
         self.part = part
         self.declared = declared
         self.hasher = DigestHasher(DEFAULT_DIGEST) if intake.key is not None else None
+        self.blob: InflightBlob | None = None  # readers follow it while it arrives (``Intake.HINT_MIN``)
+        self.stored = False
 
     @property
     def written(self) -> int:
@@ -182,6 +208,8 @@ class Upload:
             raise StorageError(f"storing blob {self.blob_id} failed after {self.part.written} bytes "
                                f"({e.strerror or e}); nothing was kept") from e
         self.intake.metrics.inc("bytes_in", len(chunk))
+        if self.blob is not None:
+            self.blob.progress()
 
     async def finish(self) -> tuple[int, bool]:
         intake, part, blob_id = self.intake, self.part, self.blob_id
@@ -192,6 +220,9 @@ class Upload:
         except IntegrityError:
             intake.metrics.inc("hash_failures")
             raise
+        if self.blob is not None:
+            self.blob.verified = True  # readers may send the last byte
+            self.blob.progress()
         intake.store.make_room(part.written)
         try:
             await part.commit()
@@ -204,8 +235,19 @@ class Upload:
         intake.metrics.inc("uploads")
         timeline.info("mono=%.6f upload-stored %s", time.monotonic(), blob_id)
         log.info("stored blob %s (%d bytes)", blob_id, part.written)
+        self.stored = True
         return part.written, True
 
     def close(self) -> None:
-        self.part.close()
+        """Drop what is left; readers following an upload that was not stored see their response cut off."""
+        blob = self.blob
+        if blob is None:
+            self.part.close()
+            return
+        if self.intake._inflight.get(self.blob_id) is blob:
+            del self.intake._inflight[self.blob_id]
+        if not self.stored:
+            blob.verified = False  # a copy stored nowhere: nobody gets its last byte
+            blob.fail(UnavailableError(f"the upload of blob {self.blob_id} did not complete"))
+        blob.finish()  # the file is closed once the last reader detached
 

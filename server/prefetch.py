@@ -17,6 +17,15 @@ cool-down is over and it answers. On every
 (re)connect the parent first sends each model's head, so versions committed while
 disconnected are caught up: the relay walks back from the parent's head through
 the parent links to what it already has (at most ``retention`` versions).
+
+A ``blob`` hint on the stream (the parent started receiving a large blob: an upload at the origin,
+or a hinted fetch at a relay) starts a fetch of that blob at once, at most ``HINTED_MAX`` at a time
+and only when the blob fits the cache beside what is pinned: the fetch follows the parent's copy
+as it arrives (cut-through), and this relay hints its own children in turn. When the version
+naming the blob comes, its blob is stored or on its way already. The hint is a parent's word
+only: the blob must still hash to its id, its size is the first answer's (provisional until a
+manifest gives it), and, on a relay holding a key, its digest is compared with the signed
+manifest's once one names it (``BlobFetcher.check_stored``).
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ import logging
 import time
 
 
-from deltasync.errors import DeltaSyncError, NotFoundError, UpstreamError, UpstreamTimeout
+from deltasync.errors import DeltaSyncError, FormatError, NotFoundError, UpstreamError, UpstreamTimeout
+from deltasync.blob import BLOB_ID_RE
 from deltasync.manifest import MODEL_RE, Manifest, parse_manifest
 from deltasync.retry import RETRY_BACKOFF, describe, retry
 from deltasync.sse import SSEDecoder
@@ -42,10 +52,15 @@ from .upstream import NETWORK_ERRORS, Upstream
 log = logging.getLogger("deltasync.server.prefetch")
 timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps: benchmarks/step_timeline.py
 
+#: hinted fetches running at once (more hints meanwhile are ignored: the version's own fetch gets those blobs)
+HINTED_MAX = 8
+
 
 class Prefetcher:
     def __init__(self, *, store: DiskStore, catalog: Catalog, upstream: Upstream, fetcher: BlobFetcher,
-                 hub: EventHub, metrics: Metrics, timeouts: Timeouts, retention: int, concurrency: int = 8) -> None:
+                 hub: EventHub, metrics: Metrics, timeouts: Timeouts, retention: int, concurrency: int = 8,
+                 hinted_fetch: bool = True) -> None:
+        self.hinted_fetch = hinted_fetch  # act on the parent's ``blob`` hints
         self.store = store
         self.catalog = catalog
         self.upstream = upstream
@@ -63,6 +78,7 @@ class Prefetcher:
         self._wake: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task] = set()
         self.following: str | None = None
+        self._hinted: set = set()  # InflightBlobs of the hinted fetches still running
 
     def start(self) -> None:
         self._spawn(self._follow_forever(), "prefetch-follow")
@@ -144,11 +160,42 @@ class Prefetcher:
                 if not chunk:  # a parent's stream never ends while it runs: a cut one is that parent's fault
                     raise UpstreamError(f"the event stream of {parent} ended")
                 for ev in decoder.feed(chunk):
-                    if ev.event in ("head", "version"):
+                    if ev.event == "blob":
+                        try:
+                            self.hinted(ev.json())
+                        except FormatError as e:
+                            log.warning("ignoring a blob hint from %s: %s", parent, e)
+                    elif ev.event in ("head", "version"):
                         data = ev.json()
                         model, version = data.get("model"), data.get("version")
                         if isinstance(model, str) and MODEL_RE.match(model) and isinstance(version, int):
                             self.want(model, version, data.get("manifest"), head=ev.event == "head")
+
+    def hinted(self, data: object) -> None:
+        """The parent is receiving a blob (its ``blob`` hint): start fetching it, when there is room."""
+        if not self.hinted_fetch or not isinstance(data, dict):
+            return
+        blob_id, size = data.get("id"), data.get("size")
+        if not (isinstance(blob_id, str) and BLOB_ID_RE.match(blob_id) and isinstance(size, int) and size >= 0):
+            log.warning("ignoring a malformed blob hint from the parent: %r", data)
+            return
+        self._hinted = {b for b in self._hinted if not b.finished}
+        if (self.store.has_blob(blob_id) or self.fetcher.inflight(blob_id) is not None
+                or len(self._hinted) >= HINTED_MAX):
+            return
+        budget = self.store.budget
+        if budget is not None and size > budget - self.store.pinned_bytes:
+            log.debug("hinted blob %s (%d bytes) does not fit beside what is pinned; not fetched", blob_id, size)
+            return
+        try:
+            blob, started = self.fetcher.get(blob_id, hinted=True)
+        except DeltaSyncError as e:  # shutting down, or the negative cache
+            log.debug("hinted blob %s: %s", blob_id, e)
+            return
+        if started:
+            timeline.info("mono=%.6f hinted %s", time.monotonic(), blob_id)
+            self._hinted.add(blob)
+            self.hub.hint(blob_id, size)  # our children may follow our copy in turn
 
     # -- syncing models --------------------------------------------------------------------
     def want(self, model: str, version: int, manifest: dict | None = None, *, head: bool = False) -> None:
@@ -246,7 +293,7 @@ class Prefetcher:
         self.fetcher.expect(m.blobs)  # sizes (and, verified, digests) a parent's answer must match
         waits = []
         for b in m.blobs:
-            if self.store.has_blob(b.id):
+            if self.store.has_blob(b.id) and await self.fetcher.check_stored(b):
                 self.store.touch(b.id)
                 continue
             started: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -35,7 +35,7 @@ from deltasync.manifest import MAX_VERSION, MODEL_RE, parse_manifest
 
 from .compat import timeout as timeout_after
 from .connections import UploadPace
-from .events import INLINE_MANIFEST_MAX, event_payload, format_event
+from .events import INLINE_MANIFEST_MAX, Hint, event_payload, format_event
 from .inflight import InflightBlob
 from .ranges import etag_matches, if_range_allows, parse_range
 from .sendfile import send_blob_range
@@ -224,6 +224,14 @@ async def get_blob(request: web.Request) -> web.StreamResponse:
             return await _send_blob(request, svc, blob_id, reader.size, body, cache="hit")
         finally:
             reader.close()
+    if svc.intake is not None and (up := svc.intake.inflight(blob_id)) is not None:
+        svc.metrics.inc("cache_misses")
+        up.attach()  # an upload arriving now: its bytes as they are written (cut-through), the last once verified
+        try:
+            return await _send_blob(request, svc, blob_id, up.size, _inflight_body(request, svc, up, up.size),
+                                    cache="upload")
+        finally:
+            up.detach()
     if svc.fetcher is None:
         raise NotFoundError(f"blob {blob_id} is not on this origin")
     svc.metrics.inc("cache_misses")
@@ -540,6 +548,9 @@ async def _stream_events(request: web.Request, model: str | None, after: int | N
                 continue
             if ann is None:
                 break
+            if isinstance(ann, Hint):
+                await _write(resp, format_event("blob", ann.payload), t.write)
+                continue
             info = ann.info
             if info.version <= sent.get(info.model, -1):
                 continue

@@ -68,7 +68,8 @@ async def open_services(config: ServerConfig) -> Services:
     catalog = Catalog(store=store, upstream=upstream)
     if upstream is not None and fetcher is not None:
         prefetcher = Prefetcher(store=store, catalog=catalog, upstream=upstream, fetcher=fetcher, hub=hub,
-                                metrics=metrics, timeouts=t, retention=config.retention)
+                                metrics=metrics, timeouts=t, retention=config.retention,
+                                hinted_fetch=config.hinted_fetch)
     catchup = CatchupBuilder(store=store, catalog=catalog, fetcher=fetcher, metrics=metrics, key=config.key,
                              max_chain=config.max_squash_chain, fetch_timeout=t.read * 4,
                              budget=_squash_budget(config))

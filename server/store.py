@@ -366,6 +366,11 @@ class IndexedStore:
         head = self.head(key[0])
         return head is None or key[1] > head  # stored, not announced yet: it may join the window
 
+    def drop_blob(self, blob_id: str) -> None:
+        """Forget a stored blob that must not be served (it is fetched again when wanted)."""
+        if blob_id in self._ledger:
+            self._drop_blob(blob_id)
+
     def _drop_blob(self, blob_id: str) -> None:
         self._verified.pop(blob_id, None)
         self._ledger.drop(blob_id)

@@ -23,9 +23,11 @@ def origin_config(*, store_kind: str = "disk", store_dir: Path | None = None, **
                         key=KEY, fsync=False, timeouts=FAST, **kw)
 
 
-def relay_config(parents: list[str], *, store_kind: str = "disk", store_dir: Path | None = None, **kw) -> ServerConfig:
+def relay_config(parents: list[str], *, store_kind: str = "disk", store_dir: Path | None = None,
+                 hinted_fetch: bool = False, **kw) -> ServerConfig:
+    """A relay's config; ``hinted_fetch`` off unless asked for (see server_fixtures.relay)."""
     return ServerConfig(role="relay", host="127.0.0.1", port=0, store_kind=store_kind, store_dir=store_dir,
-                        parents=tuple(parents), key=KEY, fsync=False, timeouts=FAST, **kw)
+                        parents=tuple(parents), key=KEY, fsync=False, timeouts=FAST, hinted_fetch=hinted_fetch, **kw)
 
 
 @contextlib.asynccontextmanager

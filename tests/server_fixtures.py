@@ -133,8 +133,13 @@ def origin(workdir: Path, name: str = "origin", *extra: str, key: bool = False) 
     return ServerProc("origin", workdir, name, args)
 
 
-def relay(workdir: Path, name: str, parents: list[str], *extra: str, key: bool = False) -> ServerProc:
+def relay(workdir: Path, name: str, parents: list[str], *extra: str, key: bool = False,
+          hints: bool = False) -> ServerProc:
+    """A relay process. ``hints``: act on the parent's upload hints (the production default); off here so that
+    a test's blob uploaded to the origin is fetched only when the test asks for it or a version names it."""
     args = ["--cache", str(workdir / name), "--heartbeat", "1", "--read-timeout", "5", *extra]
+    if not hints:
+        args.append("--no-hinted-fetch")
     for p in parents:
         args += ["--parent", p]
     if key:
