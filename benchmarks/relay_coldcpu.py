@@ -57,7 +57,9 @@ async def _run(size: int, runs: int, key: bool, pyspy: str | None, relay_args: t
             extra += ["--key-file", str(work / "key")]
         o = origin(work, TOKEN)
         start(o)
-        r = relay(work, "relay", [o.url], *extra)
+        # --no-hinted-fetch: each round uploads its blob first and counts the relay's CPU from the read on
+        # (bench_relay's "hinted" case counts a relay that copies the upload, from before it)
+        r = relay(work, "relay", [o.url], "--no-hinted-fetch", *extra)
         start(r)
         if before is not None:
             rb = _relay_with(before, work, "relay-before", [o.url], *extra)

@@ -79,7 +79,7 @@ _HTTP_CODES = {400: "format", 401: "unauthorized", 404: "not_found", 405: "metho
 
 
 #: set on a request whose body ``uploadrecv`` took past aiohttp's parser: its connection closes after the answer
-_BODY_TAKEN = "deltasync.body_taken"
+_BODY_TAKEN = web.RequestKey("deltasync.body_taken", bool) if hasattr(web, "RequestKey") else "deltasync.body_taken"
 
 
 @web.middleware

@@ -229,3 +229,22 @@ def test_hint_payload_is_compact_json():
     hub.hint("ab" * 16, 5)
     assert json.loads(every.queue.get_nowait().payload) == {"id": "ab" * 16, "size": 5}
     assert one.queue.empty()  # a model's stream (subscribers) never sees hints
+
+
+async def test_a_hint_travels_down_a_chain_of_relays(tmp_path):
+    """A relay that starts a hinted fetch hints its own children: the second tier follows the first tier's
+    copy of an upload that is still arriving."""
+    bid, data = make_blob(6 << 20, 37)
+    async with serving(origin_config(store_dir=tmp_path / "o")) as (o_url, o_svc), \
+            serving(relay_config([o_url], store_dir=tmp_path / "r1", hinted_fetch=True)) as (r1_url, r1_svc), \
+            serving(relay_config([r1_url], store_dir=tmp_path / "r2", hinted_fetch=True)) as (r2_url, r2_svc), \
+            session() as s:
+        await wait_for(lambda: _true(o_svc.hub.subscribers >= 1 and r1_svc.hub.subscribers >= 1), 10,
+                       what="the chain to follow its parents")
+        up = HeldUpload(s, o_url, bid, data, first=2 << 20)
+        await wait_for(lambda: _true(r2_svc.fetcher.inflight(bid) is not None), 10, what="the second tier's fetch")
+        assert not o_svc.store.has_blob(bid)  # the upload is still held
+        up.release()
+        assert await up.task == 201
+        await wait_for(lambda: _true(r2_svc.store.has_blob(bid)), 10, what="the second tier's copy")
+        assert r2_svc.metrics.get("upstream_fetches") == 1 and r1_svc.metrics.get("upstream_fetches") == 1
