@@ -10,11 +10,15 @@ Layout under the store directory::
 
 Every file is written under tmp/, fsynced, renamed into place and its directory
 fsynced, so a crash leaves either the old state or the new one, never half a file.
-The one exception is a relay's manifests (``durable_manifests=False``): they are
-renamed into place without fsync so announcing a version never waits on the disk;
-after a power loss a torn one fails to parse at start, is skipped, and is fetched
-from the parent again. A blob is renamed into blobs/ only after its bytes hashed to
-its id. The slow parts (fsync, creating files, rehashing) run in a worker thread;
+The exceptions are a relay's manifests and blobs (``durable_manifests=False``,
+``durable_blobs=False``): a relay's store is a cache of its parents, so they are
+renamed into place without fsync (announcing a version never waits on the disk, and
+a cold relay spends no CPU on writeback it does not need); after a power loss a torn
+manifest fails to parse at start, is skipped, and is fetched from the parent again,
+and a torn blob (short, or zeros where its pages never reached the disk) fails the
+rehash every blob found at start gets before it is first served (store.py), is
+dropped and fetched again. A blob is renamed into blobs/ only after its bytes hashed
+to its id. The slow parts (fsync, creating files, rehashing) run in a worker thread;
 small manifest reads stay on the loop (they come from the page cache).
 
 Readers and growing blobs are ``FileBacked``: routes send them with ``os.sendfile``.
@@ -167,7 +171,8 @@ _HELD_LOCKS: dict[str, int] = {}
 class DiskFiles:
     """``BlobFiles`` over a directory (layout in the module docstring)."""
 
-    def __init__(self, root: Path, *, fsync: bool = True, durable_manifests: bool = True) -> None:
+    def __init__(self, root: Path, *, fsync: bool = True, durable_manifests: bool = True,
+                 durable_blobs: bool = True) -> None:
         self.root = Path(root)
         self.blob_dir = self.root / "blobs"
         self.tmp_dir = self.root / "tmp"
@@ -175,6 +180,7 @@ class DiskFiles:
         self.squash_dir = self.root / "squash"
         self.fsync = fsync
         self.durable_manifests = durable_manifests and fsync
+        self.durable_blobs = durable_blobs and fsync
         self._lock_fd: int | None = None
         #: set by the store: evicts for a blob write that met ENOSPC, returns the bytes freed
         self.on_full = None
@@ -277,11 +283,11 @@ class DiskFiles:
         final = self.blob_path(part.id)
 
         def work() -> None:
-            if self.fsync:
+            if self.durable_blobs:
                 os.fsync(part.fd)
             final.parent.mkdir(exist_ok=True)
             os.replace(part.path, final)
-            if self.fsync:
+            if self.durable_blobs:
                 fsync_dir(final.parent)
 
         await asyncio.to_thread(work)

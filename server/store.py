@@ -475,9 +475,11 @@ class DiskStore(IndexedStore):
     files: DiskFiles
 
     def __init__(self, root: Path, *, budget: int | None = None, retention: int = 16, fsync: bool = True,
-                 durable_manifests: bool = True, on_evict: Callable[[int, int], None] | None = None,
+                 durable_manifests: bool = True, durable_blobs: bool = True,
+                 on_evict: Callable[[int, int], None] | None = None,
                  prune_history: bool = False, orphan_grace: float | None = None) -> None:
-        super().__init__(DiskFiles(root, fsync=fsync, durable_manifests=durable_manifests), budget=budget,
+        super().__init__(DiskFiles(root, fsync=fsync, durable_manifests=durable_manifests,
+                                   durable_blobs=durable_blobs), budget=budget,
                          retention=retention, on_evict=on_evict, prune_history=prune_history,
                          orphan_grace=orphan_grace)
         self.root = Path(root)
