@@ -67,12 +67,14 @@ async def _first_hint(s: aiohttp.ClientSession, url: str, timeout: float = 10.0)
     raise AssertionError("no blob event")
 
 
-@pytest.mark.parametrize("size", [6 << 20, 2 << 20], ids=["direct", "aiohttp"])
-async def test_an_upload_is_hinted_and_served_while_it_arrives(tmp_path, size):
+@pytest.mark.parametrize("size,store", [(6 << 20, "disk"), (2 << 20, "disk"), (6 << 20, "memory")],
+                         ids=["direct", "aiohttp", "memory-store"])
+async def test_an_upload_is_hinted_and_served_while_it_arrives(tmp_path, size, store):
     """A large upload is announced on /v1/events as a ``blob`` hint and can be read from the origin while it
     arrives: the bytes written so far come at once, the last only when the whole blob hashed to its id."""
     bid, data = make_blob(size, 31)
-    async with serving(origin_config(store_dir=tmp_path / "o")) as (url, svc), session() as s:
+    cfg = origin_config(store_dir=tmp_path / "o") if store == "disk" else origin_config(store_kind="memory")
+    async with serving(cfg) as (url, svc), session() as s:
         hint = asyncio.create_task(_first_hint(s, url))
         await asyncio.sleep(0.2)  # the stream is open before the upload starts
         up = HeldUpload(s, url, bid, data, first=size // 2)
