@@ -202,9 +202,10 @@ async def _single(work: Path, s, o, size: int, runs: int) -> dict[str, tuple[flo
     prefetches it when the version is announced, its size known from the manifest; the reader joins that
     fetch); ``"hinted"``, the same version with the relay following the origin's upload hints (the
     deployed default: it copies the blob while it is uploaded, and the reader asks once the version is
-    announced). The first two run on a relay started with ``--no-hinted-fetch``, the third on one started
-    for its round (so it sees no other round's hints). Each run is counted from before the upload until the
-    reader has every byte and the relay's copy is committed (its fsync and rename included)."""
+    announced). The first two run on a relay started with ``--no-hinted-fetch``; the third on a relay and an
+    origin of its own, started for its round (a relay following an origin that holds other versions would
+    prefetch them first, and the first relay would prefetch the hinted rounds' versions). Each run is counted
+    from before the upload until the reader has every byte and the relay's copy is committed."""
     plain = relay(work, "single", [o.url], "--no-hinted-fetch")
     start(plain)
     best: dict[str, tuple[float, float]] = {}
@@ -212,10 +213,13 @@ async def _single(work: Path, s, o, size: int, runs: int) -> dict[str, tuple[flo
     try:
         for i in range(runs):
             for j, (case, published) in enumerate(cases):  # interleaved: the load drifts
-                r = plain
+                r, ro, rdir = plain, o, work / "single"
                 if case == "hinted":
-                    r = relay(work, f"hinted{i}", [o.url])
-                    start(r)
+                    own = work / f"hinted{i}"
+                    own.mkdir()
+                    ro = origin(own, TOKEN)
+                    r, rdir = relay(own, "relay", [ro.url]), own / "relay"
+                    start(ro, r)
                     await asyncio.sleep(0.5)  # following the origin's events
                 bid, data = _data(size, 900 + 10 * i + j)
                 # the hinted case: a model of its own per round (its fresh relay catches up on no older version)
@@ -223,14 +227,14 @@ async def _single(work: Path, s, o, size: int, runs: int) -> dict[str, tuple[flo
                 m = _manifest(model, version, None, [(bid, data)]) if published else None
                 await asyncio.to_thread(os.sync)
                 c0 = _cpu_split([r])
-                await _put_blob(s, o.url, bid, data)
+                await _put_blob(s, ro.url, bid, data)
                 del data
                 if m is not None:  # the relay prefetches the announced version; the reader joins that fetch
-                    await _put_manifest(s, o.url, m)
+                    await _put_manifest(s, ro.url, m)
                     await _head(r.url, version - 1, model)  # announced: a subscriber would ask now
                 got = await http_get(r.url, f"/v1/blobs/{bid}")
                 assert got.status == 200 and got.nbytes == size and got.digest == bid, (case, got.status, got.nbytes)
-                stored = work / r.name / "blobs" / bid[:2] / bid  # counted until the relay's copy is committed
+                stored = rdir / "blobs" / bid[:2] / bid  # counted until the relay's copy is committed
                 for _ in range(600):
                     if stored.exists():
                         break
@@ -239,7 +243,7 @@ async def _single(work: Path, s, o, size: int, runs: int) -> dict[str, tuple[flo
                 if case not in best or u + k < sum(best[case]):
                     best[case] = (u, k)
                 if r is not plain:
-                    stop(r)
+                    stop(r, ro)
     finally:
         stop(plain)
     return best
@@ -582,7 +586,16 @@ async def _run(quick: bool) -> str:
             await asyncio.to_thread(os.sync)
             lo["aiohttp_floor"] = await _aiohttp_floor(work, s, o, chain_size)
             await asyncio.to_thread(os.sync)
-            fan = await _fanout(work, s, o, (16 if quick else 64) * MiB, 8, 8)
+            # A fresh origin for the fan-out too: its relays would otherwise prefetch the earlier scenarios'
+            # versions (the single-relay rounds' keyframes) while its cold round is timed.
+            fan_work = work / "fan"
+            fan_work.mkdir()
+            o1 = origin(fan_work, TOKEN)
+            start(o1)
+            try:
+                fan = await _fanout(fan_work, s, o1, (16 if quick else 64) * MiB, 8, 8)
+            finally:
+                stop(o1)
             await asyncio.to_thread(os.sync)
             # A fresh origin: relays prefetch every model their parent has, and the fan-out keyframe
             # would otherwise share the WAN links with the versions being timed.
