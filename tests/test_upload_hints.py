@@ -250,3 +250,25 @@ async def test_a_hint_travels_down_a_chain_of_relays(tmp_path):
         assert await up.task == 201
         await wait_for(lambda: _true(r2_svc.store.has_blob(bid)), 10, what="the second tier's copy")
         assert r2_svc.metrics.get("upstream_fetches") == 1 and r1_svc.metrics.get("upstream_fetches") == 1
+
+
+async def test_a_hinted_blob_that_does_not_fit_the_cache_is_not_fetched(tmp_path):
+    """A relay fetches a hinted blob only when it fits its --cache-size beside what is pinned: a larger one waits
+    for a version that names it (a smaller one hinted after it is fetched, so the first hint was seen)."""
+    big_id, big = make_blob(6 << 20, 38)
+    small_id, small = make_blob(2 << 20, 39)
+    async with serving(origin_config(store_dir=tmp_path / "o")) as (o_url, o_svc), \
+            serving(relay_config([o_url], store_dir=tmp_path / "r", hinted_fetch=True, cache_size=4 << 20)
+                    ) as (r_url, r_svc), session() as s:
+        await wait_for(lambda: _true(o_svc.hub.subscribers >= 1), 10, what="the relay to follow the origin")
+        up_big = HeldUpload(s, o_url, big_id, big, first=1 << 20)
+        await up_big.sent.wait()
+        up_small = HeldUpload(s, o_url, small_id, small, first=1 << 20)
+        await wait_for(lambda: _true(r_svc.fetcher.inflight(small_id) is not None or r_svc.store.has_blob(small_id)),
+                       10, what="the small hinted blob's fetch")
+        assert r_svc.fetcher.inflight(big_id) is None and not r_svc.store.has_blob(big_id)
+        up_big.release()
+        up_small.release()
+        assert await up_big.task == 201 and await up_small.task == 201
+        await wait_for(lambda: _true(r_svc.store.has_blob(small_id)), 10, what="the small blob's copy")
+        assert r_svc.metrics.get("upstream_fetches") == 1
