@@ -43,6 +43,8 @@ _COUNTERS: dict[str, str] = {
     "send_aborts": "Blob responses aborted (client too slow or gone, upstream failed mid-stream).",
     "storage_errors": "Blob fetches that our own disk could not hold (answered 507; the parent is not blamed).",
     "negative_hits": "Blob requests answered 404 from the negative cache (no parent had it moments ago).",
+    "hinted_fetches": "Blob fetches a relay started on its parent's upload hint, before a version named the blob.",
+    "upload_reads": "Blob requests an origin answered from an upload still arriving (cut-through).",
 }
 
 

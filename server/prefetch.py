@@ -193,6 +193,7 @@ class Prefetcher:
             log.debug("hinted blob %s: %s", blob_id, e)
             return
         if started:
+            self.metrics.inc("hinted_fetches")
             timeline.info("mono=%.6f hinted %s", time.monotonic(), blob_id)
             self._hinted.add(blob)
             self.hub.hint(blob_id, size)  # our children may follow our copy in turn

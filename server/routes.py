@@ -225,7 +225,7 @@ async def get_blob(request: web.Request) -> web.StreamResponse:
         finally:
             reader.close()
     if svc.intake is not None and (up := svc.intake.inflight(blob_id)) is not None:
-        svc.metrics.inc("cache_misses")
+        svc.metrics.inc("upload_reads")
         up.attach()  # an upload arriving now: its bytes as they are written (cut-through), the last once verified
         try:
             return await _send_blob(request, svc, blob_id, up.size, _inflight_body(request, svc, up, up.size),

@@ -91,6 +91,7 @@ async def test_an_upload_is_hinted_and_served_while_it_arrives(tmp_path, size, s
         assert got == data
         assert await up.task == 201
         assert svc.store.has_blob(bid) and svc.intake.inflight(bid) is None
+        assert svc.metrics.get("upload_reads") == 1
 
 
 async def test_a_cut_upload_cuts_its_readers_and_leaves_nothing(tmp_path):
@@ -152,7 +153,8 @@ async def test_a_relay_fetches_a_hinted_upload_before_its_version_is_committed(t
         await wait_head(s, q_url, "hinted", 0)
         async with s.get(f"{r_url}/v1/blobs/{bid}") as resp:
             assert resp.headers["X-Deltasync-Cache"] == "hit" and await resp.read() == data
-        assert r_svc.metrics.get("upstream_fetches") == 1
+        assert r_svc.metrics.get("upstream_fetches") == 1 and r_svc.metrics.get("hinted_fetches") == 1
+        assert q_svc.metrics.get("hinted_fetches") == 0
 
 
 async def test_a_hinted_blob_that_is_never_uploaded_costs_nothing_later(tmp_path):
