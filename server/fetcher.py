@@ -220,6 +220,9 @@ class BlobFetcher:
                 while len(self._unchecked) > UNCHECKED_MAX:
                     self._unchecked.popitem(last=False)
             await blob.part.commit()
+            ref = self._expected.get(blob.id)
+            if ref is not None and blob.id in self._unchecked:  # a manifest naming it came while it was stored
+                await self.check_stored(ref)
             self.storage_error = None
             timeline.info("mono=%.6f fetch-stored %s", time.monotonic(), blob.id)
             log.info("blob %s: %d bytes from %s in %.2f s", blob.id, blob.part.written, parent,

@@ -274,3 +274,35 @@ async def test_a_hinted_blob_that_does_not_fit_the_cache_is_not_fetched(tmp_path
         assert await up_big.task == 201 and await up_small.task == 201
         await wait_for(lambda: _true(r_svc.store.has_blob(small_id)), 10, what="the small blob's copy")
         assert r_svc.metrics.get("upstream_fetches") == 1
+
+
+async def test_a_manifest_that_comes_while_the_copy_is_being_stored_is_still_checked(tmp_path):
+    """The same check when the signed manifest arrives between the copy's hash check and its move into the cache
+    (the fetch compares once the copy is stored)."""
+    bid, data = make_blob(2 << 20, 40)
+    m = keyframe("late", 0, [(bid, data)], key=None).with_digests({bid: b"the signed bytes"}).sign(PUBLISHER)
+    o_cfg = ServerConfig(role="origin", host="127.0.0.1", port=0, store_kind="disk", store_dir=tmp_path / "o",
+                         token=TOKEN, fsync=False, timeouts=FAST)
+    async with serving(o_cfg) as (o_url, _), serving(_verified_relay(tmp_path, o_url)) as (r_url, r_svc), \
+            session() as s:
+        files = r_svc.store.files
+        adopt, gate, adopting = files.adopt, asyncio.Event(), asyncio.Event()
+
+        async def held_adopt(part):
+            adopting.set()
+            await gate.wait()
+            await adopt(part)
+        files.adopt = held_adopt
+        async with s.put(f"{o_url}/v1/blobs/{bid}", data=data, headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+            assert r.status == 201
+        async with s.get(f"{r_url}/v1/blobs/{bid}") as resp:  # by id alone; served once it hashed to its id
+            assert await resp.read() == data
+        await asyncio.wait_for(adopting.wait(), 10)
+        async with s.put(f"{o_url}/v1/models/late/versions/0", data=m.to_json(),
+                         headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}) as r:
+            assert r.status == 201
+        await wait_for(lambda: _true("late" in r_svc.store.models), 10, what="the relay to take the manifest")
+        gate.set()
+        await wait_for(lambda: _true(r_svc.metrics.get("hash_failures") >= 1), 10,
+                       what="the relay to find the stored copy is not the signed one")
+        assert not r_svc.store.has_blob(bid) or r_svc.fetcher.inflight(bid) is not None
