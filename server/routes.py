@@ -225,13 +225,8 @@ async def get_blob(request: web.Request) -> web.StreamResponse:
         finally:
             reader.close()
     if svc.intake is not None and (up := svc.intake.inflight(blob_id)) is not None:
-        svc.metrics.inc("upload_reads")
-        up.attach()  # an upload arriving now: its bytes as they are written (cut-through), the last once verified
-        try:
-            return await _send_blob(request, svc, blob_id, up.size, _inflight_body(request, svc, up, up.size),
-                                    cache="upload")
-        finally:
-            up.detach()
+        svc.metrics.inc("upload_reads")  # an upload arriving now: cut-through, the last byte once it is verified
+        return await _send_inflight(request, svc, up, cache="upload")
     if svc.fetcher is None:
         raise NotFoundError(f"blob {blob_id} is not on this origin")
     svc.metrics.inc("cache_misses")
@@ -250,10 +245,15 @@ async def get_blob(request: web.Request) -> web.StreamResponse:
     blob, started = svc.fetcher.get(blob_id)
     if not started:
         svc.metrics.inc("coalesced")
+    return await _send_inflight(request, svc, blob, cache="miss")
+
+
+async def _send_inflight(request: web.Request, svc: Services, blob: InflightBlob, *, cache: str) -> web.StreamResponse:
+    """A blob still arriving (a relay's fetch, an origin's upload), sent as its bytes come."""
     blob.attach()
     try:
         size = await blob.wait_size(svc.config.timeouts.first_byte)
-        return await _send_blob(request, svc, blob_id, size, _inflight_body(request, svc, blob, size), cache="miss")
+        return await _send_blob(request, svc, blob.id, size, _inflight_body(request, svc, blob, size), cache=cache)
     finally:
         blob.detach()
 
