@@ -439,8 +439,10 @@ class _Fetch:
         # a relay holding a key hashes every fetch: with the manifest's algorithm, or (no manifest names the
         # blob yet) the default one, compared when a manifest does (``BlobFetcher.check_stored``)
         self._alg: str | None = None
-        if digests:
-            self._alg = parse_digest(expected.digest)[0] if expected is not None and expected.digest else DEFAULT_DIGEST
+        if digests and expected is None:
+            self._alg = DEFAULT_DIGEST
+        elif digests and expected.digest:  # a manifest without digests (HMAC, format 1): xxh3 only, as before
+            self._alg = parse_digest(expected.digest)[0]
         self.digest: DigestHasher | None = None
         self.digest_checked = False
         self.new_digest()
