@@ -108,7 +108,8 @@ def _open_store(config: ServerConfig, metrics: Metrics) -> BlobStore:
         return MemoryStore(budget=config.cache_size, retention=config.retention, on_evict=on_evict,
                            prune_history=not config.is_origin, orphan_grace=ORPHAN_GRACE if config.is_origin else None)
     return DiskStore(config.store_dir, budget=config.cache_size, retention=config.retention, fsync=config.fsync,
-                     durable_manifests=config.is_origin, durable_blobs=config.is_origin, on_evict=on_evict, prune_history=not config.is_origin,
+                     durable_manifests=config.is_origin, durable_blobs=config.is_origin, on_evict=on_evict,
+                     prune_history=not config.is_origin,
                      orphan_grace=ORPHAN_GRACE if config.is_origin else None)
 
 
