@@ -188,7 +188,7 @@ async def test_a_restarted_relay_rechecks_the_blobs_a_squash_reads_and_refetches
     from deltasync.client.publisher import Publisher
     from deltasync.manifest import parse_manifest
     from deltasync.testing.trace import ModelShape, RLTrace
-    from server_fixtures import fetch_squash, wait_head
+    from server_fixtures import fetch_squash, wait_for, wait_head
 
     o = origin(tmp_path, "o", "--no-fsync", key=True)
     r = relay(tmp_path, "r", [o.url], "--no-fsync", key=True)
@@ -203,8 +203,13 @@ async def test_a_restarted_relay_rechecks_the_blobs_a_squash_reads_and_refetches
             await wait_head(s, r.url, "sq", 3)
             async with s.get(f"{o.url}/v1/models/sq/versions/2") as resp:
                 m2 = parse_manifest(await resp.read())
-        assert stop_all(r) == [0]
         victim = tmp_path / "r" / "blobs" / m2.blobs[0].id[:2] / m2.blobs[0].id
+        # a relay announces a version once its blob fetch has started, so the head alone does not say the
+        # blob is in the cache yet: wait until the copy is committed before stopping the relay
+        async def cached():
+            return victim.exists()
+        await wait_for(cached, 30, what="the relay to cache v2's blob")
+        assert stop_all(r) == [0]
         data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 0xFF
         victim.write_bytes(bytes(data))  # same size, one byte changed
