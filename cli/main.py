@@ -18,7 +18,7 @@ from .run import run_command
 # Subcommand groups: module -> the commands its register(subparsers) adds (tests/test_cli_lazy* pins the table).
 # The server and client groups are optional packages; a group whose module is absent is left out.
 _GROUPS: dict[str, tuple[str, ...]] = {
-    "deltasync.cli.offline": ("diff", "replay", "squash", "inspect", "verify"),
+    "deltasync.cli.offline": ("diff", "replay", "squash", "inspect", "verify", "compile-kernels"),
     "deltasync.cli.keys": ("keygen",),
     "deltasync.server.cli": ("origin", "relay"),
     "deltasync.client.cli": ("publish", "subscribe", "sidecar"),

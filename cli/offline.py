@@ -1,4 +1,4 @@
-"""Offline commands: diff, replay, squash, inspect, verify (files only, no network).
+"""Offline commands: diff, replay, squash, inspect, verify (files only, no network), and compile-kernels.
 
 ``diff`` reads both files as :class:`~deltasync.dtypes.HostTensor` words over their maps and never
 imports torch (``tests/test_diff_cli.py``); the other commands import what they need when they run."""
@@ -68,6 +68,27 @@ def register(sub) -> None:
     p.add_argument("--key-file")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("compile-kernels",
+                       help="compile the CPU kernels into numba's on-disk cache (once per install: ~1 min here; "
+                            "later processes only load them)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_compile_kernels)
+
+
+def cmd_compile_kernels(args) -> int:
+    """:func:`deltasync.precompile.compile_kernels`, one line per dtype; where numba's cache is."""
+    from deltasync import kernels
+    from deltasync.precompile import compile_kernels
+
+    t0 = time.perf_counter()
+    done = compile_kernels(None if args.quiet else (lambda line: say(args, line)))
+    if done == 0:
+        say(args, f"nothing to compile: the {kernels.active()} kernels are selected (DELTASYNC_KERNELS)")
+        return 0
+    where = os.environ.get("NUMBA_CACHE_DIR") or "__pycache__ beside deltasync's modules"
+    say(args, f"compiled kernels ready for {done} dtypes in {time.perf_counter() - t0:.1f} s (numba's cache: {where})")
+    return 0
 
 
 def cmd_diff(args) -> int:
