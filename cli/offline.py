@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -79,15 +80,21 @@ def register(sub) -> None:
 def cmd_compile_kernels(args) -> int:
     """:func:`deltasync.precompile.compile_kernels`, one line per dtype; where numba's cache is."""
     from deltasync import kernels
-    from deltasync.precompile import compile_kernels
+    from deltasync.precompile import cache_dirs, compile_kernels
 
-    t0 = time.perf_counter()
-    done = compile_kernels(None if args.quiet else (lambda line: say(args, line)))
-    if done == 0:
+    if kernels.cpu_kernels() is None:
         say(args, f"nothing to compile: the {kernels.active()} kernels are selected (DELTASYNC_KERNELS)")
         return 0
-    where = os.environ.get("NUMBA_CACHE_DIR") or "__pycache__ beside deltasync's modules"
-    say(args, f"compiled kernels ready for {done} dtypes in {time.perf_counter() - t0:.1f} s (numba's cache: {where})")
+    where = cache_dirs()
+    if not where:
+        print("deltasync compile-kernels: error: numba has no writeable cache directory here (the package's "
+              "__pycache__ is read-only): set NUMBA_CACHE_DIR to a directory the processes that run deltasync can "
+              "write, here and in their environment", file=sys.stderr)
+        return 1
+    t0 = time.perf_counter()
+    done = compile_kernels(None if args.quiet else (lambda line: say(args, line)))
+    say(args, f"compiled kernels ready for {done} dtypes in {time.perf_counter() - t0:.1f} s "
+              f"(numba's cache: {', '.join(where)})")
     return 0
 
 

@@ -58,6 +58,22 @@ def compile_kernels(report: Callable[[str], None] | None = None) -> int:
     return len(names)
 
 
+def cache_dirs() -> list[str]:
+    """Where numba keeps the compiled kernels (one directory per module that defines some); empty where
+    numba found no writeable cache location and compiles in memory, once per process."""
+    from . import conditioned, rans
+
+    k = kernels.cpu_kernels()
+    if k is None:
+        return []
+    out = []
+    for fn in (k.lanes_sum, rans.chunk_symbols, conditioned.chunk_ranks):
+        path = getattr(getattr(fn, "_cache", None), "_cache_path", None)  # numba's NullCache has none
+        if path is not None and path not in out:
+            out.append(path)
+    return out
+
+
 def _known(name: str) -> bool:
     try:
         dtype_info(name)

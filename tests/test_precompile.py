@@ -22,9 +22,6 @@ from deltasync.cli.cluster import LocalCluster
 from deltasync.tensorfile import read_state_file, write_state_file
 from core_support import same_state
 
-# long: a cold compile of every kernel (~1 min on 2 cores); `make test-long` (which .ci/run also runs)
-pytestmark = pytest.mark.long
-
 KEY = bytes(range(3, 35))
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int32)
 
@@ -59,6 +56,8 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return r
 
 
+# long: a cold compile of every kernel (~1 min on 2 cores); `make test-long` (which .ci/run also runs)
+@pytest.mark.long
 def test_after_compile_kernels_the_cli_flows_compile_nothing(tmp_path, monkeypatch):
     cache = tmp_path / "numba-cache"
     cache.mkdir()
@@ -104,3 +103,31 @@ def test_after_compile_kernels_the_cli_flows_compile_nothing(tmp_path, monkeypat
     after = _snapshot(cache)
     changed = sorted(k for k in after if compiled.get(k) != after[k])
     assert not changed, f"compiled after compile-kernels (a signature it does not run): {changed}"
+
+
+def test_the_cache_dirs_are_where_numba_writes(tmp_path, monkeypatch):
+    from deltasync import kernels
+    from deltasync.precompile import cache_dirs
+
+    if kernels.cpu_kernels() is None:
+        pytest.skip("the reference kernels are selected")
+    dirs = cache_dirs()
+    assert len(dirs) == 2 and all(Path(d).is_dir() for d in dirs), dirs  # kernels/ and the codec's modules
+
+
+def test_compile_kernels_without_a_writeable_cache_says_what_to_set(monkeypatch, capsys):
+    """numba compiles in memory where it cannot write a cache: the command would then keep nothing, so it
+    refuses, naming NUMBA_CACHE_DIR, before compiling anything."""
+    import argparse
+
+    import deltasync.precompile as precompile
+    from deltasync import kernels
+    from deltasync.cli.offline import cmd_compile_kernels
+
+    if kernels.cpu_kernels() is None:
+        pytest.skip("the reference kernels are selected")
+    monkeypatch.setattr(precompile, "cache_dirs", lambda: [])
+    monkeypatch.setattr(precompile, "compile_kernels", lambda report=None: pytest.fail("compiled anyway"))
+    assert cmd_compile_kernels(argparse.Namespace(quiet=False)) == 1
+    err = capsys.readouterr().err
+    assert "no writeable cache directory" in err and "NUMBA_CACHE_DIR" in err
