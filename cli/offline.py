@@ -133,14 +133,15 @@ def cmd_diff(args) -> int:
     prog.done()
     from deltasync.deltafile import write_delta_file
 
-    manifest = enc.manifest
+    words = sum(t.words for t in enc.manifest.tensors)
+    count = len(enc.manifest.tensors)
+    manifest = enc.manifest.compact()  # format 3 (docs/FORMAT.md §5.3)
     signer = signer_from_file(args.key_file)
     if signer is not None:
         manifest = manifest.sign(signer)
     size = write_delta_file(args.out, manifest, enc.blobs)
     dt = time.perf_counter() - t0
-    words = sum(t.words for t in manifest.tensors)
-    say(args, f"{args.out}: {len(manifest.tensors)} tensors, {manifest.changed_words:,} of {words:,} words changed "
+    say(args, f"{args.out}: {count} tensors, {manifest.changed_words:,} of {words:,} words changed "
               f"({100 * manifest.changed_words / max(words, 1):.3f}%), {size:,} bytes, ratio {raw / max(size, 1):.1f}x "
               f"vs {raw:,} raw bytes, {dt:.2f} s")
     return 0
@@ -324,10 +325,20 @@ def cmd_verify(args) -> int:
             bad.append(f"{t.name}: missing")
         elif dtype_info(have.dtype).name != t.dtype or tuple(have.shape) != t.shape:
             bad.append(f"{t.name}: {dtype_info(have.dtype).name} {tuple(have.shape)}, expected {t.dtype} {t.shape}")
-        elif fp_hex(fps[t.name]) != want:
+        elif want is not None and fp_hex(fps[t.name]) != want:
             bad.append(f"{t.name}: fingerprint {fp_hex(fps[t.name])}, expected {want}")
-    extra = sorted(set(state) - {t.name for t in m.tensors})
-    bad += [f"{n}: not in v{want_version}" for n in extra]
+    if m.format >= 3 and m.kind == "delta":
+        # format 3 lists only the tensors the delta changes: the state fingerprint covers the rest
+        from deltasync.fingerprint import state_fingerprint_of
+
+        want_fp = m.state_fp_before if args.base else m.state_fp
+        have_fp = state_fingerprint_of(state, fps)
+        if not bad and have_fp != want_fp:
+            bad.append(f"state fingerprint {have_fp}, expected {want_fp} (a tensor the delta does not change "
+                       "differs, or the tensor set does)")
+    else:
+        extra = sorted(set(state) - {t.name for t in m.tensors})
+        bad += [f"{n}: not in v{want_version}" for n in extra]
     if bad:
         print(f"MISMATCH: {args.state} is not v{want_version} of {m.model!r}; {len(bad)} tensor(s) differ:")
         for line in bad[:20]:

@@ -290,7 +290,9 @@ class ShardedApplier:
         if m.kind != "delta":
             raise FormatError(f"v{m.version} is a {m.kind}, not a delta")
         recs = {r.name: r for r in m.tensors}
-        if set(recs) != set(self.map.stream):
+        # format 3 lists only the tensors a delta changes (the others' fingerprints are covered by the signed
+        # state fingerprints, which LiveState checks); format 2 lists them all
+        if not set(recs) <= set(self.map.stream) or (m.format < 3 and set(recs) != set(self.map.stream)):
             missing, extra = sorted(set(self.map.stream) - set(recs)), sorted(set(recs) - set(self.map.stream))
             raise BaseMismatchError(f"v{m.version}: the stream's tensors differ from the engine's map "
                                     f"(engine only: {missing[:5]}, stream only: {extra[:5]})")
@@ -298,11 +300,12 @@ class ShardedApplier:
             dt, shape = self.map.stream[name]
             if (rec.dtype, tuple(rec.shape)) != (dt, tuple(shape)):
                 raise BaseMismatchError(f"{name}: delta is {rec.dtype} {rec.shape}, the engine serves {dt} {shape}")
-            if name not in fps or fp_hex(fps[name]) != rec.fp_before:
+            if name not in fps or (rec.fp_before is not None and fp_hex(fps[name]) != rec.fp_before):
                 raise BaseMismatchError(f"{name}: tracked fingerprint {fp_hex(fps.get(name, 0))} is not the delta's "
                                         f"base {rec.fp_before} (not at v{m.parent}; resync from a keyframe)")
         for a, p in self.map.aliases.items():
-            if (recs[a].fp_before, recs[a].fp_after) != (recs[p].fp_before, recs[p].fp_after):
+            ra, rp = recs.get(a), recs.get(p)
+            if (ra is None) != (rp is None) or (ra is not None and (ra.fp_before, ra.fp_after) != (rp.fp_before, rp.fp_after)):
                 raise BaseMismatchError(f"{a} is tied to {p} in the engine but the delta changes them differently")
 
     def _vote(self, m: Manifest | None, fps: Mapping[str, int], undo: list, err: BaseException | None,

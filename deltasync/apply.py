@@ -236,7 +236,7 @@ def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Map
                 f"{rec.name}: target is {dtype_info(t.dtype).name} {tuple(t.shape)}, delta expects {rec.dtype} {rec.shape}")
         if rec.name not in fps:
             raise BaseMismatchError(f"{rec.name}: no tracked fingerprint for it; scrub the target first")
-        if fp_hex(fps[rec.name]) != rec.fp_before:
+        if rec.fp_before is not None and fp_hex(fps[rec.name]) != rec.fp_before:  # format 3: the state check below
             raise BaseMismatchError(
                 f"{rec.name}: target fingerprint {fp_hex(fps[rec.name])} is not the delta's base {rec.fp_before} "
                 f"(state is not v{manifest.parent}; already applied, or diverged: resync from a keyframe)")
@@ -296,8 +296,10 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
     check_base(manifest, tensors, fps)
     aliases = find_aliases(tensors)
     for alias, primary in aliases.items():
-        a, p = records[alias], records[primary]
-        if (a.fp_before, a.fp_after) != (p.fp_before, p.fp_after):
+        a, p = records.get(alias), records.get(primary)
+        if a is None and p is None:
+            continue  # neither changes (format 3 lists only changed tensors)
+        if a is None or p is None or (a.fp_before, a.fp_after) != (p.fp_before, p.fp_after):
             raise BaseMismatchError(
                 f"{alias} shares memory with {primary} (tied weights) but the delta changes them differently")
     undo = _Undo()

@@ -164,7 +164,7 @@ def wire_bytes(manifest: Manifest) -> int:
     """Bytes a version costs on the wire: its canonical manifest (counted as if signed) and blobs."""
     extra = SIGNATURE_RESERVE if manifest.signature is None else 0
     extra += DIGEST_RESERVE * sum(1 for b in manifest.blobs if b.digest is None)
-    return len(manifest.to_json()) + extra + manifest.total_bytes
+    return len(manifest.compact().to_json()) + extra + manifest.total_bytes  # as sent: format 3
 
 
 # -- per-word arithmetic --------------------------------------------------------------------------------

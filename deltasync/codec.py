@@ -33,7 +33,7 @@ from .dtypes import DtypeInfo, HostTensor, dtype_info, host_words, numpy_word_dt
 from .errors import ChainError, FormatError, UnsupportedError
 from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, fp_hex, state_fingerprint, tensor_fingerprint,
                           update_fingerprint, words_range_delta)
-from .manifest import BlobRef, ChunkRef, Manifest, TensorRecord
+from .manifest import SPANS_META_PREFIX, BlobRef, ChunkRef, Manifest, TensorRecord, parse_spans
 from .entropy import AnsBlobCoder, AnsTables, word_symbols
 from .conditioned import (CODING_BASE_CONDITIONED, CODING_BASE_FREE, CODING_META, CODINGS, CondBlobCoder, CondTables,
                           PendingChanges, chunk_ranks, context_spec)
@@ -49,7 +49,6 @@ DEFAULT_CHUNK_WORDS = 4 << 20
 DEFAULT_BLOB_TARGET = 32 << 20
 SHARD_CELLS = 8  # row cells per big tensor: chunk (and blob) boundaries fall on its 1/2, 1/4 and 1/8 row splits
 MIN_CELL_WORDS = 1 << 16  # tensors with fewer than SHARD_CELLS * this many words are not split into cells
-SPANS_META_PREFIX = "deltasync.spans."  # manifest meta key prefix: a tensor's chunk spans (docs/FORMAT.md)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -466,7 +465,7 @@ class ChunkPacker:
         self.blobs: dict[str, bytes] = {}
         self.order: list[str] = []
         self.refs: dict[str, list[ChunkRef]] = {}
-        self._pending: list[tuple[str, int]] = []  # (tensor, index in open blob)
+        self._pending: list[tuple[str, int, int, int]] = []  # (tensor, index in open blob, span start, stop)
         self._ans = AnsBlobCoder(executor)  # v2: the open blob's ans chunks, coded when it closes (on executor's threads)
         self._cond = CondBlobCoder()  # v3: the open blob's ansx chunks
 
@@ -536,7 +535,7 @@ class ChunkPacker:
                 parts[key] = [raw]
             writer.raw_bytes += raw.nbytes
         writer.chunks.append(record)
-        self._pending.append((name, len(writer.chunks) - 1))
+        self._pending.append((name, len(writer.chunks) - 1, c.start, c.stop))
         if writer.raw_bytes >= self.options.blob_target:
             self.close_blob()
         return True
@@ -549,7 +548,7 @@ class ChunkPacker:
 
     def _add(self, name: str, record: dict, streams: dict[str, np.ndarray]) -> None:
         idx = self.writer.add_chunk(record, streams)
-        self._pending.append((name, idx))
+        self._pending.append((name, idx, record["start"], record["stop"]))
         if self.writer.raw_bytes >= self.options.blob_target:
             self.close_blob()
 
@@ -563,8 +562,8 @@ class ChunkPacker:
         if bid not in self.blobs:
             self.blobs[bid] = data
             self.order.append(bid)
-        for name, idx in self._pending:
-            self.refs.setdefault(name, []).append(ChunkRef(blob=bid, index=idx))
+        for name, idx, start, stop in self._pending:
+            self.refs.setdefault(name, []).append(ChunkRef(blob=bid, index=idx, start=start, stop=stop))
         self._pending = []
 
 
@@ -611,28 +610,20 @@ def encode_spans(spans: list[tuple[int, int]]) -> str:
 
 
 def chunk_spans(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
-    """Tensor name -> word span of each of its chunks (in the order of its record's chunks), from the
-    manifest's ``deltasync.spans.<name>`` meta entries. Tensors whose entry is absent or does not match
-    their record are left out (a reader then needs every blob of that tensor)."""
+    """Tensor name -> word span of each of its chunks (in the order of its record's chunks): format 3 records
+    them with the chunks (checked by the parser), format 2 in ``deltasync.spans.<name>`` meta entries.
+    Tensors whose spans are absent or do not match their record are left out (a reader then needs every
+    blob of that tensor)."""
     out: dict[str, list[tuple[int, int]]] = {}
+    meta = manifest.meta
     for rec in manifest.tensors:
-        text = manifest.meta.get(SPANS_META_PREFIX + rec.name)
-        if text is None or not rec.chunks:
+        if not rec.chunks:
             continue
-        try:
-            spans = [tuple(int(x) for x in part.split(":")) for part in text.split(",")]
-        except ValueError:
+        if rec.chunks[0].start is not None:
+            out[rec.name] = [(c.start, c.stop) for c in rec.chunks]
             continue
-        if len(spans) != len(rec.chunks) or any(len(p) != 2 for p in spans):
-            continue
-        last = 0
-        ok = True
-        for s, e in spans:
-            if s < last or e <= s or e > rec.words:
-                ok = False
-                break
-            last = e
-        if ok:
+        spans = parse_spans(meta.get(SPANS_META_PREFIX + rec.name), len(rec.chunks), rec.words)
+        if spans is not None:
             out[rec.name] = spans
     return out
 

@@ -17,6 +17,8 @@ unsigned or HMAC-signed (docs/FORMAT.md §5).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from dataclasses import dataclass, field, replace
@@ -32,9 +34,10 @@ __all__ = [
     "BlobRef", "ChunkRef", "FORMAT_VERSION", "KINDS", "Manifest", "TensorRecord", "load_key", "parse_manifest",
 ]
 
-FORMAT_VERSION = 2
-#: manifest formats this build reads (1: no digests, no key id; only unsigned or HMAC-signed is accepted)
-READ_FORMATS = (1, 2)
+FORMAT_VERSION = 3
+#: manifest formats this build reads (1: no digests, no key id; only unsigned or HMAC-signed is accepted;
+#: 3: the tensor records as a compressed binary table, deltas listing only the tensors they change)
+READ_FORMATS = (1, 2, 3)
 KINDS = ("keyframe", "delta")
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FP_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -76,6 +79,10 @@ class ChunkRef:
     blob: str
     index: int | None = None
     key: str | None = None
+    # a delta chunk's word span [start, stop) in its tensor (format 3 records it; format 2 in meta). Not
+    # compared: a format-2 manifest read back has the spans in meta only
+    start: int | None = field(default=None, compare=False)
+    stop: int | None = field(default=None, compare=False)
 
     def to_obj(self) -> dict:
         return {"blob": self.blob, "index": self.index} if self.key is None else {"blob": self.blob, "key": self.key}
@@ -127,7 +134,9 @@ class Manifest:
     state_fp_before: str | None = None
     meta: dict[str, str] = field(default_factory=dict)
     signature: str | None = None
-    format: int = FORMAT_VERSION
+    # Built in memory as format 2 (every tensor, both fingerprints): what writers and sharded parts compose;
+    # ``compact()`` turns it into format 3, what is committed and sent (docs/FORMAT.md §5.3).
+    format: int = 2
     key_id: str | None = None  # the signer's key id (format 2); not covered by the signature, a hint
 
     # -- views -------------------------------------------------------------------
@@ -161,9 +170,12 @@ class Manifest:
         obj: dict[str, Any] = {
             "format": self.format, "model": self.model, "version": self.version, "parent": self.parent,
             "kind": self.kind, "state_fp_before": self.state_fp_before, "state_fp": self.state_fp,
-            "meta": dict(self.meta), "tensors": [t.to_obj() for t in self.tensors],
-            "blobs": [b.to_obj(self.format) for b in self.blobs],
+            "meta": dict(self.meta), "blobs": [b.to_obj(self.format) for b in self.blobs],
         }
+        if self.format >= 3:
+            obj["table"] = _packed_table(self)
+        else:
+            obj["tensors"] = [t.to_obj() for t in self.tensors]
         if with_signature:
             obj["signature"] = self.signature
             if self.format >= 2:
@@ -176,6 +188,31 @@ class Manifest:
 
     def to_json(self) -> bytes:
         return _canonical(self.to_obj())
+
+    def compact(self) -> Manifest:
+        """This manifest in format 3 (docs/FORMAT.md §5.3), what is committed and sent: the tensor records as
+        a compressed binary table; a delta lists only the tensors it changes (the signed ``state_fp_before``
+        and ``state_fp`` cover the others), without per-tensor ``fp_before``, its chunk spans in the table
+        instead of ``meta``. A changed manifest loses its signature; a format-3 one is returned as it is."""
+        if self.format >= 3:
+            return self
+        meta = self.meta
+        tensors = self.tensors
+        if self.kind == "delta":
+            spans = {k[len(SPANS_META_PREFIX):]: v for k, v in meta.items() if k.startswith(SPANS_META_PREFIX)}
+            meta = {k: v for k, v in meta.items() if not k.startswith(SPANS_META_PREFIX)}
+            out = []
+            for t in tensors:
+                if not t.chunks and t.changed == 0:
+                    continue  # unchanged: covered by the state fingerprints
+                chunks = t.chunks
+                if chunks and chunks[0].start is None:
+                    given = parse_spans(spans.get(t.name), len(chunks), t.words)
+                    if given is not None:
+                        chunks = tuple(replace(c, start=a, stop=b) for c, (a, b) in zip(chunks, given))
+                out.append(replace(t, fp_before=None, chunks=chunks))
+            tensors = tuple(out)
+        return replace(self, tensors=tensors, meta=meta, format=3, signature=None, key_id=None)
 
     @property
     def has_digests(self) -> bool:
@@ -192,7 +229,7 @@ class Manifest:
                     raise FormatError(f"{self.model} v{self.version}: blob {b.id} is not in hand to digest")
                 b = replace(b, digest=blob_digest(blobs[b.id], alg))
             refs.append(b)
-        out = replace(self, blobs=tuple(refs), format=FORMAT_VERSION)
+        out = replace(self, blobs=tuple(refs), format=max(self.format, 2))
         return out if out == self else replace(out, signature=None, key_id=None)
 
     def sign(self, signer: Signer | bytes) -> Manifest:
@@ -237,6 +274,43 @@ class Manifest:
             raise SignatureError(f"{where}: manifest {e}") from None
 
 
+SPANS_META_PREFIX = "deltasync.spans."  # format 2: meta["deltasync.spans.<tensor>"] = "s0:e0,s1:e1,..." (§5.1)
+
+_TABLES: list[tuple[tuple, tuple, str]] = []  # (tensors, blobs, packed table): the last few, by identity
+
+
+def _packed_table(m: Manifest) -> str:
+    """The base64 text of ``m``'s compressed tensor table, packed once per (tensors, blobs) pair: signing and
+    sending a manifest encode it twice or more."""
+    for tensors, blobs, text in _TABLES:
+        if tensors is m.tensors and blobs is m.blobs:
+            return text
+    from .tensortable import pack_table
+
+    text = base64.b64encode(pack_table(m.tensors, m.kind, [b.id for b in m.blobs])).decode()
+    _TABLES.insert(0, (m.tensors, m.blobs, text))
+    del _TABLES[4:]
+    return text
+
+
+def parse_spans(text: str | None, count: int, words: int) -> list[tuple[int, int]] | None:
+    """A format-2 span entry, or None where it is missing or unusable (docs/FORMAT.md §5.1: ignored)."""
+    if not text:
+        return None
+    try:
+        spans = [tuple(int(x) for x in part.split(":")) for part in text.split(",")]
+    except ValueError:
+        return None
+    if len(spans) != count or any(len(sp) != 2 for sp in spans):
+        return None
+    last = 0
+    for a, b in spans:
+        if not last <= a < b <= words:
+            return None
+        last = b
+    return spans
+
+
 def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
@@ -279,6 +353,30 @@ def parse_manifest(data: bytes | str | dict, *, verifier: Verifier | bytes | Non
     return m
 
 
+def _table_records(text: Any, kind: str, blob_ids: list[str]) -> tuple[TensorRecord, ...]:
+    """Format 3: the records of the base64 table, checked (docs/FORMAT.md §5.3), every chunk of every blob
+    referenced at most once (a delta's chunk index is checked against the blob when it is decoded)."""
+    import sys
+
+    from .tensortable import unpack_table
+
+    _expect(isinstance(text, str), "table must be a base64 string")
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        raise FormatError("manifest: table is not base64") from None
+    tensors = unpack_table(raw, kind, blob_ids, limits=sys.modules[__name__])
+    if kind == "delta":
+        seen = set()
+        n = 0
+        for t in tensors:
+            for c in t.chunks:
+                seen.add((c.blob, c.index))
+                n += 1
+        _expect(len(seen) == n, "a chunk is referenced twice")
+    return tensors
+
+
 def _expect(cond: bool, what: str) -> None:
     if not cond:
         raise FormatError(f"manifest: {what}")
@@ -302,6 +400,7 @@ def _fp(x: Any, what: str, optional: bool = False) -> str | None:
 
 _TOP = {"format", "model", "version", "parent", "kind", "state_fp_before", "state_fp", "meta", "tensors", "blobs", "signature"}
 _TOP2 = _TOP | {"key_id"}
+_TOP3 = (_TOP2 - {"tensors"}) | {"table"}
 
 
 def _from_obj(obj: Any) -> Manifest:
@@ -312,7 +411,7 @@ def _from_obj(obj: Any) -> Manifest:
         from .errors import UnsupportedError
         raise UnsupportedError(f"manifest format {fmt} is not supported (this build reads {list(READ_FORMATS)}); "
                                "upgrade deltasync")
-    top = _TOP2 if fmt >= 2 else _TOP
+    top = _TOP3 if fmt >= 3 else _TOP2 if fmt >= 2 else _TOP
     _expect(set(obj) == top, f"fields must be exactly {sorted(top)}, found {sorted(obj)}")
     model = obj["model"]
     _expect(isinstance(model, str) and bool(MODEL_RE.match(model)), f"model name {model!r} must match {MODEL_RE.pattern}")
@@ -358,6 +457,11 @@ def _from_obj(obj: Any) -> Manifest:
     _expect(total_blob <= MAX_TOTAL_BLOB_BYTES,
             f"blobs total {total_blob} bytes, over the {MAX_TOTAL_BLOB_BYTES}-byte limit")
 
+    if fmt >= 3:
+        tensors = _table_records(obj["table"], kind, [b.id for b in blobs])
+        return Manifest(model=model, version=version, parent=parent, kind=kind, tensors=tensors,
+                        blobs=tuple(blobs), state_fp=state_fp, state_fp_before=state_fp_before, meta=meta,
+                        signature=sig, format=fmt, key_id=key_id)
     tensors_obj = obj["tensors"]
     _expect(isinstance(tensors_obj, list), "tensors must be a list")
     _expect(len(tensors_obj) <= MAX_TENSORS, f"a manifest lists at most {MAX_TENSORS} tensors, found {len(tensors_obj)}")

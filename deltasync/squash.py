@@ -121,6 +121,7 @@ def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes]
     words_read = 0
     newest = 1  # the newest blob format in the chain
     per_tensor: dict[str, Changes] = {}
+    first_records = {t.name: t for t in first.tensors}
     for m in manifests:
         layout = {t.name: t for t in m.tensors}
         for ref in m.blobs:
@@ -150,8 +151,19 @@ def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes]
     # so composing blob by blob applies each version's chunks once and versions in sequence.
     packer = ChunkPacker(options)
     tensors = []
-    for rec0 in first.tensors:
-        rec = last.tensor(rec0.name)
+    # every tensor any version lists (format 3 lists only what a version changes), its latest record
+    latest: dict[str, TensorRecord] = {}
+    for m in manifests:
+        for t in m.tensors:
+            prev = latest.get(t.name)
+            if prev is not None and (prev.dtype, prev.shape) != (t.dtype, t.shape):
+                raise IntegrityError(f"{t.name}: v{m.version} lists it as {t.dtype} {t.shape}, an earlier version of "
+                                     f"the chain as {prev.dtype} {prev.shape}")
+            latest[t.name] = t
+    compact = any(m.format >= 3 for m in manifests)
+    for name in sorted(latest):
+        rec = latest[name]
+        rec0 = first_records.get(name, rec)
         info = dtype_info(rec.dtype)
         ch = per_tensor.get(rec.name)
         count = 0
@@ -179,9 +191,10 @@ def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes]
     if out > budget.output_bytes:
         raise meter.over("output bytes", out, budget.output_bytes)
     records = tuple(
-        TensorRecord(name=r.name, dtype=r.dtype, shape=r.shape, fp_before=r0.fp_before, fp_after=r.fp_after,
-                     changed=count, chunks=tuple(packer.refs.get(r.name, ())))
+        TensorRecord(name=r.name, dtype=r.dtype, shape=r.shape, fp_before=None if compact else r0.fp_before,
+                     fp_after=r.fp_after, changed=count, chunks=tuple(packer.refs.get(r.name, ())))
         for r0, r, count in tensors
+        if not compact or count
     )
     manifest = Manifest(
         model=first.model, version=last.version, parent=first.parent, kind="delta", tensors=records,
@@ -189,4 +202,5 @@ def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes]
         state_fp=last.state_fp, state_fp_before=first.state_fp_before,
         meta={"squashed": f"{first.parent}..{last.version}"},
     )
-    return Encoded(manifest=manifest, blobs=packer.blobs)
+    # a chain in format 3 squashes into format 3 (tensors the chain put back as they were are left out)
+    return Encoded(manifest=manifest.compact() if compact else manifest, blobs=packer.blobs)
