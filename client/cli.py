@@ -519,9 +519,13 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
             if head is None:
                 raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
             m = parse_manifest(head.body, verifier=verifier)
-            layout = {t.name: (t.dtype, tuple(t.shape)) for t in m.tensors}
+            # the layout of a keyframe, or of a format-2 delta (every tensor listed); a format-3 delta lists only
+            # what it changes: the file is then laid out by the first keyframe it receives
+            whole = m.kind == "keyframe" or m.format < 3
+            layout = {t.name: (t.dtype, tuple(t.shape)) for t in m.tensors} if whole else None
             # nothing is written until the first keyframe is complete and verified (then renamed into place)
-            target = FileTarget(out, args.model, layout=layout, before_write=on_applied, open_existing=False)
+            target = FileTarget(out, args.model, layout=layout, before_write=on_applied, open_existing=False,
+                                layout_from_keyframe=not whole)
             await _stream_keyframe(args, client, target, m, verifier)
         finally:
             await client.close()

@@ -305,7 +305,9 @@ class KeyframeWriter:
         self.version = manifest.version if version is None else version
         self._records = {r.name: r for r in manifest.tensors}
         layout = {r.name: (r.dtype, tuple(r.shape)) for r in manifest.tensors}
-        if target._layout is not None and layout != target._layout:
+        if target._layout is None:  # layout_from_keyframe: this first keyframe lays the file out
+            target._layout = dict(layout)
+        if layout != target._layout:
             raise BaseMismatchError(f"keyframe v{manifest.version}'s tensors are not those of {target.path}")
         if target.before_write is not None:
             target.before_write(self.version)
@@ -534,7 +536,8 @@ class FileTarget(TensorApplier):
 
     def __init__(self, path: str | os.PathLike, model: str, *, layout: Layout | None = None,
                  before_commit: Callable[[int], None] | None = None,
-                 before_write: Callable[[int], None] | None = None, open_existing: bool = True) -> None:
+                 before_write: Callable[[int], None] | None = None, open_existing: bool = True,
+                 layout_from_keyframe: bool = False) -> None:
         # TensorApplier.__init__ is not called: the tensors are the map's, see tensors()
         self.path = Path(path)
         self.model = model
@@ -546,8 +549,10 @@ class FileTarget(TensorApplier):
         self._layout = dict(layout) if layout is not None else None
         if open_existing and self.path.exists():
             self._open_existing()
-        elif self._layout is None:
+        elif self._layout is None and not layout_from_keyframe:
             raise FormatError(f"{self.path} does not exist and no layout was given to create it")
+        # layout_from_keyframe: the file is created by the first keyframe staged, in its layout (a format-3
+        # delta names only the tensors it changes, so a stream's head may not say the whole layout)
 
     # -- opening ---------------------------------------------------------------------------------
     def _open_existing(self) -> None:
@@ -624,6 +629,8 @@ class FileTarget(TensorApplier):
         """The file renamed into place becomes the target's map."""
         old, self.file = self.file, f
         self.version = int(f.metadata[META_VERSION])
+        if self._layout is None:  # created by its first keyframe (layout_from_keyframe)
+            self._layout = {n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in f.tensors.items()}
         self._written_fps = None
         if old is not None:
             old.close()
@@ -748,7 +755,9 @@ class FileTarget(TensorApplier):
     def stage_keyframe(self, state: Mapping[str, torch.Tensor], fps: Mapping[str, int], *,
                        version: int | None = None) -> _NewFile:
         have = {n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in state.items()}
-        if self._layout is not None and have != self._layout:
+        if self._layout is None:  # layout_from_keyframe: this first keyframe lays the file out
+            self._layout = dict(have)
+        if have != self._layout:
             raise BaseMismatchError(
                 f"keyframe v{version} has tensors {sorted(set(have) - set(self._layout))[:5]} {self.path} lacks and "
                 f"lacks {sorted(set(self._layout) - set(have))[:5]} (or other shapes); is the file the same model?")

@@ -619,8 +619,9 @@ def chunk_spans(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
     for rec in manifest.tensors:
         if not rec.chunks:
             continue
-        if rec.chunks[0].start is not None:
-            out[rec.name] = [(c.start, c.stop) for c in rec.chunks]
+        if manifest.format >= 3:  # the parser checked them (a format-2 manifest says its spans in meta)
+            if rec.chunks[0].start is not None:
+                out[rec.name] = [(c.start, c.stop) for c in rec.chunks]
             continue
         spans = parse_spans(meta.get(SPANS_META_PREFIX + rec.name), len(rec.chunks), rec.words)
         if spans is not None:

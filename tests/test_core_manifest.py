@@ -206,7 +206,8 @@ DELTA_CASES = {
     # top level
     "extra-field": (_set(["extra"], 1), FormatError),
     "missing-meta": (_del(["meta"]), FormatError),
-    "format-3": (_set(["format"], 3), UnsupportedError),  # this build reads formats 1 and 2
+    "format-4": (_set(["format"], 4), UnsupportedError),  # this build reads formats 1, 2 and 3
+    "format-2-as-3": (_set(["format"], 3), FormatError),  # a format-3 manifest has a table, not tensors
     "format-0": (_set(["format"], 0), UnsupportedError),
     "format-str": (_set(["format"], "1"), FormatError),
     "format-bool": (_set(["format"], True), FormatError),
