@@ -305,3 +305,38 @@ def test_golden3_bytes_still_decode_against_the_base():
     target = {n: t.clone() for n, t in old.items()}
     apply_delta(target, parse_manifest(GOLDEN3_MANIFEST), {GOLDEN3_BLOB_ID: GOLDEN3_BLOB})
     assert {n: tensor_bytes(t) for n, t in target.items()} == {n: tensor_bytes(t) for n, t in new.items()}
+
+
+# -- manifest format 3 (docs/FORMAT.md §5.3): the golden-2 delta as committed ---------------------------------
+GOLDEN_M3 = (
+    '{"blobs":[{"digest":null,"id":"8ff795c9d39d15c520e77be3b363c69c","size":318}],"format":3,"key_id":null,'
+    '"kind":"delta","meta":{},"model":"policy","parent":1,"signature":null,"state_fp":"7c53280750e88324",'
+    '"state_fp_before":"83399e61d36f45d3","table":"KLUv/SDzVQQA1AVEU1QBAQEBAAMAAAQAAAAFAAAAYQpiCmQcAAAAYmZsb2F0'
+    'MTYKMzI4X2U1bTIAAQIBAgEsAQACAARsPsmxC5m2L2jb48cOu0ATc7crsvg6xRgBAAEEBAAAAAAAAAAUAJBlYwgAAIC7qd4ACCDAjmBm'
+    'gKkIAIN4BNQQBsgCCACD4W4F01w5fOvm","version":2}'
+)
+# its table decompressed (FORMAT.md §5.3): 3 changed tensors of 4 (c is unchanged and not listed)
+GOLDEN_M3_TABLE = (
+    "44535401" "01" "01" "01" "00" "03000000" "03000000" "04000000"  # magic, delta, spans, v1, n 3, c 3, d 4
+    "05000000" "610a620a64"  # names a, b, d
+    "1c000000" + "bfloat16\nfloat32\nfloat8_e5m2".encode().hex()  # the dtypes
+    + "000102" "01" "02" "01"  # dtype codes, ranks 1 2 1
+    + "2c01000000000000" "0200000000000000" "0200000000000000" "0400000000000000"  # dims 300 | 2x2 | 4
+)
+
+
+def test_golden_manifest_format3():
+    old, new = golden_states()
+    enc = encode_delta(old, new, model="policy", version=2, parent=1)
+    compact = enc.manifest.compact()
+    assert compact.to_json().decode() == GOLDEN_M3
+    m = parse_manifest(GOLDEN_M3)
+    assert [(t.name, t.dtype, t.shape, t.changed, [(c.index, c.start, c.stop) for c in t.chunks]) for t in m.tensors] == [
+        ("a", "bfloat16", (300,), 5, [(0, 0, 300)]), ("b", "float32", (2, 2), 1, [(1, 0, 4)]),
+        ("d", "float8_e5m2", (4,), 4, [(2, 0, 4)])]
+    assert all(t.fp_before is None for t in m.tensors) and m == compact
+    table = zstandard.ZstdDecompressor().decompress(__import__("base64").b64decode(json.loads(GOLDEN_M3)["table"]))
+    assert table.hex().startswith(GOLDEN_M3_TABLE)
+    target = {n: t.clone() for n, t in old.items()}
+    apply_delta(target, m, {GOLDEN2_BLOB_ID: GOLDEN2_BLOB})
+    assert {n: tensor_bytes(t) for n, t in target.items()} == {n: tensor_bytes(t) for n, t in new.items()}
