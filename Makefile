@@ -11,7 +11,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,triton]'  # triton: the CUDA kernels' interpreter tests (only this venv: vLLM's keeps its own set)
 	@touch $(STAMP)
 
 # Our sources' bytecode, written up front: an editable install compiles nothing, and where the environment sets
