@@ -35,6 +35,11 @@ def register(sub) -> None:
     p.add_argument("--key-file", help="sign the manifest with this hex key")
     p.add_argument("--chunk-words", type=int, default=None, help="words per chunk (default: the codec's, 2**20)")
     p.add_argument("--level", type=int, default=1, help="zstd level (default 1)")
+    # the same choices, default and meaning as `publish --coding` (client/cli.py; tests/test_diff_coding.py pins it)
+    p.add_argument("--coding", choices=("base-free", "base-conditioned"), default="base-free",
+                   help="how the delta is coded: base-free (default; squash composes it) or base-conditioned "
+                        "(~30%% smaller on AdamW steps; decoding reads each changed chunk of the base, so replay "
+                        "decodes it but squash refuses it; docs/FORMAT.md §4.4)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads comparing and coding chunks (default: one per core)")
     p.add_argument("--quiet", action="store_true")
@@ -122,7 +127,7 @@ def cmd_diff(args) -> int:
             from deltasync.codec import EncodeOptions, encode_delta
 
             raw = _nbytes(new)
-            options = EncodeOptions(level=args.level, **({} if args.chunk_words is None else
+            options = EncodeOptions(level=args.level, coding=args.coding, **({} if args.chunk_words is None else
                                                           {"chunk_words": args.chunk_words}))
             with ThreadPoolExecutor(threads, thread_name_prefix="deltasync-diff") as pool:  # kernels release the GIL
                 enc = encode_delta(old, new, model=args.model, version=version, parent=args.parent,
@@ -142,7 +147,7 @@ def cmd_diff(args) -> int:
     words = sum(t.words for t in manifest.tensors)
     say(args, f"{args.out}: {len(manifest.tensors)} tensors, {manifest.changed_words:,} of {words:,} words changed "
               f"({100 * manifest.changed_words / max(words, 1):.3f}%), {size:,} bytes, ratio {raw / max(size, 1):.1f}x "
-              f"vs {raw:,} raw bytes, {dt:.2f} s")
+              f"vs {raw:,} raw bytes, {manifest.coding} coding, {dt:.2f} s")
     return 0
 
 
@@ -200,7 +205,7 @@ def _chunk_raw_bytes(rec: dict) -> int:
     length = rec["stop"] - rec["start"]
     if rec["mode"] == "dense":
         return length * w
-    if rec["mode"] == "ans":  # format 2: one rANS message (16-bit words) + raw words per chunk
+    if rec["mode"] in ("ans", "ansx"):  # formats 2 and 3: one rANS message (16-bit words) + raw words per chunk
         return 2 * rec["na"] + rec["nr"] * w
     pos = (length + 7) // 8 if rec["mode"] == "bitmap" else rec["ng"] + rec["ngx"]
     return pos + (rec["count"] + 3) // 4 + rec["nt"] + rec["ne"] + rec["nr"] * w
@@ -237,7 +242,7 @@ def inspect_delta(path: str) -> dict:
             "raw_bytes": raw, "fp_before": t.fp_before, "fp_after": t.fp_after,
         })
     return {"type": "delta-file", "model": m.model, "version": m.version, "parent": m.parent, "kind": m.kind,
-            "signed": m.signature is not None, "state_fp_before": m.state_fp_before, "state_fp": m.state_fp,
+            "coding": m.coding if m.kind == "delta" else None, "signed": m.signature is not None, "state_fp_before": m.state_fp_before, "state_fp": m.state_fp,
             "blobs": len(m.blobs), "bytes": m.total_bytes, "raw_bytes": m.raw_bytes,
             "changed_words": m.changed_words, "tensors": rows,
             "budget": budget_of(m), "residual": residual_of(m)}
@@ -274,7 +279,8 @@ def cmd_inspect(args) -> int:
     w = max([len(r["name"]) for r in info["tensors"]] + [6])
     print(f"{info['kind']} {info['model']!r} v{info['parent']}->v{info['version']}" if info["kind"] == "delta"
           else f"keyframe {info['model']!r} v{info['version']}",
-          f"({'signed' if info['signed'] else 'unsigned'}, {info['blobs']} blobs)")
+          f"({'signed' if info['signed'] else 'unsigned'}, {info['blobs']} blobs"
+          + (f", {info['coding']} coding)" if info["coding"] else ")"))
     print(f"{'tensor':<{w}}  {'dtype':<16} {'shape':<20} {'changed%':>9} {'encoding':<18} {'bytes':>12}")
     for r in info["tensors"]:
         print(f"{r['name']:<{w}}  {r['dtype']:<16} {str(tuple(r['shape'])):<20} {r['changed_pct']:>8.3f}% "
