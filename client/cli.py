@@ -480,7 +480,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
     if rolled is not None:
         _say(args, f"{out}: rolled back the unfinished v{rolled.get('to')} to v{rolled.get('from')} (undo journal)")
     timeouts = Timeouts(poll=args.poll, connect=args.connect_timeout, ttfb=args.ttfb_timeout, read=args.read_timeout,
-                        hedge_after=args.hedge_after or None)
+                        hedge_after=args.hedge_after or None, min_rate=args.min_rate, rate_grace=args.rate_grace)
     target: FileTarget | None = None
     if out.exists():
         try:
@@ -500,7 +500,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
                             check_manifest=lambda body: parse_manifest(body, verifier=verifier))
         warm = asyncio.get_running_loop().run_in_executor(None, KeyframeWriter.warm)  # while nothing arrives yet
         try:
-            deadline = time.monotonic() + args.timeout
+            deadline = args.deadline if args.deadline is not None else time.monotonic() + args.timeout
             head = await client.get_head(args.model)
             while head is None and not args.once and (left := deadline - time.monotonic()) > 0:
                 # the model has no version yet: wait for the first, woken by its commit (a long-poll; a
@@ -554,7 +554,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
         if h is None:
             raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
         goal = h.version
-    deadline = time.monotonic() + args.timeout if (args.once or goal is not None) else None
+    deadline = args.deadline
     if not args.once and (goal is None or written is None or written < goal):
         # load the delta kernels while waiting for the next version (~0.05 CPU-s the first delta would pay);
         # a daemon thread: never waited for, and numba's compiler lock orders it with a real apply
@@ -676,7 +676,23 @@ def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> i
     # --once/--until end the process: once the file is written and closed, run_command may skip the
     # interpreter's teardown (see cli/run.py: ``exit_now``)
     args.exit_now = args.once or args.until is not None
-    return asyncio.run(_subscribe(args, _verifier(args), on_applied))
+    # --timeout bounds the whole command with --once/--until: the first keyframe's stream and every read too
+    args.deadline = time.monotonic() + args.timeout if args.exit_now else None
+    return asyncio.run(_bounded_subscribe(args, _verifier(args), on_applied))
+
+
+async def _bounded_subscribe(args, verifier: Verifier | None, on_applied: Callable[[int], None] | None) -> int:
+    """``_subscribe`` within the command's deadline (``--once``/``--until``): the main loop reports a miss with the
+    last error; this bound, a second later, ends whatever part was still waiting then (a keyframe's stream, a
+    head read) with the same exit status."""
+    if args.deadline is None:
+        return await _subscribe(args, verifier, on_applied)
+    try:
+        async with asyncio.timeout(max(0.0, args.deadline - time.monotonic()) + 1.0):
+            return await _subscribe(args, verifier, on_applied)
+    except TimeoutError:
+        print(f"deltasync subscribe: error: not done after {args.timeout:.0f}s (--timeout)", file=sys.stderr)
+        return 1
 
 
 # -- sidecar ----------------------------------------------------------------------------------------
@@ -791,6 +807,12 @@ def register(subparsers) -> None:
     s.add_argument("--hedge-after", type=float, default=2.0, metavar="S",
                    help="a read with no answer after S seconds also asks the next --from in parallel (default 2; "
                         "0: never)")
+    s.add_argument("--min-rate", type=float, default=64 << 10, metavar="BYTES_PER_S",
+                   help="a source whose body (blob, manifest, head) averages under this many bytes per second once "
+                        "--rate-grace has passed is failed over mid-body: the rest comes from the next --from "
+                        "(default 65536)")
+    s.add_argument("--rate-grace", type=float, default=10.0, metavar="S",
+                   help="seconds a body may take before --min-rate applies (default 10)")
     s.add_argument("--read-token-file", metavar="F", help="file holding a read token (servers that require one)")
     s.add_argument("--scrub-every", type=int, default=0, metavar="N",
                    help="re-fingerprint every tensor every N applies (default: never; incremental checks always run)")

@@ -101,7 +101,8 @@ class BlobFetcher:
         t = timeouts
         ttfb = t.ttfb if len(upstream.parents) > 1 else max(t.ttfb, t.read)  # as Upstream.request: one parent, no hurry
         self._getter = BlobGetter(connect_timeout=t.connect, read_timeout=t.read, user_agent=USER_AGENT,
-                                  head_timeout=ttfb, read_token=upstream.read_token)
+                                  head_timeout=ttfb, read_token=upstream.read_token, min_rate=t.min_rate,
+                                  rate_grace=t.rate_grace)
 
     def inflight(self, blob_id: str) -> InflightBlob | None:
         return self._inflight.get(blob_id)
@@ -332,14 +333,24 @@ class BlobFetcher:
         async with self.upstream.blob_request(parent, blob.id, offset) as resp:
             sink = self._sink(fetch, parent, resp, offset)
             content = resp.content
+            loop = asyncio.get_running_loop()
+            pace = self.timeouts.pace(loop.time(), f"{parent}: blob {blob.id}'s body")
+            got = 0
             while True:
                 # readchunk hands over each buffered piece as received; readany would join
                 # everything buffered into one new (large, page-faulting) bytes object.
-                chunk, boundary = await content.readchunk()
+                # (silence is aiohttp's sock_read; the minimum rate is ours: a parent dripping bytes is put down)
+                try:
+                    async with asyncio.timeout(max(pace.left(got, loop.time()), 0.0) + 1e-3):
+                        chunk, boundary = await content.readchunk()
+                except TimeoutError:
+                    pace.check(got, loop.time())
+                    raise
                 if not chunk:
                     if boundary:
                         continue  # a chunked-encoding boundary
                     break
+                got += len(chunk)
                 sink(chunk)
             self._check_complete(blob, parent)
         return parent
