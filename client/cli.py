@@ -501,7 +501,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
         warm = asyncio.get_running_loop().run_in_executor(None, KeyframeWriter.warm)  # while nothing arrives yet
         try:
             deadline = args.deadline if args.deadline is not None else time.monotonic() + args.timeout
-            head = await client.get_head(args.model)
+            head = await client.highest_head(args.model)  # not an old head one source replays
             while head is None and not args.once and (left := deadline - time.monotonic()) > 0:
                 # the model has no version yet: wait for the first, woken by its commit (a long-poll; a
                 # server of an older build refuses after=-1: then ask again every 0.25 s)
@@ -550,7 +550,8 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
     written = version
     goal = args.until
     if args.once:
-        h = await sub.client.get_head(args.model)
+        # the newest version any listed source can prove (signed): never done at an older one another replays
+        h = await sub.client.highest_head(args.model)
         if h is None:
             raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
         goal = h.version

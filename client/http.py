@@ -344,6 +344,45 @@ class HttpClient:
             return HeadInfo(model=model, version=int(shown), url=url)
         return replace(HeadInfo.from_body(body, model=model, url=url), checked=checked)
 
+    async def highest_head(self, model: str, *, parse: Callable[[bytes, int], object] | None = None) -> HeadInfo | None:
+        """The newest head any listed URL can prove: every URL asked at once (a plain head read each, bounded
+        by the client's timeouts and minimum rate), each answer checked as ``get_head`` checks it (``parse``,
+        default ``check_manifest``: a signed head); None when no URL has a version. A URL replaying an old
+        signed head cannot hold a caller back while another has a newer one (TUF's freeze and rollback).
+        Raises what ``get_head`` raises when no URL answered at all."""
+        if len(self.urls) == 1:
+            return await self.get_head(model, parse=parse)
+        path = f"/v1/models/{quote(model)}/head"
+
+        def check(body: bytes) -> object:
+            info = HeadInfo.from_body(body, model=model)
+            if parse is not None:
+                return parse(body, info.version)
+            return self.check_manifest(body) if self.check_manifest is not None else None
+
+        async def one(url: str) -> HeadInfo | None:
+            async with await self._open("GET", url + path) as r:
+                if r.status == 404:
+                    return None
+                if r.status != 200:
+                    raise from_wire(r.status, await self._body(r, url + path, keep=500), r.headers, where=url + path)
+                body = await self._body(r, url + path, limit=MAX_MANIFEST)
+            self._bytes_in += len(body)
+            return replace(HeadInfo.from_body(body, model=model, url=url), checked=check(body))
+
+        got = await asyncio.gather(*(one(u) for u in self.urls), return_exceptions=True)
+        heads = [h for h in got if isinstance(h, HeadInfo)]
+        for url, h in zip(self.urls, got):
+            if isinstance(h, BaseException):
+                if not isinstance(h, Exception):
+                    raise h
+                log.info("%s: no head (%s)", url, describe(h))
+        if heads:
+            return max(heads, key=lambda h: h.version)
+        if any(h is None for h in got):
+            return None
+        return await self.get_head(model, parse=parse)  # nobody answered: the usual loop, its errors
+
     async def get_manifest(self, model: str, version: int) -> bytes:
         """A version's manifest JSON (parse and verify it with deltasync.manifest.parse_manifest); a body
         ``check_manifest`` rejects fails that URL over."""
