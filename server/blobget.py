@@ -253,7 +253,8 @@ class BlobGetter:
         return u.scheme == "http" and bool(u.hostname) and u.path in ("", "/") and not u.query
 
     async def get(self, parent: str, blob_id: str, offset: int, *,
-                  on_head: Callable[[BlobResponse], bool], on_body: Callable[[memoryview], None]) -> None:
+                  on_head: Callable[[BlobResponse], bool], on_body: Callable[[memoryview], None],
+                  min_rate: float | None = None) -> None:
         """Ask ``parent`` for the blob from ``offset``; ``on_head`` sees the answer's head and returns whether
         to read its body (else the connection is dropped); then every body piece goes to ``on_body``.
         A reused connection the parent had closed meanwhile is retried once on a new one."""
@@ -286,7 +287,7 @@ class BlobGetter:
             if not on_head(resp):
                 conn.close()
                 return
-            pace = Pace(min_rate=self.min_rate, grace=self.rate_grace, start=asyncio.get_running_loop().time(),
+            pace = Pace(min_rate=min_rate or self.min_rate, grace=self.rate_grace, start=asyncio.get_running_loop().time(),
                         what=f"{parent}: blob {blob_id}'s body")
             await self._wait(conn, conn.read_body(on_body), pace=pace)
         except BaseException:

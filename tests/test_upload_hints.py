@@ -255,12 +255,13 @@ async def test_a_hint_travels_down_a_chain_of_relays(tmp_path):
 
 
 async def test_a_hinted_blob_that_does_not_fit_the_cache_is_not_fetched(tmp_path):
-    """A relay fetches a hinted blob only when it fits its --cache-size beside what is pinned: a larger one waits
-    for a version that names it (a smaller one hinted after it is fetched, so the first hint was seen)."""
+    """A relay fetches a hinted blob only when it fits its --cache-size beside what is pinned, and within the
+    hints' share of it (prefetch.HINT_SHARE, a quarter): a larger one waits for a version that names it (a smaller
+    one hinted after it is fetched, so the first hint was seen)."""
     big_id, big = make_blob(6 << 20, 38)
     small_id, small = make_blob(2 << 20, 39)
     async with serving(origin_config(store_dir=tmp_path / "o")) as (o_url, o_svc), \
-            serving(relay_config([o_url], store_dir=tmp_path / "r", hinted_fetch=True, cache_size=4 << 20)
+            serving(relay_config([o_url], store_dir=tmp_path / "r", hinted_fetch=True, cache_size=8 << 20)
                     ) as (r_url, r_svc), session() as s:
         await wait_for(lambda: _true(o_svc.hub.subscribers >= 1), 10, what="the relay to follow the origin")
         up_big = HeldUpload(s, o_url, big_id, big, first=1 << 20)
