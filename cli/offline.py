@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,9 +30,15 @@ def register(sub) -> None:
     p.add_argument("old", help="base state (.safetensors)")
     p.add_argument("new", help="target state (.safetensors)")
     p.add_argument("-o", "--out", required=True, help="delta file to write")
-    p.add_argument("--model", default="model", help="model stream name (default: model)")
-    p.add_argument("--parent", type=int, default=0, help="version number of OLD (default 0)")
-    p.add_argument("--version", type=int, help="version number of NEW (default parent+1)")
+    p.add_argument("--model", default=None,
+                   help="model stream name (default: OLD's deltasync.model metadata, else 'model')")
+    p.add_argument("--parent", type=int, default=None,
+                   help="version number of OLD (default: its deltasync.version metadata, e.g. a `subscribe --out` "
+                        "file's; else the last number in both file names when NEW's is larger, as the sidecar "
+                        "numbers checkpoints: step1 -> step2 is v1 -> v2; else 0)")
+    p.add_argument("--version", type=int,
+                   help="version number of NEW (default: its deltasync.version metadata; else from the file names "
+                        "as above; else parent+1)")
     p.add_argument("--key-file", help="sign the manifest with this hex key")
     p.add_argument("--chunk-words", type=int, default=None, help="words per chunk (default: the codec's, 2**20)")
     p.add_argument("--level", type=int, default=1, help="zstd level (default 1)")
@@ -103,6 +110,71 @@ def cmd_compile_kernels(args) -> int:
     return 0
 
 
+META_MODEL, META_VERSION = "deltasync.model", "deltasync.version"  # a `subscribe --out` file's header (FileTarget)
+
+
+def _name_step(path: str) -> int | None:
+    """The last number in a file's name, as the sidecar numbers checkpoints (``client/checkpoints.py``)."""
+    m = re.search(r"(\d+)(?!.*\d)", os.path.basename(path).removesuffix(".safetensors"))
+    return int(m.group(1)) if m else None
+
+
+def _meta_version(meta: dict[str, str]) -> int | None:
+    v = meta.get(META_VERSION) or ""
+    return int(v) if v.isdigit() else None
+
+
+def diff_numbers(args, old_meta: dict[str, str], new_meta: dict[str, str]) -> tuple[int, int, str]:
+    """(parent, version, model) of ``deltasync diff``: the flags; else the files' own ``deltasync.version``
+    metadata; else, when neither flag nor metadata numbers either file, the last numbers in the two file
+    names if NEW's is larger (step1 -> step2: v1 -> v2, so diffs of consecutive checkpoints chain); else
+    parent 0 and version parent+1. A delta that would not go forward is refused, naming the flags."""
+    model = args.model or old_meta.get(META_MODEL) or new_meta.get(META_MODEL) or "model"
+    meta_p, meta_v = _meta_version(old_meta), _meta_version(new_meta)
+    parent, version = args.parent, args.version
+    if parent is None and version is None and meta_p is None and meta_v is None:
+        a, b = _name_step(args.old), _name_step(args.new)
+        if a is not None and b is not None and b > a:
+            return a, b, model
+    parent = parent if parent is not None else meta_p if meta_p is not None else 0
+    version = version if version is not None else meta_v if meta_v is not None else parent + 1
+    if version <= parent:
+        raise ChainError(f"diff {args.old} -> {args.new} would go from v{parent} to v{version}; pass the numbers: "
+                         f"--parent P (the version OLD holds) and --version V (greater than P)")
+    return parent, version, model
+
+
+def connect_chain(paths: list[str], manifests: list, note=None) -> list:
+    """The delta files ``paths`` as one chain: each must start from the state the previous one ends at
+    (state fingerprints). Files numbered on their own (``diff`` of two files without version numbers
+    writes v0 -> v1) whose states connect are renumbered after the first; ``note(line)`` says so. A
+    break raises ChainError naming the files and the flags that number them."""
+    from dataclasses import replace
+
+    out = [manifests[0]]
+    for path, m in zip(paths[1:], manifests[1:]):
+        prev, prev_path = out[-1], paths[len(out) - 1]
+        if m.model != prev.model:
+            raise ChainError(f"{path}: model {m.model!r}, the chain ({prev_path}) is {prev.model!r}")
+        if m.kind != "delta":
+            raise ChainError(f"{path}: a {m.kind}, not a delta; only deltas chain")
+        if m.state_fp_before != prev.state_fp:
+            raise ChainError(
+                f"chain breaks: {path} (v{m.parent}->v{m.version}) starts from state {m.state_fp_before}, but "
+                f"{prev_path} (v{prev.parent}->v{prev.version}) ends at state {prev.state_fp}: not consecutive "
+                f"steps (a gap, the wrong order, or another run); give the files in order, each diffed from "
+                f"the state the previous one ends at (deltasync diff --parent P --version V numbers them)")
+        if m.parent != prev.version:
+            span = m.version - m.parent
+            renumbered = replace(m, parent=prev.version, version=prev.version + span, signature=None, key_id=None)
+            if note is not None:
+                note(f"{path}: v{m.parent}->v{m.version} renumbered v{renumbered.parent}->v{renumbered.version} "
+                     f"(its base state is {prev_path}'s result)")
+            m = renumbered
+        out.append(m)
+    return out
+
+
 def cmd_diff(args) -> int:
     """Both files as :class:`~deltasync.dtypes.HostTensor` words over their maps (no torch, nothing copied
     whole); the same ``diff_span`` kernel and pool as ``publish --base``; the same bytes as ``encode_delta``
@@ -117,10 +189,10 @@ def cmd_diff(args) -> int:
     from deltasync.tensorfile import MappedTensorFile
 
     t0 = time.perf_counter()
-    version = args.version if args.version is not None else args.parent + 1
     prog = Progress("diff", quiet=args.quiet)
     threads = max(args.threads, 1)
     with MappedTensorFile(args.old) as of, MappedTensorFile(args.new) as nf:
+        parent, version, model = diff_numbers(args, of.metadata, nf.metadata)
         old, new = of.host, nf.host
         prefaulting = prefault_on_thread((of, nf))
         try:
@@ -130,7 +202,7 @@ def cmd_diff(args) -> int:
             options = EncodeOptions(level=args.level, coding=args.coding, **({} if args.chunk_words is None else
                                                           {"chunk_words": args.chunk_words}))
             with ThreadPoolExecutor(threads, thread_name_prefix="deltasync-diff") as pool:  # kernels release the GIL
-                enc = encode_delta(old, new, model=args.model, version=version, parent=args.parent,
+                enc = encode_delta(old, new, model=model, version=version, parent=parent,
                                    options=options, progress=prog.update, executor=pool if threads > 1 else None)
         finally:
             prefaulting.join()  # before the maps close
@@ -145,7 +217,8 @@ def cmd_diff(args) -> int:
     size = write_delta_file(args.out, manifest, enc.blobs)
     dt = time.perf_counter() - t0
     words = sum(t.words for t in manifest.tensors)
-    say(args, f"{args.out}: {len(manifest.tensors)} tensors, {manifest.changed_words:,} of {words:,} words changed "
+    say(args, f"{args.out}: {model!r} v{parent}->v{version}, {len(manifest.tensors)} tensors, "
+              f"{manifest.changed_words:,} of {words:,} words changed "
               f"({100 * manifest.changed_words / max(words, 1):.3f}%), {size:,} bytes, ratio {raw / max(size, 1):.1f}x "
               f"vs {raw:,} raw bytes, {manifest.coding} coding, {dt:.2f} s")
     return 0
@@ -166,10 +239,8 @@ def cmd_replay(args) -> int:
     for i, path in enumerate(args.deltas):
         df = read_delta_file(path, verifier=verifier)
         m = df.manifest
-        if prev is not None and m.parent != prev.version:
-            raise ChainError(f"{path}: starts at v{m.parent} but the chain is at v{prev.version} (a gap or wrong order)")
-        if prev is not None and m.model != prev.model:
-            raise ChainError(f"{path}: model {m.model!r}, chain is {prev.model!r}")
+        if prev is not None:  # the files' states must connect; files numbered on their own are renumbered
+            m = connect_chain([args.deltas[i - 1], path], [prev, m], note=lambda line: say(args, line))[1]
         fps = apply_delta(state, m, df.blobs, fps, verify=args.verify)
         prev = m
         prog.update(i + 1, len(args.deltas))
@@ -191,7 +262,8 @@ def cmd_squash(args) -> int:
     blobs: dict[str, bytes] = {}
     for f in files:
         blobs.update(f.blobs)
-    enc = squash_chain([f.manifest for f in files], blobs.__getitem__)
+    chain = connect_chain(list(args.deltas), [f.manifest for f in files], note=lambda line: say(args, line))
+    enc = squash_chain(chain, blobs.__getitem__)
     manifest = enc.manifest.sign(signer) if signer is not None else enc.manifest
     size = write_delta_file(args.out, manifest, enc.blobs)
     total_in = sum(f.manifest.total_bytes for f in files)
