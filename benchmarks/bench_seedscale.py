@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -209,6 +210,24 @@ def _wait_file_version(path: Path, version: int, timeout: float, follower: _Chil
                        f"(it holds v{_file_version(path)}); follower log tail:\n{follower.log()[-1500:]}")
 
 
+def _wait_head(url: str, model: str, version: int, timeout: float) -> None:
+    """Poll a server's ``GET /v1/models/M/head`` every 20 ms until its head is ``version`` or newer."""
+    deadline = time.monotonic() + timeout
+    seen = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models/{model}/head", timeout=30) as r:
+                body = r.read()
+                seen = int(r.headers.get("X-Deltasync-Version") or json.loads(body)["version"])
+                if seen >= version:
+                    return
+        except urllib.error.HTTPError as e:
+            if e.code != 404:
+                raise
+        time.sleep(0.02)
+    raise BenchTimeout(f"{url} did not hold {model} v{version} within {timeout:.0f} s (its head: {seen})")
+
+
 def _manifest(origin: str, model: str, version: int) -> tuple[int, int]:
     """(manifest bytes as served, blob bytes it names) of one version at the origin."""
     req = urllib.request.Request(f"{origin}/v1/models/{model}/versions/{version}", headers={"Accept-Encoding": "identity"})
@@ -231,6 +250,11 @@ def _cli_rows(cluster: LocalCluster, work: Path, base: Path, step: Path, timeout
     p = _Child(_cli(*pub, str(base)), work / "publish-keyframe.log")
     r["keyframe_publish_s"] = p.wait(timeout, "keyframe publish")
     r["keyframe_manifest_b"], r["keyframe_blob_b"] = _manifest(cluster.origin, MODEL, 0)
+
+    # the relay learns v0 from the origin's event: a `subscribe --once` started before that finds no version there
+    t0 = time.perf_counter()
+    _wait_head(relay, MODEL, 0, timeout)
+    r["relay_has_keyframe_s"] = time.perf_counter() - t0
 
     s = _Child(_cli("subscribe", "--from", relay, *common, "--out", str(out), "--once", "--quiet",
                     "--timeout", str(int(timeout))), work / "subscribe-once.log")
@@ -327,11 +351,12 @@ def _measure(which: str, timeout: float, kimi_kwargs: dict) -> dict:
         facts["write_s"] = time.perf_counter() - t0
         base, step = facts.pop("base"), facts.pop("step")
         cluster = LocalCluster(work / "servers", key=KEY)
-        r = {"facts": facts, "dir": root or tempfile.gettempdir(), "error": None}
+        r = {"facts": facts, "dir": root or tempfile.gettempdir(), "error": None, "load": os.getloadavg()[0]}
         try:
             cluster.start_tree({"relay": ["origin"]})
             r.update(_cli_rows(cluster, work, work / "base.safetensors", work / "step.safetensors", timeout))
             r.update(_inproc_rows(cluster, base, step, timeout))
+            r["load_end"] = os.getloadavg()[0]
         except BenchTimeout as e:
             r["error"] = f"timed out: {e}"
         except Exception as e:  # recorded in the table; the rest of the layouts still run
@@ -356,7 +381,8 @@ ROWS = [  # (key, label, kind)
     ("step_delivery_s", "CLI: 1%-step delivered (publish start to the follower's file at v1)", "s"),
     ("publish_base_s", "CLI: `publish --base` of the step", "s"),
     ("keyframe_publish_s", "CLI: keyframe publish", "s"),
-    ("first_subscribe_s", "CLI: first `subscribe --out --once` (from the relay)", "s"),
+    ("relay_has_keyframe_s", "CLI: keyframe publish's exit to the relay's head at v0", "s"),
+    ("first_subscribe_s", "CLI: first `subscribe --out --once` (from the relay, once it holds v0)", "s"),
     ("step_manifest_b", "the step's manifest (GET from the origin)", "B"),
     ("step_blob_b", "the step's blobs", "B"),
     ("keyframe_manifest_b", "the keyframe's manifest", "B"),
@@ -416,7 +442,9 @@ def report(results: dict[str, dict], quick: bool, timeout: float) -> str:
                   if f["scales"] else "")
         lines.append(f"- {TITLES[w]}: {f['tensors']:,} tensors, {f['bytes'] / 1e6:,.1f} MB{scales}; "
                      f"{f['changed_words']:,} words changed in the step ({100 * f['changed_words'] / f['elements']:.2f}%); "
-                     f"files on {results[w]['dir']} (states written in {f['write_s']:.1f} s)")
+                     f"files on {results[w]['dir']} (states written in {f['write_s']:.1f} s); 1-min load average "
+                     f"{results[w]['load']:.1f} at the start, {results[w].get('load_end', float('nan')):.1f} at the end "
+                     f"({os.cpu_count()} cores)")
     for w in cols:
         if results[w]["error"]:
             lines.append(f"- **{TITLES[w]} FAILED**: " + results[w]["error"].splitlines()[0])
