@@ -74,7 +74,7 @@ from deltasync.retry import RESUME_NOW, RETRY_BACKOFF, FellBehind, Pace, answeri
 
 from . import blobrecv
 from .blobrecv import BlobSink
-from .httpbase import HeadInfo, Timeouts, is_outage as _is_outage
+from .httpbase import MODEL_HEADER, HeadInfo, Timeouts, is_outage as _is_outage
 
 __all__ = ["HeadInfo", "HttpClient", "Timeouts", "TransferStats", "is_bad_body", "is_outage", "shared_failover"]
 
@@ -566,9 +566,10 @@ class HttpClient:
                 c.feed(piece)
 
     # -- writes (origin only) -----------------------------------------------------------------
-    async def _write(self, method: str, path: str, data: bytes, *, content_type: str) -> int:
+    async def _write(self, method: str, path: str, data: bytes, *, content_type: str,
+                     extra: dict[str, str] | None = None) -> int:
         url = self.urls[0]
-        headers = {"Content-Type": content_type}
+        headers = {"Content-Type": content_type, **(extra or {})}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
 
@@ -593,14 +594,17 @@ class HttpClient:
         except NETWORK_ERRORS as e:
             raise UpstreamError(f"{method} {url}{path}: {describe(e)}") from e
 
-    async def put_blob(self, bid: str, data: bytes | bytearray | memoryview | tuple[memoryview, ...]) -> None:
+    async def put_blob(self, bid: str, data: bytes | bytearray | memoryview | tuple[memoryview, ...], *,
+                       model: str | None = None) -> None:
         """PUT a blob's bytes: one buffer, or a tuple of pieces that concatenate to it (a keyframe shard's header
-        and views of a mapped file, sent as they are: ``pieces.PiecesPayload``)."""
+        and views of a mapped file, sent as they are: ``pieces.PiecesPayload``). ``model``: the model it is for
+        (``X-Deltasync-Model``): the origin hints a large upload to relays only for a model the token may publish."""
         if isinstance(data, tuple):
             from .pieces import PiecesPayload
 
             data = PiecesPayload(data)
-        await self._write("PUT", f"/v1/blobs/{check_blob_id(bid)}", data, content_type="application/octet-stream")
+        await self._write("PUT", f"/v1/blobs/{check_blob_id(bid)}", data, content_type="application/octet-stream",
+                          extra={MODEL_HEADER: model} if model else None)
 
     async def put_manifest(self, model: str, version: int, data: bytes) -> None:
         await self._write("PUT", f"/v1/models/{quote(model)}/versions/{version}", data, content_type="application/json")

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from deltasync.errors import AuthError, DeltaSyncError, IntegrityError, UpstreamError
 from deltasync.retry import DEFAULT_MIN_RATE, DEFAULT_RATE_GRACE, Pace
 
+#: a blob PUT's model: the origin hints a large upload to relays only for a model the token may publish
+MODEL_HEADER = "X-Deltasync-Model"
+
 #: the transport failures every client has (the aiohttp client adds its own exception classes)
 NETWORK_ERRORS: tuple[type[BaseException], ...] = (asyncio.TimeoutError, OSError)
 

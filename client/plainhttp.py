@@ -30,7 +30,7 @@ from deltasync.errors import AuthError, NotFoundError, UpstreamError, UpstreamTi
 from deltasync.failover import Backoff, Failover
 from deltasync.retry import RETRY_BACKOFF, Pace, describe, first_source, retry
 
-from .httpbase import HeadInfo, Timeouts, is_outage
+from .httpbase import MODEL_HEADER, HeadInfo, Timeouts, is_outage
 
 __all__ = ["PlainOrigin", "supports"]
 
@@ -260,8 +260,9 @@ class PlainOrigin:
             log.warning("%s: %s", url, describe(e))
 
     # -- writes --------------------------------------------------------------------------------------
-    async def _write(self, method: str, path: str, data, *, content_type: str) -> int:
-        headers = {"Content-Type": content_type}
+    async def _write(self, method: str, path: str, data, *, content_type: str,
+                     extra: dict[str, str] | None = None) -> int:
+        headers = {"Content-Type": content_type, **(extra or {})}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
 
@@ -280,10 +281,12 @@ class PlainOrigin:
 
         return await retry(once, backoff=RETRY_BACKOFF, attempts=self.write_retries, again=again, on_retry=on_retry)
 
-    async def put_blob(self, bid: str, data: bytes | bytearray | memoryview | tuple[memoryview, ...]) -> None:
+    async def put_blob(self, bid: str, data: bytes | bytearray | memoryview | tuple[memoryview, ...], *,
+                       model: str | None = None) -> None:
         """PUT a blob's bytes: one buffer, or a tuple of pieces that concatenate to it (a keyframe shard's header
-        and views of a mapped file, written as they are, never joined)."""
-        await self._write("PUT", f"/v1/blobs/{check_blob_id(bid)}", data, content_type="application/octet-stream")
+        and views of a mapped file, written as they are, never joined). ``model``: as ``HttpClient.put_blob``."""
+        await self._write("PUT", f"/v1/blobs/{check_blob_id(bid)}", data, content_type="application/octet-stream",
+                          extra={MODEL_HEADER: model} if model else None)
 
     async def put_manifest(self, model: str, version: int, data: bytes) -> None:
         await self._write("PUT", f"/v1/models/{quote(model)}/versions/{version}", data, content_type="application/json")

@@ -47,6 +47,8 @@ _COUNTERS: dict[str, str] = {
     "hinted_cancelled": "Hinted fetches a relay cancelled to make room for a blob a version or a reader wanted.",
     "hints_refused": "Upload hints a relay did not act on: over its share of the cache (HINT_SHARE), or too many.",
     "upload_reads": "Blob requests an origin answered from an upload still arriving (cut-through).",
+    "uploads_unhinted": "Large uploads an origin did not hint: no X-Deltasync-Model, or a model the token may not "
+                        "publish.",
 }
 
 

@@ -22,9 +22,11 @@ PUBLISHER = Ed25519Signer.generate()
 
 
 class HeldUpload:
-    """A PUT of ``data`` whose body stops after ``first`` bytes until ``release()`` (or ``cut()``)."""
+    """A PUT of ``data`` for ``model`` (``X-Deltasync-Model``: the origin hints only uploads naming a model their
+    token may publish) whose body stops after ``first`` bytes until ``release()`` (or ``cut()``)."""
 
-    def __init__(self, s: aiohttp.ClientSession, url: str, bid: str, data: bytes, first: int) -> None:
+    def __init__(self, s: aiohttp.ClientSession, url: str, bid: str, data: bytes, first: int, *,
+                 model: str = "hinted") -> None:
         self.go = asyncio.Event()
         self.abort = False
         self.sent = asyncio.Event()
@@ -39,7 +41,7 @@ class HeldUpload:
                 yield data[i:i + (1 << 20)]
 
         headers = {"Authorization": f"Bearer {TOKEN}", "Content-Length": str(len(data)),
-                   "Content-Type": "application/octet-stream"}
+                   "Content-Type": "application/octet-stream", "X-Deltasync-Model": model}
         self.task = asyncio.create_task(self._put(s, f"{url}/v1/blobs/{bid}", body(), headers))
 
     @staticmethod
