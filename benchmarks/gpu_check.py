@@ -309,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "bench":
             print(bench(dev, args.gib if args.gib is not None else (0.0005 if rehearsal else 2.0)), flush=True)
         elif part == "hf":
+            try:
+                import transformers  # noqa: F401
+            except ImportError:
+                print("hf: transformers does not import" + (" (the rehearsal skips it; `pip install transformers`)"
+                                                            if rehearsal else ""), flush=True)
+                rc = rc or (0 if rehearsal else 1)
+                continue
             print(follow_hf(dev, args.steps if args.steps is not None else (3 if rehearsal else 10), not rehearsal),
                   flush=True)
         print(f"== {part}: {time.perf_counter() - t0:.1f} s", flush=True)
