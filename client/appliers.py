@@ -33,7 +33,7 @@ and resyncs, as the subscriber always has). Delta rollbacks restore every word.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -98,6 +98,9 @@ class TensorApplier:
 
     tied: dict[str, frozenset[str]] = {}  # class defaults: subclasses that skip __init__ (FileTarget) have none
     left_out: frozenset[str] = frozenset()
+    #: called between pieces of a delta's apply (``stage_prepared(check=)``): raising ``ApplyInterrupted`` there
+    #: (a signal, a deadline: ``client/interrupt.py``) rolls the apply back; None: never interrupted
+    check: Callable[[], None] | None = None
 
     def __init__(self, target) -> None:
         tensors = live_tensors(target)  # raises TypeError for anything else
@@ -149,7 +152,8 @@ class TensorApplier:
     def stage_delta(self, prepared: PreparedDelta, fps: Mapping[str, int], *, verify: str) -> Staged:
         m = prepared.manifest
         self.fit_stream((r.name for r in m.tensors), version=m.version)
-        return stage_prepared(self.tensors() if self.left_out else self.target, prepared, fps, verify=verify)
+        return stage_prepared(self.tensors() if self.left_out else self.target, prepared, fps, verify=verify,
+                              check=self.check)
 
     def stage_keyframe(self, state: Mapping[str, torch.Tensor], fps: Mapping[str, int], *,
                        version: int | None = None) -> Staged:

@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deltasync.cli.run import run_command
-from deltasync.errors import BaseMismatchError, DeltaSyncError, NotFoundError
+from deltasync.errors import ApplyInterrupted, BaseMismatchError, DeltaSyncError, NotFoundError
+
+from .interrupt import Interrupt
 
 if TYPE_CHECKING:  # each command imports what it runs: the parser (and `publish` from files) never loads torch
     import torch
@@ -540,8 +542,12 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
                      read_token=_read_token_of(args))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    # a signal sets the flag at once (Python runs the handler between two bytecodes of a running apply, which
+    # holds the loop's thread) and wakes the loop; the apply sees it (or the deadline) at its next check, rolls
+    # back and raises ApplyInterrupted (client/interrupt.py)
+    interrupt = Interrupt(deadline=args.deadline)
+    interrupt.install(lambda: loop.call_soon_threadsafe(stop.set))
+    target.check = interrupt.check
     await sub.start()
     # Everything imported and opened so far (torch, numba, the file's map: ~10**6 objects) lives as long as
     # the process: out of the cyclic GC's sight, a step no longer pays full collections over it (they were
@@ -566,7 +572,13 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
             changed.clear()  # before looking: a step delivered from here on sets it again
             if len(sub.queue):
                 timeline.debug("mono=%.6f apply-start cpu=%.3f", time.monotonic(), time.process_time())
-            v = sub.apply_pending()  # patches the file in place (FileTarget), journaled
+            try:
+                v = sub.apply_pending()  # patches the file in place (FileTarget), journaled
+            except ApplyInterrupted as e:
+                why = interrupt.why or "--timeout"
+                print(f"deltasync subscribe: {why}: the apply in progress was stopped and rolled back ({e}); "
+                      f"{out} holds v{sub.version}", file=sys.stderr)
+                return 130 if interrupt.signalled else 1
             if v is not None and v != written:
                 written = v
                 timeline.debug("mono=%.6f applied v%d cpu=%.3f", time.monotonic(), v, time.process_time())
@@ -587,6 +599,9 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
             finally:
                 for w in waits:
                     w.cancel()
+        if interrupt.signalled:
+            _say(args, f"{interrupt.why}: stopping; {out} holds v{written} (no apply was in progress)")
+            return 130 if args.exit_now else 0
         return 0
     finally:
         await sub.close()

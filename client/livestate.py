@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from deltasync.errors import BaseMismatchError, DeltaSyncError, IntegrityError
+from deltasync.errors import ApplyInterrupted, BaseMismatchError, DeltaSyncError, IntegrityError
 from deltasync.fingerprint import state_fingerprint
 from deltasync.manifest import Manifest
 
@@ -113,6 +113,9 @@ class LiveState:
                 staged.rollback()
                 raise
             staged.commit()
+        except ApplyInterrupted:  # a signal or a deadline: rolled back, and not the delta's fault: the caller stops
+            self.counts["interrupted"] += 1
+            raise
         except IntegrityError as e:
             if step.kind == "keyframe" and isinstance(e, BaseMismatchError):
                 # nothing was copied; the target is not this model (or needs an engine applier)
