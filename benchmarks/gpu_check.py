@@ -21,10 +21,13 @@ Without ``--device``, a machine with no CUDA device (or no triton) exits with st
 **On a GPU machine without network** (``/work/.library/device/README.md`` here): it has torch, triton,
 numba, transformers, safetensors, aiohttp, uvloop and xxhash, not zstandard, blake3, cryptography or obstore.
 ``make gpu-wheels`` (here, with network) downloads those wheels for CPython 3.12 / manylinux x86-64 into
-``.whl/`` (git-ignored); there ``make gpu-check GPU_PY=python3`` installs them and this tree (no
-dependencies, no index) into a scratch directory and runs this script with it on ``PYTHONPATH``. Without
-make: ``python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/ds-site
-.whl/*.whl . && PYTHONPATH=/tmp/ds-site timeout 480 python3 benchmarks/gpu_check.py``.
+``.whl/`` (git-ignored: carry it); there ``make gpu-check GPU_PY=python3`` installs them into a scratch
+directory and this tree editable (no dependencies, no index), and runs this script with the scratch directory
+on ``PYTHONPATH``. Without make: ``python3 -m pip install -q --no-index --no-deps --target /tmp/ds-site
+.whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . &&
+PYTHONPATH=/tmp/ds-site timeout 480 python3 benchmarks/gpu_check.py``. (Editable, not a copy in the scratch
+directory: run from this tree, a copy's ``deltasync`` would be shadowed by ``./deltasync``, which lacks the
+``client``/``server``/``cli`` subpackages the install maps in.)
 """
 
 from __future__ import annotations
