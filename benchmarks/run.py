@@ -24,6 +24,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ORDER = ["bench_codec", "bench_relay", "bench_e2e", "bench_engines", "bench_budget", "bench_shardcast"]
+# Sections left out of a default run (each adds far more than a few minutes): run with their flag or --only NAME.
+OPTIONAL = {"bench_seedscale": "--seedscale"}  # issue 22's tensor-count row: ~15-25 min at 70k and 140k tensors
 
 
 def machine() -> str:
@@ -64,6 +66,8 @@ def main() -> int:
     ap.add_argument("--out", default="BENCHMARKS.md")
     ap.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     ap.add_argument("--only", nargs="*", help="bench module names to run (default: all)")
+    ap.add_argument("--seedscale", action="store_true",
+                    help="also run bench_seedscale (8 / ~70k / ~140k tensors of the same bytes; slow)")
     ap.add_argument("--section", help=argparse.SUPPRESS)  # run this one module here and write its Markdown to --out
     args = ap.parse_args()
     if args.section:
@@ -72,6 +76,8 @@ def main() -> int:
     names += sorted(p.stem for p in HERE.glob("bench_*.py") if p.stem not in names)
     if args.only:
         names = [n for n in names if n in args.only or n.removeprefix("bench_") in args.only]
+    else:
+        names = [n for n in names if n not in OPTIONAL or getattr(args, OPTIONAL[n].removeprefix("--"))]
     sections = []
     failed = 0
     for name in names:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,12 +30,23 @@ def register(sub) -> None:
     p.add_argument("old", help="base state (.safetensors)")
     p.add_argument("new", help="target state (.safetensors)")
     p.add_argument("-o", "--out", required=True, help="delta file to write")
-    p.add_argument("--model", default="model", help="model stream name (default: model)")
-    p.add_argument("--parent", type=int, default=0, help="version number of OLD (default 0)")
-    p.add_argument("--version", type=int, help="version number of NEW (default parent+1)")
+    p.add_argument("--model", default=None,
+                   help="model stream name (default: OLD's deltasync.model metadata, else 'model')")
+    p.add_argument("--parent", type=int, default=None,
+                   help="version number of OLD (default: its deltasync.version metadata, e.g. a `subscribe --out` "
+                        "file's; else the last number in both file names when NEW's is larger, as the sidecar "
+                        "numbers checkpoints: step1 -> step2 is v1 -> v2; else 0)")
+    p.add_argument("--version", type=int,
+                   help="version number of NEW (default: its deltasync.version metadata; else from the file names "
+                        "as above; else parent+1)")
     p.add_argument("--key-file", help="sign the manifest with this hex key")
     p.add_argument("--chunk-words", type=int, default=None, help="words per chunk (default: the codec's, 2**20)")
     p.add_argument("--level", type=int, default=1, help="zstd level (default 1)")
+    # the same choices, default and meaning as `publish --coding` (client/cli.py; tests/test_diff_coding.py pins it)
+    p.add_argument("--coding", choices=("base-free", "base-conditioned"), default="base-free",
+                   help="how the delta is coded: base-free (default; squash composes it) or base-conditioned "
+                        "(~30%% smaller on AdamW steps; decoding reads each changed chunk of the base, so replay "
+                        "decodes it but squash refuses it; docs/FORMAT.md §4.4)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads comparing and coding chunks (default: one per core)")
     p.add_argument("--quiet", action="store_true")
@@ -98,6 +110,71 @@ def cmd_compile_kernels(args) -> int:
     return 0
 
 
+META_MODEL, META_VERSION = "deltasync.model", "deltasync.version"  # a `subscribe --out` file's header (FileTarget)
+
+
+def _name_step(path: str) -> int | None:
+    """The last number in a file's name, as the sidecar numbers checkpoints (``client/checkpoints.py``)."""
+    m = re.search(r"(\d+)(?!.*\d)", os.path.basename(path).removesuffix(".safetensors"))
+    return int(m.group(1)) if m else None
+
+
+def _meta_version(meta: dict[str, str]) -> int | None:
+    v = meta.get(META_VERSION) or ""
+    return int(v) if v.isdigit() else None
+
+
+def diff_numbers(args, old_meta: dict[str, str], new_meta: dict[str, str]) -> tuple[int, int, str]:
+    """(parent, version, model) of ``deltasync diff``: the flags; else the files' own ``deltasync.version``
+    metadata; else, when neither flag nor metadata numbers either file, the last numbers in the two file
+    names if NEW's is larger (step1 -> step2: v1 -> v2, so diffs of consecutive checkpoints chain); else
+    parent 0 and version parent+1. A delta that would not go forward is refused, naming the flags."""
+    model = args.model or old_meta.get(META_MODEL) or new_meta.get(META_MODEL) or "model"
+    meta_p, meta_v = _meta_version(old_meta), _meta_version(new_meta)
+    parent, version = args.parent, args.version
+    if parent is None and version is None and meta_p is None and meta_v is None:
+        a, b = _name_step(args.old), _name_step(args.new)
+        if a is not None and b is not None and b > a:
+            return a, b, model
+    parent = parent if parent is not None else meta_p if meta_p is not None else 0
+    version = version if version is not None else meta_v if meta_v is not None else parent + 1
+    if version <= parent:
+        raise ChainError(f"diff {args.old} -> {args.new} would go from v{parent} to v{version}; pass the numbers: "
+                         f"--parent P (the version OLD holds) and --version V (greater than P)")
+    return parent, version, model
+
+
+def connect_chain(paths: list[str], manifests: list, note=None) -> list:
+    """The delta files ``paths`` as one chain: each must start from the state the previous one ends at
+    (state fingerprints). Files numbered on their own (``diff`` of two files without version numbers
+    writes v0 -> v1) whose states connect are renumbered after the first; ``note(line)`` says so. A
+    break raises ChainError naming the files and the flags that number them."""
+    from dataclasses import replace
+
+    out = [manifests[0]]
+    for path, m in zip(paths[1:], manifests[1:]):
+        prev, prev_path = out[-1], paths[len(out) - 1]
+        if m.model != prev.model:
+            raise ChainError(f"{path}: model {m.model!r}, the chain ({prev_path}) is {prev.model!r}")
+        if m.kind != "delta":
+            raise ChainError(f"{path}: a {m.kind}, not a delta; only deltas chain")
+        if m.state_fp_before != prev.state_fp:
+            raise ChainError(
+                f"chain breaks: {path} (v{m.parent}->v{m.version}) starts from state {m.state_fp_before}, but "
+                f"{prev_path} (v{prev.parent}->v{prev.version}) ends at state {prev.state_fp}: not consecutive "
+                f"steps (a gap, the wrong order, or another run); give the files in order, each diffed from "
+                f"the state the previous one ends at (deltasync diff --parent P --version V numbers them)")
+        if m.parent != prev.version:
+            span = m.version - m.parent
+            renumbered = replace(m, parent=prev.version, version=prev.version + span, signature=None, key_id=None)
+            if note is not None:
+                note(f"{path}: v{m.parent}->v{m.version} renumbered v{renumbered.parent}->v{renumbered.version} "
+                     f"(its base state is {prev_path}'s result)")
+            m = renumbered
+        out.append(m)
+    return out
+
+
 def cmd_diff(args) -> int:
     """Both files as :class:`~deltasync.dtypes.HostTensor` words over their maps (no torch, nothing copied
     whole); the same ``diff_span`` kernel and pool as ``publish --base``; the same bytes as ``encode_delta``
@@ -112,20 +189,20 @@ def cmd_diff(args) -> int:
     from deltasync.tensorfile import MappedTensorFile
 
     t0 = time.perf_counter()
-    version = args.version if args.version is not None else args.parent + 1
     prog = Progress("diff", quiet=args.quiet)
     threads = max(args.threads, 1)
     with MappedTensorFile(args.old) as of, MappedTensorFile(args.new) as nf:
+        parent, version, model = diff_numbers(args, of.metadata, nf.metadata)
         old, new = of.host, nf.host
         prefaulting = prefault_on_thread((of, nf))
         try:
             from deltasync.codec import EncodeOptions, encode_delta
 
             raw = _nbytes(new)
-            options = EncodeOptions(level=args.level, **({} if args.chunk_words is None else
+            options = EncodeOptions(level=args.level, coding=args.coding, **({} if args.chunk_words is None else
                                                           {"chunk_words": args.chunk_words}))
             with ThreadPoolExecutor(threads, thread_name_prefix="deltasync-diff") as pool:  # kernels release the GIL
-                enc = encode_delta(old, new, model=args.model, version=version, parent=args.parent,
+                enc = encode_delta(old, new, model=model, version=version, parent=parent,
                                    options=options, progress=prog.update, executor=pool if threads > 1 else None)
         finally:
             prefaulting.join()  # before the maps close
@@ -141,9 +218,10 @@ def cmd_diff(args) -> int:
         manifest = manifest.sign(signer)
     size = write_delta_file(args.out, manifest, enc.blobs)
     dt = time.perf_counter() - t0
-    say(args, f"{args.out}: {count} tensors, {manifest.changed_words:,} of {words:,} words changed "
+    say(args, f"{args.out}: {model!r} v{parent}->v{version}, {count} tensors, "
+              f"{manifest.changed_words:,} of {words:,} words changed "
               f"({100 * manifest.changed_words / max(words, 1):.3f}%), {size:,} bytes, ratio {raw / max(size, 1):.1f}x "
-              f"vs {raw:,} raw bytes, {dt:.2f} s")
+              f"vs {raw:,} raw bytes, {manifest.coding} coding, {dt:.2f} s")
     return 0
 
 
@@ -162,10 +240,8 @@ def cmd_replay(args) -> int:
     for i, path in enumerate(args.deltas):
         df = read_delta_file(path, verifier=verifier)
         m = df.manifest
-        if prev is not None and m.parent != prev.version:
-            raise ChainError(f"{path}: starts at v{m.parent} but the chain is at v{prev.version} (a gap or wrong order)")
-        if prev is not None and m.model != prev.model:
-            raise ChainError(f"{path}: model {m.model!r}, chain is {prev.model!r}")
+        if prev is not None:  # the files' states must connect; files numbered on their own are renumbered
+            m = connect_chain([args.deltas[i - 1], path], [prev, m], note=lambda line: say(args, line))[1]
         fps = apply_delta(state, m, df.blobs, fps, verify=args.verify)
         prev = m
         prog.update(i + 1, len(args.deltas))
@@ -187,7 +263,8 @@ def cmd_squash(args) -> int:
     blobs: dict[str, bytes] = {}
     for f in files:
         blobs.update(f.blobs)
-    enc = squash_chain([f.manifest for f in files], blobs.__getitem__)
+    chain = connect_chain(list(args.deltas), [f.manifest for f in files], note=lambda line: say(args, line))
+    enc = squash_chain(chain, blobs.__getitem__)
     manifest = enc.manifest.sign(signer) if signer is not None else enc.manifest
     size = write_delta_file(args.out, manifest, enc.blobs)
     total_in = sum(f.manifest.total_bytes for f in files)
@@ -201,7 +278,7 @@ def _chunk_raw_bytes(rec: dict) -> int:
     length = rec["stop"] - rec["start"]
     if rec["mode"] == "dense":
         return length * w
-    if rec["mode"] == "ans":  # format 2: one rANS message (16-bit words) + raw words per chunk
+    if rec["mode"] in ("ans", "ansx"):  # formats 2 and 3: one rANS message (16-bit words) + raw words per chunk
         return 2 * rec["na"] + rec["nr"] * w
     pos = (length + 7) // 8 if rec["mode"] == "bitmap" else rec["ng"] + rec["ngx"]
     return pos + (rec["count"] + 3) // 4 + rec["nt"] + rec["ne"] + rec["nr"] * w
@@ -238,7 +315,7 @@ def inspect_delta(path: str) -> dict:
             "raw_bytes": raw, "fp_before": t.fp_before, "fp_after": t.fp_after,
         })
     return {"type": "delta-file", "model": m.model, "version": m.version, "parent": m.parent, "kind": m.kind,
-            "signed": m.signature is not None, "state_fp_before": m.state_fp_before, "state_fp": m.state_fp,
+            "coding": m.coding if m.kind == "delta" else None, "signed": m.signature is not None, "state_fp_before": m.state_fp_before, "state_fp": m.state_fp,
             "blobs": len(m.blobs), "bytes": m.total_bytes, "raw_bytes": m.raw_bytes,
             "changed_words": m.changed_words, "tensors": rows,
             "budget": budget_of(m), "residual": residual_of(m)}
@@ -275,7 +352,8 @@ def cmd_inspect(args) -> int:
     w = max([len(r["name"]) for r in info["tensors"]] + [6])
     print(f"{info['kind']} {info['model']!r} v{info['parent']}->v{info['version']}" if info["kind"] == "delta"
           else f"keyframe {info['model']!r} v{info['version']}",
-          f"({'signed' if info['signed'] else 'unsigned'}, {info['blobs']} blobs)")
+          f"({'signed' if info['signed'] else 'unsigned'}, {info['blobs']} blobs"
+          + (f", {info['coding']} coding)" if info["coding"] else ")"))
     print(f"{'tensor':<{w}}  {'dtype':<16} {'shape':<20} {'changed%':>9} {'encoding':<18} {'bytes':>12}")
     for r in info["tensors"]:
         print(f"{r['name']:<{w}}  {r['dtype']:<16} {str(tuple(r['shape'])):<20} {r['changed_pct']:>8.3f}% "

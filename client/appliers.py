@@ -17,6 +17,14 @@ chunk in those blobs are left out, listed in ``PreparedDelta.skipped``). Keyfram
 always fetched whole (``load_keyframe`` checks every tensor); a sharded applier's
 ``stage_keyframe`` copies its own slices out of the host state.
 
+Tied weights: tensors of an ``nn.Module`` (or dict) that share memory (``lm_head.weight`` is
+``model.embed_tokens.weight``) are recognised by ``TensorApplier``. A stream published from the
+whole ``state_dict()`` carries every name (aliases are patched once, their changes must agree);
+one published without the tied copy (as ``save_pretrained`` writes checkpoints) leaves a name out:
+the first manifest applied (or the signed one of a trusted ``version=``) tells which, and the
+left-out name is patched through the name it shares memory with. A name left out that shares
+memory with nothing the stream carries is refused before anything is written, naming the fix.
+
 Keyframe rollback: a keyframe copy overwrites every tensor and keeping the old state
 would double the target's memory, so ``TensorApplier``'s keyframe ``rollback()`` cannot
 restore (it marks nothing; ``LiveState`` treats a failed keyframe as "state unknown"
@@ -25,13 +33,14 @@ and resyncs, as the subscriber always has). Delta rollbacks restore every word.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from deltasync.apply import PreparedDelta, live_tensors, stage_prepared
+from deltasync.apply import PreparedDelta, find_aliases, live_tensors, stage_prepared
 from deltasync.dtypes import dtype_info
+from deltasync.errors import BaseMismatchError
 from deltasync.fingerprint import tensor_fingerprint
 from deltasync.keyframe import copy_state
 from deltasync.manifest import Manifest
@@ -82,14 +91,54 @@ class _CopiedKeyframe:
 
 class TensorApplier:
     """A dict of tensors or an ``nn.Module`` (names equal to the stream's), on CPU or GPU:
-    ``stage_prepared`` / ``copy_state`` exactly as the subscriber always applied them."""
+    ``stage_prepared`` / ``copy_state`` exactly as the subscriber always applied them.
+
+    Tied weights (see the module docstring): ``tied`` maps each name to the other names sharing its
+    memory; ``left_out`` holds the tied names the stream does not carry (known once a manifest is seen)."""
+
+    tied: dict[str, frozenset[str]] = {}  # class defaults: subclasses that skip __init__ (FileTarget) have none
+    left_out: frozenset[str] = frozenset()
+    #: called between pieces of a delta's apply (``stage_prepared(check=)``): raising ``ApplyInterrupted`` there
+    #: (a signal, a deadline: ``client/interrupt.py``) rolls the apply back; None: never interrupted
+    check: Callable[[], None] | None = None
 
     def __init__(self, target) -> None:
-        live_tensors(target)  # raises TypeError for anything else
+        tensors = live_tensors(target)  # raises TypeError for anything else
         self.target = target
+        groups: dict[str, set[str]] = {}
+        for alias, primary in find_aliases(tensors).items():
+            groups.setdefault(primary, {primary}).add(alias)
+        self.tied = {n: frozenset(g - {n}) for g in groups.values() for n in g}
+        self.left_out = frozenset()
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return live_tensors(self.target)
+        """The tensors the stream carries (a tied name it leaves out is reached through its primary)."""
+        tensors = live_tensors(self.target)
+        for name in self.left_out:
+            tensors.pop(name, None)
+        return tensors
+
+    def fit_stream(self, names, *, version: int | str = "?") -> None:
+        """Match the stream's tensor names (a manifest's) before anything is written: tied names it leaves
+        out are left out here too; anything else that differs raises BaseMismatchError naming the fix."""
+        names = set(names)
+        have = live_tensors(self.target)
+        extra = sorted(names - set(have))
+        missing = sorted(set(have) - names)
+        untied = [n for n in missing if not (self.tied.get(n, frozenset()) & names)]
+        if extra:
+            raise BaseMismatchError(
+                f"v{version} of the stream has tensors {extra[:5]} the target lacks"
+                + (f" (and lacks {untied[:5]})" if untied else "")
+                + "; is the target the same model? A target named or shaped unlike the trainer's state_dict() "
+                "needs an engine applier (deltasync.client.hf.hf_applier, the vLLM worker extension, "
+                "SGLang's loader: docs/ENGINES.md)")
+        if untied:
+            raise BaseMismatchError(
+                f"v{version} of the stream lacks the target's {untied[:5]}, which share memory with no tensor the "
+                "stream carries; publish the full state_dict() (tied copies included), or tie them in the target "
+                "(e.g. Hugging Face's model.tie_weights()) so they share memory with a tensor the stream carries")
+        self.left_out = frozenset(missing)
 
     def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in self.tensors().items()}
@@ -101,13 +150,17 @@ class TensorApplier:
         return None
 
     def stage_delta(self, prepared: PreparedDelta, fps: Mapping[str, int], *, verify: str) -> Staged:
-        return stage_prepared(self.target, prepared, fps, verify=verify)
+        m = prepared.manifest
+        self.fit_stream((r.name for r in m.tensors), version=m.version)
+        return stage_prepared(self.tensors() if self.left_out else self.target, prepared, fps, verify=verify,
+                              check=self.check)
 
     def stage_keyframe(self, state: Mapping[str, torch.Tensor], fps: Mapping[str, int], *,
                        version: int | None = None) -> Staged:
         """``version``: named in error messages only (an optional extra over the protocol)."""
-        return _CopiedKeyframe(copy_state(self.tensors(), dict(state), dict(fps),
-                                          version="?" if version is None else version))
+        v = "?" if version is None else version
+        self.fit_stream(state, version=v)
+        return _CopiedKeyframe(copy_state(self.tensors(), dict(state), dict(fps), version=v))
 
 
 def as_applier(target) -> Applier:

@@ -15,8 +15,9 @@ read into memory and returned for the caller to raise. One request per connectio
 a few large shards; there is nothing to gain from keeping connections alive). Plain ``http://``
 URLs only (``supports``); anything else goes through aiohttp.
 
-Every wait is bounded: the connect, the status line (``ttfb``), silence on the socket (``read``)
-and the whole request (``total``).
+Every wait is bounded: the connect, the whole head (``ttfb``, however slowly it is dripped), silence on
+the socket (``read``), the body's minimum rate (``min_rate`` after a ``grace``) and the whole request
+(``total``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDict
 
 from deltasync.errors import IntegrityError, UpstreamError, UpstreamTimeout
+from deltasync.retry import DEFAULT_MIN_RATE, DEFAULT_RATE_GRACE, Pace
 
 MAX_HEAD = 64 << 10
 MAX_ERROR = 64 << 10
@@ -238,12 +240,15 @@ def supports(url: str) -> bool:
 
 
 async def receive(url: str, path: str, sink: BlobSink, offset: int, *, size: int | None, headers: dict[str, str],
-                  connect: float, ttfb: float, read: float, total: float, on_head=None) -> Answer:
+                  connect: float, ttfb: float, read: float, total: float, on_head=None,
+                  min_rate: float = DEFAULT_MIN_RATE, grace: float = DEFAULT_RATE_GRACE) -> Answer:
     """GET ``url + path`` from blob byte ``offset`` (a Range request when it is not 0); the body goes into
     ``sink``; ``size``: the blob's size as the caller knows it (an answer saying otherwise: IntegrityError,
     before a byte goes to the sink). Returns the answer (its ``error_body`` filled for a status other than 200/206, whose body is not
     the blob's). UpstreamTimeout/UpstreamError for a server that is slow, silent, cuts the body or breaks
-    the protocol; ``on_head(answer)`` runs when the head is in (it may raise to refuse the answer)."""
+    the protocol: the whole head (status line and headers) within ``ttfb`` of the request, however it is
+    dripped; the body at ``min_rate`` bytes/s after a ``grace`` (``deltasync.retry.Pace``: ``FellBehind``);
+    ``on_head(answer)`` runs when the head is in (it may raise to refuse the answer)."""
     u = urlsplit(url)
     host, port = u.hostname, u.port or 80
     lines = [f"GET {path} HTTP/1.1", f"Host: {u.netloc}", "Accept-Encoding: identity", "Connection: close"]
@@ -260,24 +265,30 @@ async def receive(url: str, path: str, sink: BlobSink, offset: int, *, size: int
     try:
         conn.transport.write(request)
         conn.last_activity = loop.time()
-        answer = await _wait(conn, conn.head, ttfb, deadline, url, "the status line")
+        answer = await _wait(conn, conn.head, ttfb, min(deadline, loop.time() + ttfb), url, "the answer's head")
         if on_head is not None:
             on_head(answer)
-        await _wait(conn, conn.done, read, deadline, url, "more of the body")
+        pace = Pace(min_rate=min_rate, grace=grace, start=loop.time(), what=f"{url}{path}: the body")
+        await _wait(conn, conn.done, read, deadline, url, "more of the body", pace)
         return answer
     finally:
         if conn.transport is not None and not conn.transport.is_closing():
             conn.transport.close()
 
 
-async def _wait(conn: _Conn, fut: asyncio.Future, silence: float, deadline: float, url: str, what: str):
-    """``fut``'s result; UpstreamTimeout after ``silence`` seconds with no byte, or at ``deadline``."""
+async def _wait(conn: _Conn, fut: asyncio.Future, silence: float, deadline: float, url: str, what: str,
+                pace: Pace | None = None):
+    """``fut``'s result; UpstreamTimeout after ``silence`` seconds with no byte, or at ``deadline``; FellBehind
+    when the body's bytes fall behind ``pace``."""
     loop = asyncio.get_running_loop()
     while True:
         now = loop.time()
         left = min(conn.last_activity + silence, deadline) - now
+        if pace is not None:
+            pace.check(conn.body_bytes, now)
+            left = min(left, pace.left(conn.body_bytes, now) + 1e-3)
         if left <= 0:
-            why = f"nothing for {silence:g} s" if now < deadline else "not the whole answer within the request limit"
+            why = f"nothing for {silence:g} s" if now < deadline else "not the whole answer within the limit"
             raise UpstreamTimeout(f"{url}: waited for {what}, got {why}")
         done, _ = await asyncio.wait((fut,), timeout=left)
         if done:

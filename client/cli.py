@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deltasync.cli.run import run_command
-from deltasync.errors import BaseMismatchError, DeltaSyncError, NotFoundError
+from deltasync.errors import ApplyInterrupted, BaseMismatchError, DeltaSyncError, NotFoundError
+
+from .interrupt import Interrupt
 
 if TYPE_CHECKING:  # each command imports what it runs: the parser (and `publish` from files) never loads torch
     import torch
@@ -480,7 +482,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
     if rolled is not None:
         _say(args, f"{out}: rolled back the unfinished v{rolled.get('to')} to v{rolled.get('from')} (undo journal)")
     timeouts = Timeouts(poll=args.poll, connect=args.connect_timeout, ttfb=args.ttfb_timeout, read=args.read_timeout,
-                        hedge_after=args.hedge_after or None)
+                        hedge_after=args.hedge_after or None, min_rate=args.min_rate, rate_grace=args.rate_grace)
     target: FileTarget | None = None
     if out.exists():
         try:
@@ -500,8 +502,8 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
                             check_manifest=lambda body: parse_manifest(body, verifier=verifier))
         warm = asyncio.get_running_loop().run_in_executor(None, KeyframeWriter.warm)  # while nothing arrives yet
         try:
-            deadline = time.monotonic() + args.timeout
-            head = await client.get_head(args.model)
+            deadline = args.deadline if args.deadline is not None else time.monotonic() + args.timeout
+            head = await client.highest_head(args.model)  # not an old head one source replays
             while head is None and not args.once and (left := deadline - time.monotonic()) > 0:
                 # the model has no version yet: wait for the first, woken by its commit (a long-poll; a
                 # server of an older build refuses after=-1: then ask again every 0.25 s)
@@ -544,8 +546,12 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
                      read_token=_read_token_of(args))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    # a signal sets the flag at once (Python runs the handler between two bytecodes of a running apply, which
+    # holds the loop's thread) and wakes the loop; the apply sees it (or the deadline) at its next check, rolls
+    # back and raises ApplyInterrupted (client/interrupt.py)
+    interrupt = Interrupt(deadline=args.deadline)
+    interrupt.install(lambda: loop.call_soon_threadsafe(stop.set))
+    target.check = interrupt.check
     await sub.start()
     # Everything imported and opened so far (torch, numba, the file's map: ~10**6 objects) lives as long as
     # the process: out of the cyclic GC's sight, a step no longer pays full collections over it (they were
@@ -554,11 +560,12 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
     written = version
     goal = args.until
     if args.once:
-        h = await sub.client.get_head(args.model)
+        # the newest version any listed source can prove (signed): never done at an older one another replays
+        h = await sub.client.highest_head(args.model)
         if h is None:
             raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
         goal = h.version
-    deadline = time.monotonic() + args.timeout if (args.once or goal is not None) else None
+    deadline = args.deadline
     if not args.once and (goal is None or written is None or written < goal):
         # load the delta kernels while waiting for the next version (~0.05 CPU-s the first delta would pay);
         # a daemon thread: never waited for, and numba's compiler lock orders it with a real apply
@@ -569,7 +576,13 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
             changed.clear()  # before looking: a step delivered from here on sets it again
             if len(sub.queue):
                 timeline.debug("mono=%.6f apply-start cpu=%.3f", time.monotonic(), time.process_time())
-            v = sub.apply_pending()  # patches the file in place (FileTarget), journaled
+            try:
+                v = sub.apply_pending()  # patches the file in place (FileTarget), journaled
+            except ApplyInterrupted as e:
+                why = interrupt.why or "--timeout"
+                print(f"deltasync subscribe: {why}: the apply in progress was stopped and rolled back ({e}); "
+                      f"{out} holds v{sub.version}", file=sys.stderr)
+                return 130 if interrupt.signalled else 1
             if v is not None and v != written:
                 written = v
                 timeline.debug("mono=%.6f applied v%d cpu=%.3f", time.monotonic(), v, time.process_time())
@@ -590,6 +603,9 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
             finally:
                 for w in waits:
                     w.cancel()
+        if interrupt.signalled:
+            _say(args, f"{interrupt.why}: stopping; {out} holds v{written} (no apply was in progress)")
+            return 130 if args.exit_now else 0
         return 0
     finally:
         await sub.close()
@@ -680,7 +696,23 @@ def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> i
     # --once/--until end the process: once the file is written and closed, run_command may skip the
     # interpreter's teardown (see cli/run.py: ``exit_now``)
     args.exit_now = args.once or args.until is not None
-    return asyncio.run(_subscribe(args, _verifier(args), on_applied))
+    # --timeout bounds the whole command with --once/--until: the first keyframe's stream and every read too
+    args.deadline = time.monotonic() + args.timeout if args.exit_now else None
+    return asyncio.run(_bounded_subscribe(args, _verifier(args), on_applied))
+
+
+async def _bounded_subscribe(args, verifier: Verifier | None, on_applied: Callable[[int], None] | None) -> int:
+    """``_subscribe`` within the command's deadline (``--once``/``--until``): the main loop reports a miss with the
+    last error; this bound, a second later, ends whatever part was still waiting then (a keyframe's stream, a
+    head read) with the same exit status."""
+    if args.deadline is None:
+        return await _subscribe(args, verifier, on_applied)
+    try:
+        async with asyncio.timeout(max(0.0, args.deadline - time.monotonic()) + 1.0):
+            return await _subscribe(args, verifier, on_applied)
+    except TimeoutError:
+        print(f"deltasync subscribe: error: not done after {args.timeout:.0f}s (--timeout)", file=sys.stderr)
+        return 1
 
 
 # -- sidecar ----------------------------------------------------------------------------------------
@@ -795,6 +827,12 @@ def register(subparsers) -> None:
     s.add_argument("--hedge-after", type=float, default=2.0, metavar="S",
                    help="a read with no answer after S seconds also asks the next --from in parallel (default 2; "
                         "0: never)")
+    s.add_argument("--min-rate", type=float, default=64 << 10, metavar="BYTES_PER_S",
+                   help="a source whose body (blob, manifest, head) averages under this many bytes per second once "
+                        "--rate-grace has passed is failed over mid-body: the rest comes from the next --from "
+                        "(default 65536)")
+    s.add_argument("--rate-grace", type=float, default=10.0, metavar="S",
+                   help="seconds a body may take before --min-rate applies (default 10)")
     s.add_argument("--read-token-file", metavar="F", help="file holding a read token (servers that require one)")
     s.add_argument("--scrub-every", type=int, default=0, metavar="N",
                    help="re-fingerprint every tensor every N applies (default: never; incremental checks always run)")

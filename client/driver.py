@@ -61,6 +61,8 @@ SQUASH_WAIT_BASE = 0.5
 SQUASH_WAIT_PER_VERSION = 0.1
 #: After a squash was not ready in time, this many seconds of chain walking before asking again.
 SQUASH_PAUSE = 10.0
+#: A long-poll answered "nothing newer" sooner than this (seconds; at most half the poll) was not held: early.
+EARLY_ANSWER = 1.0
 
 
 class SyncDriver:
@@ -191,9 +193,13 @@ class SyncDriver:
         def parse(body: bytes, version: int) -> Manifest:
             return self.parse(body, a.stream, version)
 
+        early = False
         if a.after is None:
             head = await self.client.get_head(a.stream, parse=parse)
         else:
+            if a.probe:  # the last answer was an old head at once: is another listed source ahead?
+                await self._check_not_behind(a.stream, a.after, force=True)
+            asked = time.monotonic()
             try:
                 head = await asyncio.wait_for(self.client.get_head(a.stream, after=a.after, parse=parse),
                                               t.poll + max(t.read, t.ttfb) + t.connect)
@@ -201,6 +207,9 @@ class SyncDriver:
                 await self._check_not_behind(a.stream, a.after)
                 return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=a.after)
             if head is not None and head.version <= a.after:
+                # a long-poll is held until something newer commits: "nothing newer" at once is a source
+                # replaying an old head (or with broken long-polls); the machine backs off and probes
+                early = time.monotonic() - asked < min(EARLY_ANSWER, t.poll / 2)
                 await self._check_not_behind(a.stream, a.after)
             elif head is not None:
                 self._quiet_since = None
@@ -210,17 +219,18 @@ class SyncDriver:
         m = None
         if head.body is not None:  # verified in the failover loop; parse again only if that was skipped
             m = head.checked if isinstance(head.checked, Manifest) else self.parse(head.body, a.stream, head.version)
-        return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=head.version, manifest=m)
+        return sm.HeadSeen(ticket=a.ticket, stream=a.stream, version=head.version, manifest=m, early=early)
 
-    async def _check_not_behind(self, stream: str, have: int) -> None:
-        """The source had nothing newer than ``have``: once that has lasted ``behind_after`` seconds, ask
-        the other listed sources' heads (a plain GET each, bounded by the client's timeouts); if one is
-        ahead, the quiet source is marked failed so the next reads go to the others."""
+    async def _check_not_behind(self, stream: str, have: int, *, force: bool = False) -> None:
+        """The source had nothing newer than ``have``: once that has lasted ``behind_after`` seconds (at once
+        with ``force``: it answered a long-poll at once with an old head), ask the other listed sources' heads
+        (a plain GET each, bounded by the client's timeouts); if one is ahead, the quiet source is marked failed
+        so the next reads go to the others."""
         now = time.monotonic()
         if self._quiet_since is None:
             self._quiet_since = now
         quiet, current = self.client.last_url, now - self._quiet_since
-        if len(self.client.urls) < 2 or quiet is None or current < self.behind_after:
+        if len(self.client.urls) < 2 or quiet is None or (current < self.behind_after and not force):
             return
         self._quiet_since = now  # one probe per ``behind_after``
         t = self.client.timeouts

@@ -166,7 +166,7 @@ async def publish_delta(client: HttpClient, *, model: str, version: int, parent:
     del diff
     timeline.debug("mono=%.6f publish-encoded", time.monotonic())
     manifest = enc.manifest.with_digests(enc.blobs) if signer is not None else enc.manifest  # signed: every digest
-    await upload_blobs(client, enc.blobs, concurrency=concurrency)
+    await upload_blobs(client, enc.blobs, concurrency=concurrency, model=model)
     timeline.debug("mono=%.6f publish-uploaded", time.monotonic())
     signed = await commit_manifest(client, manifest, key=signer)
     timeline.debug("mono=%.6f publish-committed v%d", time.monotonic(), version)
@@ -240,7 +240,7 @@ def _slices(t: HostTensor, slice_bytes: int):
 
 
 async def _publish_pieces(client: HttpClient, state: Mapping[str, HostTensor], groups: list[list[str]], *,
-                          digest: bool, fps: dict[str, int], where: dict[str, str], refs: list[BlobRef],
+                          model: str, digest: bool, fps: dict[str, int], where: dict[str, str], refs: list[BlobRef],
                           concurrency: int = 2) -> None:
     """Hash the shards on a pool (GIL released by the hashers and kernels) while the ones already hashed
     upload; nothing is copied, so memory is the mapped file's pages. The fingerprints are summed apart, after
@@ -257,7 +257,7 @@ async def _publish_pieces(client: HttpClient, state: Mapping[str, HostTensor], g
         async def send(k: int) -> ShardPieces:
             sp = await hashed[k]
             async with sem:
-                await client.put_blob(sp.id, sp.pieces)  # the pieces as they are, never joined
+                await client.put_blob(sp.id, sp.pieces, model=model)  # the pieces as they are, never joined
             return sp
 
         try:
@@ -288,7 +288,7 @@ async def publish_keyframe(client: HttpClient, *, model: str, version: int,
 
     groups = _groups(state, shard_bytes_)
     if all(isinstance(t, HostTensor) for t in state.values()):
-        await _publish_pieces(client, state, groups, digest=signer is not None, fps=fps, where=where, refs=refs)
+        await _publish_pieces(client, state, groups, model=model, digest=signer is not None, fps=fps, where=where, refs=refs)
         return await _keyframe_manifest(client, model=model, version=version, state=state, signer=signer, fps=fps,
                                         where=where, refs=refs, meta=meta, commit=commit)
     from deltasync.tensorfile import shard_bytes
@@ -310,7 +310,7 @@ async def publish_keyframe(client: HttpClient, *, model: str, version: int,
             bid, data, digest = await loop.run_in_executor(None, build, k, group)  # overlaps the previous upload
             if uploading is not None:
                 await uploading
-            uploading = asyncio.ensure_future(client.put_blob(bid, data))
+            uploading = asyncio.ensure_future(client.put_blob(bid, data, model=model))
             refs.append(BlobRef(id=bid, size=len(data), digest=digest))
             for n in group:
                 where[n] = bid

@@ -685,11 +685,13 @@ class FileTarget(TensorApplier):
         check_base(m, tensors, fps)  # before any I/O
         if self.before_write is not None:
             self.before_write(m.version)
+        if self.check is not None:  # a signal or a deadline: stop before the journal (nothing to roll back)
+            self.check()
         regions, payload = self._journal_payload(prepared)
         _write_journal(journal_path(self.path), {"from": self.version, "to": m.version, "size": self.file.size},
                        regions, [memoryview(payload)])
         try:
-            inner = stage_prepared(tensors, prepared, fps, verify=verify)
+            inner = stage_prepared(tensors, prepared, fps, verify=verify, check=self.check)
         except BaseException:
             self.file.flush()  # the core restored every word; make that durable before dropping the journal
             self.end_journal()

@@ -70,11 +70,11 @@ from deltasync.errors import (
     from_wire,
 )
 from deltasync.failover import Backoff, Failover
-from deltasync.retry import RESUME_NOW, RETRY_BACKOFF, answering, describe, first_source, retry
+from deltasync.retry import RESUME_NOW, RETRY_BACKOFF, FellBehind, Pace, answering, describe, first_source, retry
 
 from . import blobrecv
 from .blobrecv import BlobSink
-from .httpbase import HeadInfo, Timeouts, is_outage as _is_outage
+from .httpbase import MODEL_HEADER, HeadInfo, Timeouts, is_outage as _is_outage
 
 __all__ = ["HeadInfo", "HttpClient", "Timeouts", "TransferStats", "is_bad_body", "is_outage", "shared_failover"]
 
@@ -224,29 +224,43 @@ class HttpClient:
         answering()
         return r
 
-    async def _piece(self, r: aiohttp.ClientResponse, where: str) -> bytes:
-        """The next piece of a body (b"" at its end), as received: at most ``Timeouts.read`` of silence.
-        The bound is our own, because aiohttp (3.14) drops its read timer without waking the reader when its
-        parser fails on a mangled chunk-size line; a read after that raises a bare RuntimeError, which is
-        translated here: either way a cut answer, the server's fault (UpstreamError/UpstreamTimeout)."""
+    async def _piece(self, r: aiohttp.ClientResponse, where: str, pace: Pace | None = None, have: int = 0) -> bytes:
+        """The next piece of a body (b"" at its end), as received: at most ``Timeouts.read`` of silence, and
+        with a ``pace`` (``have`` bytes of the body in so far) no later than it says (``FellBehind``: a source
+        that drips a byte now and then is put down all the same). The silence bound is our own, because aiohttp
+        (3.14) drops its read timer without waking the reader when its parser fails on a mangled chunk-size
+        line; a read after that raises a bare RuntimeError, which is translated here: either way a cut answer,
+        the server's fault (UpstreamError/UpstreamTimeout)."""
+        limit = self.timeouts.read
+        behind = False
+        if pace is not None:
+            left = pace.left(have, asyncio.get_running_loop().time())
+            if left < limit:
+                limit, behind = max(left, 0.0), True
         try:
-            async with asyncio.timeout(self.timeouts.read):
+            async with asyncio.timeout(limit):
                 return await r.content.readany()
         except TimeoutError:
+            if behind:
+                pace.check(have, asyncio.get_running_loop().time() + 1e-3)  # raises FellBehind
             raise UpstreamTimeout(f"{where}: the body stalled (nothing for {self.timeouts.read:g} s)") from None
         except RuntimeError as e:
             if str(e) != _CLOSED_MID_BODY:
                 raise
             raise UpstreamError(f"{where}: the connection was closed mid-answer") from None
 
+    def _pace(self, where: str) -> Pace:
+        return self.timeouts.pace(asyncio.get_running_loop().time(), what=where)
+
     async def _body(self, r: aiohttp.ClientResponse, where: str, *, limit: int | None = None,
                     keep: int | None = None) -> bytes:
-        """A whole body, each piece read with :meth:`_piece`'s bound. ``limit``: a longer body is that server's
-        fault (UpstreamError); ``keep``: only the first ``keep`` bytes are wanted (an error answer's text),
-        the rest is not read."""
+        """A whole body, each piece read with :meth:`_piece`'s bounds (the minimum rate included).
+        ``limit``: a longer body is that server's fault (UpstreamError); ``keep``: only the first ``keep``
+        bytes are wanted (an error answer's text), the rest is not read."""
         parts: list[bytes] = []
         n = 0
-        while piece := await self._piece(r, where):
+        pace = self._pace(where)
+        while piece := await self._piece(r, where, pace, n):
             parts.append(piece)
             n += len(piece)
             if keep is not None and n >= keep:
@@ -330,6 +344,45 @@ class HttpClient:
             return HeadInfo(model=model, version=int(shown), url=url)
         return replace(HeadInfo.from_body(body, model=model, url=url), checked=checked)
 
+    async def highest_head(self, model: str, *, parse: Callable[[bytes, int], object] | None = None) -> HeadInfo | None:
+        """The newest head any listed URL can prove: every URL asked at once (a plain head read each, bounded
+        by the client's timeouts and minimum rate), each answer checked as ``get_head`` checks it (``parse``,
+        default ``check_manifest``: a signed head); None when no URL has a version. A URL replaying an old
+        signed head cannot hold a caller back while another has a newer one (TUF's freeze and rollback).
+        Raises what ``get_head`` raises when no URL answered at all."""
+        if len(self.urls) == 1:
+            return await self.get_head(model, parse=parse)
+        path = f"/v1/models/{quote(model)}/head"
+
+        def check(body: bytes) -> object:
+            info = HeadInfo.from_body(body, model=model)
+            if parse is not None:
+                return parse(body, info.version)
+            return self.check_manifest(body) if self.check_manifest is not None else None
+
+        async def one(url: str) -> HeadInfo | None:
+            async with await self._open("GET", url + path) as r:
+                if r.status == 404:
+                    return None
+                if r.status != 200:
+                    raise from_wire(r.status, await self._body(r, url + path, keep=500), r.headers, where=url + path)
+                body = await self._body(r, url + path, limit=MAX_MANIFEST)
+            self._bytes_in += len(body)
+            return replace(HeadInfo.from_body(body, model=model, url=url), checked=check(body))
+
+        got = await asyncio.gather(*(one(u) for u in self.urls), return_exceptions=True)
+        heads = [h for h in got if isinstance(h, HeadInfo)]
+        for url, h in zip(self.urls, got):
+            if isinstance(h, BaseException):
+                if not isinstance(h, Exception):
+                    raise h
+                log.info("%s: no head (%s)", url, describe(h))
+        if heads:
+            return max(heads, key=lambda h: h.version)
+        if any(h is None for h in got):
+            return None
+        return await self.get_head(model, parse=parse)  # nobody answered: the usual loop, its errors
+
     async def get_manifest(self, model: str, version: int) -> bytes:
         """A version's manifest JSON (parse and verify it with deltasync.manifest.parse_manifest); a body
         ``check_manifest`` rejects fails that URL over."""
@@ -355,14 +408,25 @@ class HttpClient:
 
     async def get_blob(self, bid: str, size: int | None = None, digest: str | None = None) -> bytes:
         """A blob, its hash checked (and its cryptographic ``digest`` from a signed manifest, when given); fails
-        over on bad bytes and resumes cut transfers with Range."""
+        over on bad bytes and resumes cut transfers with Range: from the same URL, or from the next one when a
+        URL fell behind the minimum rate (the bytes in hand are kept: a copy from two sources that fails its
+        check is fetched again whole from the last before that URL is blamed)."""
         check_blob_id(bid)
-        return await self._each_url(lambda url: self._get_blob_from(url, bid, size, digest=digest), what=f"blob {bid}")
+        carry = _Partial()
+        return await self._each_url(lambda url: self._get_blob_from(url, bid, size, digest=digest, carry=carry),
+                                    what=f"blob {bid}")
 
     async def _get_blob_from(self, url: str, bid: str, size: int | None, attempts: int = 3, *,
-                             digest: str | None = None) -> bytes:
+                             digest: str | None = None, carry: _Partial | None = None) -> bytes:
         full = f"{url}/v1/blobs/{bid}"
-        buf = bytearray()
+        # the bytes a slower source left (one attempt at a time owns them: a hedged attempt runs with its own)
+        own = carry is not None and not carry.busy
+        buf = carry.data if own else bytearray()
+        if own:
+            carry.busy = True
+            if buf and carry.sources - {url}:
+                log.info("%s: resuming at byte %d after %s fell behind", full, len(buf), ", ".join(carry.sources))
+        mixed = own and bool(carry.sources - {url}) and bool(buf)
 
         async def transfer() -> None:
             headers = {"Range": f"bytes={len(buf)}-"} if buf else {}
@@ -371,7 +435,12 @@ class HttpClient:
                     raise from_wire(r.status, await self._body(r, full, keep=300), r.headers, where=full)
                 if buf and r.status == 200:
                     buf.clear()  # the server ignored Range: start over
-                while piece := await self._piece(r, full):
+                if own:
+                    carry.sources.add(url)
+                pace = self._pace(full)
+                got = 0
+                while piece := await self._piece(r, full, pace, got):
+                    got += len(piece)
                     buf.extend(piece)
                     self._bytes_in += len(piece)
                     if size is not None and len(buf) > size:
@@ -381,17 +450,35 @@ class HttpClient:
             self._resumes += 1
             log.info("%s: transfer cut at %d bytes (%s); resuming with Range", full, len(buf), type(e).__name__)
 
-        await retry(transfer, backoff=RESUME_NOW, attempts=attempts, again=lambda e: bool(buf) and isinstance(e, _CUT),
-                    on_retry=resumed)
-        data = bytes(buf)
-        if size is not None and len(data) != size:
-            raise IntegrityError(f"blob {bid}: {len(data)} bytes, the manifest says {size}")
-        found = blob_id(data)
-        if found != bid:
-            raise IntegrityError(f"blob {bid}: content hashes to {found}")
-        if digest is not None:
-            check_digest(bid, data, digest)  # crafted bytes that match the xxh3 id: this URL's fault
-        return data
+        try:
+            while True:
+                await retry(transfer, backoff=RESUME_NOW, attempts=attempts,
+                            again=lambda e: bool(buf) and isinstance(e, _CUT), on_retry=resumed)
+                try:
+                    data = bytes(buf)
+                    if size is not None and len(data) != size:
+                        raise IntegrityError(f"blob {bid}: {len(data)} bytes, the manifest says {size}")
+                    found = blob_id(data)
+                    if found != bid:
+                        raise IntegrityError(f"blob {bid}: content hashes to {found}")
+                    if digest is not None:
+                        check_digest(bid, data, digest)  # crafted bytes that match the xxh3 id: this URL's fault
+                except IntegrityError:
+                    buf.clear()
+                    if not mixed:
+                        raise
+                    mixed = False  # another source's bytes in the copy: once more, all from this one
+                    log.info("%s: a copy resumed from two sources fails its check; fetching it whole", full)
+                    if own:
+                        carry.sources = {url}
+                    continue
+                return data
+        except IntegrityError:
+            buf.clear()  # bytes no longer than the blob's, or none: nothing in hand is worth resuming
+            raise
+        finally:
+            if own:
+                carry.busy = False
 
     async def receive_blob(self, bid: str, size: int, sink: BlobSink, *, digest: str | None = None) -> None:
         """A blob of ``size`` bytes (its manifest's) received into ``sink`` in order, its hash (and its signed
@@ -406,8 +493,13 @@ class HttpClient:
 
     async def _receive_from(self, url: str, c: _CheckedSink, attempts: int = 3) -> None:
         full = f"{url}/v1/blobs/{c.bid}"
-        if c.started:
+        mixed = False
+        if c.started and c.behind and c.have:  # the last source fell behind mid-body: the rest from this one
+            mixed = True
+            log.info("%s: resuming at byte %d after the last source fell behind", full, c.have)
+        elif c.started:
             c.restart()  # another source: from byte 0 (its bytes may be another copy)
+        c.behind = False
         direct = self.direct_receive and blobrecv.supports(url)
 
         async def transfer() -> None:
@@ -428,8 +520,20 @@ class HttpClient:
         def again(e: BaseException) -> bool:
             return c.have > 0 and (isinstance(e, _CUT) or type(e) in (UpstreamError, UpstreamTimeout))
 
-        await retry(transfer, backoff=RESUME_NOW, attempts=attempts, again=again, on_retry=resumed)
-        c.check()
+        try:
+            await retry(transfer, backoff=RESUME_NOW, attempts=attempts, again=again, on_retry=resumed)
+        except FellBehind:
+            c.behind = True
+            raise
+        try:
+            c.check()
+        except IntegrityError:
+            if not mixed:
+                raise
+            log.info("%s: a copy resumed from two sources fails its check; fetching it whole", full)
+            c.restart()
+            await retry(transfer, backoff=RESUME_NOW, attempts=attempts, again=again, on_retry=resumed)
+            c.check()
 
     async def _transfer_direct(self, url: str, full: str, c: _CheckedSink) -> None:
         t = self.timeouts
@@ -439,7 +543,7 @@ class HttpClient:
         try:
             a = await blobrecv.receive(url, f"/v1/blobs/{c.bid}", c, c.have, size=c.size, headers=headers,
                                        connect=t.connect, ttfb=ttfb, read=t.read, total=t.request,
-                                       on_head=lambda _: answering())
+                                       on_head=lambda _: answering(), min_rate=t.min_rate, grace=t.rate_grace)
         except OSError as e:  # refused, reset: the source's outage
             raise UpstreamError(f"GET {full}: {describe(e)}") from e
         if a.status not in (200, 206):
@@ -456,13 +560,16 @@ class HttpClient:
                 if r.content_length is not None and r.content_length != c.size:
                     raise IntegrityError(f"blob {c.bid}: {full} says {r.content_length} bytes, the manifest "
                                          f"says {c.size}")
-            while piece := await self._piece(r, full):
+            pace, got = self._pace(full), 0
+            while piece := await self._piece(r, full, pace, got):
+                got += len(piece)
                 c.feed(piece)
 
     # -- writes (origin only) -----------------------------------------------------------------
-    async def _write(self, method: str, path: str, data: bytes, *, content_type: str) -> int:
+    async def _write(self, method: str, path: str, data: bytes, *, content_type: str,
+                     extra: dict[str, str] | None = None) -> int:
         url = self.urls[0]
-        headers = {"Content-Type": content_type}
+        headers = {"Content-Type": content_type, **(extra or {})}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
 
@@ -487,17 +594,32 @@ class HttpClient:
         except NETWORK_ERRORS as e:
             raise UpstreamError(f"{method} {url}{path}: {describe(e)}") from e
 
-    async def put_blob(self, bid: str, data: bytes | bytearray | memoryview | tuple[memoryview, ...]) -> None:
+    async def put_blob(self, bid: str, data: bytes | bytearray | memoryview | tuple[memoryview, ...], *,
+                       model: str | None = None) -> None:
         """PUT a blob's bytes: one buffer, or a tuple of pieces that concatenate to it (a keyframe shard's header
-        and views of a mapped file, sent as they are: ``pieces.PiecesPayload``)."""
+        and views of a mapped file, sent as they are: ``pieces.PiecesPayload``). ``model``: the model it is for
+        (``X-Deltasync-Model``): the origin hints a large upload to relays only for a model the token may publish."""
         if isinstance(data, tuple):
             from .pieces import PiecesPayload
 
             data = PiecesPayload(data)
-        await self._write("PUT", f"/v1/blobs/{check_blob_id(bid)}", data, content_type="application/octet-stream")
+        await self._write("PUT", f"/v1/blobs/{check_blob_id(bid)}", data, content_type="application/octet-stream",
+                          extra={MODEL_HEADER: model} if model else None)
 
     async def put_manifest(self, model: str, version: int, data: bytes) -> None:
         await self._write("PUT", f"/v1/models/{quote(model)}/versions/{version}", data, content_type="application/json")
+
+
+class _Partial:
+    """The bytes of one blob in hand across the URLs of one ``get_blob`` (a source that fell behind mid-body
+    leaves them to the next, which is asked for the rest with Range)."""
+
+    __slots__ = ("data", "sources", "busy")
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.sources: set[str] = set()
+        self.busy = False
 
 
 class _CheckedSink:
@@ -505,7 +627,7 @@ class _CheckedSink:
     manifest gives one, else its xxh3 id. (With a digest the id adds nothing: the digest is a cryptographic
     hash of the same bytes, named by a manifest that named the id too; one hash pass less per received byte.)"""
 
-    __slots__ = ("sink", "bid", "size", "have", "started", "_digest", "_alg", "_xxh", "_dig", "_room")
+    __slots__ = ("sink", "bid", "size", "have", "started", "behind", "_digest", "_alg", "_xxh", "_dig", "_room")
 
     def __init__(self, sink: BlobSink, bid: str, size: int, digest: str | None) -> None:
         self.sink, self.bid, self.size = sink, bid, size
@@ -515,6 +637,7 @@ class _CheckedSink:
         self._xxh = xxhash.xxh3_128() if self._dig is None else None
         self.have = 0
         self.started = False
+        self.behind = False  # the last source fell behind the minimum rate: the next resumes from ``have``
         self._room: memoryview | None = None
 
     def buffer(self, offset: int) -> memoryview:

@@ -11,6 +11,10 @@ import json
 from dataclasses import dataclass
 
 from deltasync.errors import AuthError, DeltaSyncError, IntegrityError, UpstreamError
+from deltasync.retry import DEFAULT_MIN_RATE, DEFAULT_RATE_GRACE, Pace
+
+#: a blob PUT's model: the origin hints a large upload to relays only for a model the token may publish
+MODEL_HEADER = "X-Deltasync-Model"
 
 #: the transport failures every client has (the aiohttp client adds its own exception classes)
 NETWORK_ERRORS: tuple[type[BaseException], ...] = (asyncio.TimeoutError, OSError)
@@ -37,13 +41,21 @@ class Timeouts:
     cooldown: float = 5.0  # a URL that failed is skipped this long (doubling per failure in a row, up to a minute)
     ttfb: float = 10.0  # a request's status line (time to first byte); a long-poll gets poll + this
     hedge_after: float | None = 2.0  # a read with no answer yet after this long also asks the next URL (None: never)
+    #: every body (and a blob answer's headers) must average this many bytes/s once ``rate_grace`` has passed
+    #: (``deltasync.retry.Pace``): a source that drips is failed over mid-body however often it sends a byte
+    min_rate: float = DEFAULT_MIN_RATE
+    rate_grace: float = DEFAULT_RATE_GRACE
 
     def __post_init__(self) -> None:
-        for name in ("connect", "read", "request", "poll", "cooldown", "ttfb"):
+        for name in ("connect", "read", "request", "poll", "cooldown", "ttfb", "min_rate", "rate_grace"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Timeouts.{name} must be a positive number of seconds, found {getattr(self, name)!r}")
         if self.hedge_after is not None and not self.hedge_after > 0:
             raise ValueError(f"Timeouts.hedge_after must be positive seconds or None, found {self.hedge_after!r}")
+
+    def pace(self, start: float, what: str = "the body") -> Pace:
+        """The minimum rate of a transfer that began at ``start`` (loop time)."""
+        return Pace(min_rate=self.min_rate, grace=self.rate_grace, start=start, what=what)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

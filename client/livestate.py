@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from deltasync.errors import BaseMismatchError, DeltaSyncError, IntegrityError
+from deltasync.errors import ApplyInterrupted, BaseMismatchError, DeltaSyncError, IntegrityError
 from deltasync.fingerprint import state_fingerprint
 from deltasync.manifest import Manifest
 
@@ -76,6 +76,13 @@ class LiveState:
     def adopt(self, version: int, signed: Manifest | None) -> bool:
         """The target claims to hold ``version``: scan it and compare with the signed manifest (None: the
         servers no longer have it). True: adopted; False: the version is forgotten (resync)."""
+        fit = getattr(self.applier, "fit_stream", None)  # a TensorApplier learns which tied names the stream leaves out
+        if signed is not None and fit is not None:
+            try:
+                fit((t.name for t in signed.tensors), version=version)
+            except BaseMismatchError:
+                self.version, self.fps = None, None
+                return False  # the resync's keyframe raises the error, naming the fix
         fps = self.applier.scan()
         if signed is not None and self.state_fp(fps) == signed.state_fp:
             self.version, self.fps, self.verify_state = version, fps, "ok"
@@ -106,6 +113,9 @@ class LiveState:
                 staged.rollback()
                 raise
             staged.commit()
+        except ApplyInterrupted:  # a signal or a deadline: rolled back, and not the delta's fault: the caller stops
+            self.counts["interrupted"] += 1
+            raise
         except IntegrityError as e:
             if step.kind == "keyframe" and isinstance(e, BaseMismatchError):
                 # nothing was copied; the target is not this model (or needs an engine applier)

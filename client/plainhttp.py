@@ -28,9 +28,9 @@ from urllib.parse import quote, urlsplit
 from deltasync.blob import check_blob_id
 from deltasync.errors import AuthError, NotFoundError, UpstreamError, UpstreamTimeout, from_wire
 from deltasync.failover import Backoff, Failover
-from deltasync.retry import RETRY_BACKOFF, describe, first_source, retry
+from deltasync.retry import RETRY_BACKOFF, Pace, describe, first_source, retry
 
-from .httpbase import HeadInfo, Timeouts, is_outage
+from .httpbase import MODEL_HEADER, HeadInfo, Timeouts, is_outage
 
 __all__ = ["PlainOrigin", "supports"]
 
@@ -177,33 +177,42 @@ class PlainOrigin:
             data = await self._to_close(conn, limit if status < 300 else MAX_ERROR, where)
         return status, head, data, keep
 
-    async def _read(self, coro, where: str):
+    async def _read(self, coro, where: str, pace: Pace | None = None, have: int = 0):
+        """``await coro`` (a read of the answer's body): at most ``Timeouts.read``, and with a ``pace`` (``have``
+        body bytes in so far) no later than its minimum rate allows (``FellBehind``)."""
+        limit = self.timeouts.read
+        behind = False
+        if pace is not None and (left := pace.left(have, asyncio.get_running_loop().time())) < limit:
+            limit, behind = max(left, 0.0), True
         try:
-            async with asyncio.timeout(self.timeouts.read):
+            async with asyncio.timeout(limit):
                 return await coro
         except TimeoutError:
+            if behind:
+                pace.check(have, asyncio.get_running_loop().time() + 1e-3)
             raise UpstreamTimeout(f"{where}: the body stalled (nothing for {self.timeouts.read:g} s)") from None
 
     async def _body(self, conn: _Conn, head: _Headers, limit: int, where: str) -> bytes | None:
         r = conn.reader
+        pace = self.timeouts.pace(asyncio.get_running_loop().time(), what=where)
         if head.get("transfer-encoding", "").lower() == "chunked":
             parts: list[bytes] = []
             n = 0
             while True:
-                line = await self._read(r.readuntil(b"\r\n"), where)
+                line = await self._read(r.readuntil(b"\r\n"), where, pace, n)
                 try:
                     size = int(line.split(b";", 1)[0].strip(), 16)
                 except ValueError:
                     raise UpstreamError(f"{where}: a bad chunk-size line {line[:40]!r}") from None
                 if size == 0:
-                    while (await self._read(r.readuntil(b"\r\n"), where)) != b"\r\n":
+                    while (await self._read(r.readuntil(b"\r\n"), where, pace, n)) != b"\r\n":
                         pass  # trailers
                     return b"".join(parts)
-                n += size
-                if n > limit:
+                if n + size > limit:
                     raise UpstreamError(f"{where}: a body of more than {limit:,} bytes")
-                parts.append(await self._read(r.readexactly(size), where))
-                await self._read(r.readexactly(2), where)
+                parts.append(await self._read(r.readexactly(size), where, pace, n))
+                n += size
+                await self._read(r.readexactly(2), where, pace, n)
         length = head.get("content-length")
         if length is None:
             return None
@@ -212,12 +221,14 @@ class PlainOrigin:
         size = int(length)
         if size > limit:
             raise UpstreamError(f"{where}: a body of more than {limit:,} bytes")
-        return await self._read(r.readexactly(size), where)
+        # one read of the whole body: it has the pace's time for all of it (grace + size / min_rate)
+        return await self._read(r.readexactly(size), where, pace, size)
 
     async def _to_close(self, conn: _Conn, limit: int, where: str) -> bytes:
         parts: list[bytes] = []
         n = 0
-        while piece := await self._read(conn.reader.read(1 << 16), where):
+        pace = self.timeouts.pace(asyncio.get_running_loop().time(), what=where)
+        while piece := await self._read(conn.reader.read(1 << 16), where, pace, n):
             parts.append(piece)
             n += len(piece)
             if n > limit:
@@ -249,8 +260,9 @@ class PlainOrigin:
             log.warning("%s: %s", url, describe(e))
 
     # -- writes --------------------------------------------------------------------------------------
-    async def _write(self, method: str, path: str, data, *, content_type: str) -> int:
-        headers = {"Content-Type": content_type}
+    async def _write(self, method: str, path: str, data, *, content_type: str,
+                     extra: dict[str, str] | None = None) -> int:
+        headers = {"Content-Type": content_type, **(extra or {})}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
 
@@ -269,10 +281,12 @@ class PlainOrigin:
 
         return await retry(once, backoff=RETRY_BACKOFF, attempts=self.write_retries, again=again, on_retry=on_retry)
 
-    async def put_blob(self, bid: str, data: bytes | bytearray | memoryview | tuple[memoryview, ...]) -> None:
+    async def put_blob(self, bid: str, data: bytes | bytearray | memoryview | tuple[memoryview, ...], *,
+                       model: str | None = None) -> None:
         """PUT a blob's bytes: one buffer, or a tuple of pieces that concatenate to it (a keyframe shard's header
-        and views of a mapped file, written as they are, never joined)."""
-        await self._write("PUT", f"/v1/blobs/{check_blob_id(bid)}", data, content_type="application/octet-stream")
+        and views of a mapped file, written as they are, never joined). ``model``: as ``HttpClient.put_blob``."""
+        await self._write("PUT", f"/v1/blobs/{check_blob_id(bid)}", data, content_type="application/octet-stream",
+                          extra={MODEL_HEADER: model} if model else None)
 
     async def put_manifest(self, model: str, version: int, data: bytes) -> None:
         await self._write("PUT", f"/v1/models/{quote(model)}/versions/{version}", data, content_type="application/json")

@@ -471,7 +471,7 @@ class Publisher:
             blobs = dict(main.blobs)
             if side is not None:
                 blobs.update(side.blobs)
-            await upload_blobs(self._client, blobs, concurrency=self.upload_concurrency)
+            await upload_blobs(self._client, blobs, concurrency=self.upload_concurrency, model=self.model)
             if prev is not None:
                 try:
                     await asyncio.wrap_future(prev)

@@ -75,7 +75,8 @@ MAX_CHAIN = sm.MAX_CHAIN
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SyncEvent:
-    """Told to ``on_event``: ``kind`` is one of applied, rollback, refetch, resync, scrub, error."""
+    """Told to ``on_event``: ``kind`` is one of applied, rollback, refetch, resync, scrub, error, stale (a source
+    answered a long-poll at once with an old head: backing off, asking the other sources)."""
 
     kind: str
     version: int | None
@@ -269,7 +270,8 @@ class Subscriber:
         return await self.wait_version(await self.head_version(), timeout)
 
     async def head_version(self) -> int:
-        head = await self.client.get_head(self.model)
+        """The newest signed head any listed source can prove (``HttpClient.highest_head``)."""
+        head = await self.client.highest_head(self.model)
         if head is None:
             raise NotFoundError(f"{self.model}: the servers have no version yet")
         if head.body is not None:

@@ -28,13 +28,15 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-async def upload_blobs(client: HttpClient, blobs: Mapping[str, bytes], *, concurrency: int = 4) -> int:
-    """PUT every blob, at most ``concurrency`` at a time; returns the bytes sent."""
+async def upload_blobs(client: HttpClient, blobs: Mapping[str, bytes], *, concurrency: int = 4,
+                       model: str | None = None) -> int:
+    """PUT every blob, at most ``concurrency`` at a time; returns the bytes sent. ``model``: the model they are for
+    (the origin hints large uploads to relays only when it is named and the token may publish it)."""
     sem = asyncio.Semaphore(max(1, concurrency))
 
     async def one(bid: str, data: bytes) -> int:
         async with sem:
-            await client.put_blob(bid, data)
+            await client.put_blob(bid, data, model=model)
         return len(data)
 
     sizes = await asyncio.gather(*(one(b, d) for b, d in blobs.items()))
@@ -56,5 +58,6 @@ async def upload_version(client: HttpClient, manifest: Manifest, blobs: Mapping[
     """Blobs first (in parallel), then the manifest (signed with ``key``: with a digest of every blob)."""
     if key is not None:
         manifest = manifest.with_digests(blobs)
-    await upload_blobs(client, {b.id: blobs[b.id] for b in manifest.blobs}, concurrency=concurrency)
+    await upload_blobs(client, {b.id: blobs[b.id] for b in manifest.blobs}, concurrency=concurrency,
+                       model=manifest.model)
     return await commit_manifest(client, manifest, key=key)

@@ -189,13 +189,14 @@ class _Undo:
 _ALIASES: list = []  # [(names, addresses, shapes, aliases)] of the last target asked about
 
 
-def find_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+def find_aliases(tensors: Mapping[str, torch.Tensor], *, check: Callable[[], None] | None = None) -> dict[str, str]:
     """Names whose tensor is the very same memory as an earlier name's (tied weights) -> that name.
 
     Tensors that overlap in memory without being identical views cannot be patched safely
-    and raise ApplyError. The answer for the last target is kept while its names, data addresses and
-    shapes are the same (an engine's tensors stay put between steps; a full check costs ~14 µs a tensor,
-    a second at 70k tensors, on every apply). Same memory, same shapes and strides: the same answer."""
+    and raise ApplyError. ``check``: called every ``CHECK_EVERY`` tensors (see :func:`stage_prepared`).
+    The answer for the last target is kept while its names, data addresses, shapes, strides and dtypes are
+    the same (an engine's tensors stay put between steps; the full check costs ~14 µs a tensor, a second at
+    70k tensors, on every apply)."""
     names = list(tensors)
     ptrs = [t.data_ptr() for t in tensors.values()]
     shapes = [(t.shape, t.stride(), t.dtype) for t in tensors.values()]
@@ -203,16 +204,18 @@ def find_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
         n0, p0, s0, found = _ALIASES[0]
         if n0 == names and p0 == ptrs and s0 == shapes:
             return dict(found)
-    found = _find_aliases(tensors)
+    found = _find_aliases(tensors, check)
     _ALIASES[:] = [(names, ptrs, shapes, found)]
     return dict(found)
 
 
-def _find_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+def _find_aliases(tensors: Mapping[str, torch.Tensor], check: Callable[[], None] | None) -> dict[str, str]:
     seen: dict[tuple, str] = {}
     spans: dict[int, list[tuple[int, int, str]]] = {}
     aliases: dict[str, str] = {}
-    for name in sorted(tensors):
+    for k, name in enumerate(sorted(tensors)):
+        if check is not None and not k % CHECK_EVERY:
+            check()
         t = tensors[name]
         if t.numel() == 0:
             continue
@@ -298,7 +301,7 @@ def apply_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
 
 
 def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | None = None, *, verify: str = "incremental",
-                   executor: Executor | None = None) -> StagedPatch:
+                   executor: Executor | None = None, check: Callable[[], None] | None = None) -> StagedPatch:
     """Patch ``target`` in place from v(parent) to v(version), keeping the undo log (a :class:`StagedPatch`).
 
     ``fps``: the target's current fingerprints as tracked by the caller; computed
@@ -306,14 +309,16 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
     ``"full"`` (recompute every patched tensor after writing). ``executor``: patch
     tensors on its threads (they are disjoint in memory; the caller owns the pool). On
     any failure every word written is restored and the error raised: never a
-    half-applied version.
+    half-applied version. ``check``: called between pieces of the work (every
+    ``CHECK_EVERY`` tensors, each word size of a batched patch); what it raises
+    (``ApplyInterrupted``: a signal, a deadline) rolls back like any failure.
     """
     manifest = prepared.manifest
     records = {t.name: t for t in manifest.tensors}
     tensors = live_tensors(target)
     fps = dict(fps) if fps is not None else {n: tensor_fingerprint(t) for n, t in tensors.items()}
     check_base(manifest, tensors, fps)
-    aliases = find_aliases(tensors)
+    aliases = find_aliases(tensors, check=check)
     for alias, primary in aliases.items():
         a, p = records.get(alias), records.get(primary)
         if a is None and p is None:
@@ -337,12 +342,15 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
     # tied weights: the primary's patch writes the shared words once
     work = [(name, chunks) for name, chunks in prepared.patches.items() if name not in aliases]
     try:
-        batched = _patch_batched(tensors, work, fps, records, undo, executor) if verify == "incremental" else None
+        batched = (_patch_batched(tensors, work, fps, records, undo, executor, check)
+                   if verify == "incremental" else None)
         groups = [] if batched is not None else _balanced(work, PATCH_TASKS) if executor is not None else [work]
         if batched is not None:
             new_fps.update(batched)
         elif len(groups) < 2:
-            for name, chunks in work:
+            for k, (name, chunks) in enumerate(work):
+                if check is not None and not k % CHECK_EVERY:
+                    check()
                 new_fps[name] = patch_one(name, chunks)
         else:
             # A few tasks of about equal change counts (a future per tensor costs more in GIL
@@ -444,7 +452,7 @@ def _patch_tensor_compiled(live: torch.Tensor, work: torch.Tensor, words: torch.
 
 def _patch_batched(tensors: Mapping[str, torch.Tensor], work: list[tuple[str, list[ChunkPatch]]],
                    fps: Mapping[str, int], records: Mapping[str, object], undo: _Undo,
-                   executor: Executor | None) -> dict[str, int] | None:
+                   executor: Executor | None, check: Callable[[], None] | None = None) -> dict[str, int] | None:
     """Every sparse chunk of ``work`` patched by a few compiled calls (``kernels.patch_jobs``: one per word
     size, or per part of it on ``executor``'s threads) instead of a kernel call and a dozen torch calls per
     tensor: {name: fingerprint after}, each checked against the manifest. None (nothing done) unless the
@@ -471,10 +479,14 @@ def _patch_batched(tensors: Mapping[str, torch.Tensor], work: list[tuple[str, li
     done: list[tuple[int, np.ndarray, int]] = []  # (tensor index, fingerprint changes, job) of each written chunk
     bad: tuple[int, str] | None = None  # (tensor index, message) of the first out-of-range position
     for w, items in groups.items():
+        if check is not None:  # between word sizes: each one's chunks are in the undo log by now
+            check()
         wdt = numpy_word_dtype(w)
         like = np.empty(0, wdt)
         rows, owners, counts = [], [], []
         for i, name, t, chunks in items:
+            if check is not None and not i % CHECK_EVERY:
+                check()
             addr = t.data_ptr()
             n = t.numel() * (t.element_size() // w)
             for c in chunks:
@@ -533,6 +545,7 @@ def _patch_batched(tensors: Mapping[str, torch.Tensor], work: list[tuple[str, li
     return out
 
 
+CHECK_EVERY = 64  # stage_prepared(check=): tensors between two calls of the caller's check (signals, deadlines)
 BATCH_PART_MIN = 1 << 15  # _patch_batched with an executor: fewer changes than this of a word size in one call
 PATCH_TASKS = 4  # stage_prepared with an executor: tensors in this many tasks of about equal change counts
 

@@ -149,7 +149,7 @@ def _host_words(t: torch.Tensor | HostTensor, info: DtypeInfo | None = None) -> 
 def _chunk_words(t):
     """What :func:`diff_chunk` reads of a tensor: host words (numpy) for a HostTensor or a CPU tensor,
     a flat signed word view on its device otherwise."""
-    if isinstance(t, HostTensor) or t.device.type == "cpu":
+    if isinstance(t, HostTensor) or kernels.on_host(t.device):
         return host_words(t)
     t = t.detach()
     return word_view(t if t.is_contiguous() else t.contiguous())
@@ -291,7 +291,7 @@ def diff_states(
                 od, nd = o_t.device, n_t.device
                 if od != nd:
                     n_t = n_t.to(od)
-                on_host = od.type == "cpu"
+                on_host = kernels.on_host(od)
             host = None
             if fast and on_host:
                 host = (_span_words(o_t, info), _span_words(n_t, info))
@@ -410,7 +410,7 @@ def _span_words(t, info: DtypeInfo) -> np.ndarray:
 
 
 def _on_host(t) -> bool:
-    return isinstance(t, HostTensor) or t.device.type == "cpu"
+    return isinstance(t, HostTensor) or kernels.on_host(t.device)
 
 
 def _host_pieces(prepared, threaded: bool, whole: bool = False) -> list[list[tuple[int, int, int]]]:

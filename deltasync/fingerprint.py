@@ -234,8 +234,6 @@ def lanes_sum(lanes: torch.Tensor, offset: int) -> int:
         lanes, offset, n = lanes[head:], offset + head, n - head
         if n == 0:
             return total & _MASK64
-    if device.type == "cpu":  # unsigned views widen without a mask pass on CPU
-        lanes, mask = lanes.view(torch.uint8 if mask == 0xFF else torch.uint16), 0
     table = _table(device)
     g = gpu_kernels(lanes) if offset % BLOCK == 0 else None
     if g is not None:  # Triton: one pass, per-block sums on the device
@@ -243,6 +241,8 @@ def lanes_sum(lanes: torch.Tensor, offset: int) -> int:
         keys = _block_keys(torch.arange(offset >> BLOCK_BITS, (offset >> BLOCK_BITS) + sums.numel(), dtype=torch.int64,
                                         device=device))
         return (total + int((sums * keys).sum().item())) & _MASK64
+    if device.type == "cpu":  # unsigned views widen without a mask pass on CPU
+        lanes, mask = lanes.view(torch.uint8 if mask == 0xFF else torch.uint16), 0
     step = BLOCK * _CHUNK_BLOCKS
     nblocks = (n + BLOCK - 1) // BLOCK
     buf = torch.empty(min(step, nblocks * BLOCK), dtype=torch.int64, device=device)

@@ -55,6 +55,47 @@ class SlowerThanHedge(UpstreamTimeout):
     """A source that had not begun to answer when another source, asked after it, delivered."""
 
 
+class FellBehind(UpstreamTimeout):
+    """A source that answers, but sends its headers or body slower than the minimum rate (:class:`Pace`):
+    the next source is asked (from the byte in hand, where the caller can resume), never this one again
+    for the same transfer."""
+
+
+#: A body must average at least this many bytes per second once its grace has passed (``Pace``).
+DEFAULT_MIN_RATE = 64 << 10
+#: Seconds a body may take before ``DEFAULT_MIN_RATE`` applies to it.
+DEFAULT_RATE_GRACE = 10.0
+
+
+class Pace:
+    """The minimum rate of one transfer (a body, or an answer's headers): once ``grace`` seconds have
+    passed since ``start``, at least ``min_rate`` bytes per second on average. Equivalently, with
+    ``have`` bytes in hand the next byte is due by ``start + grace + have / min_rate``: a body of ``n``
+    bytes has ``grace + n / min_rate`` seconds in all, and a source that falls behind is told by
+    :meth:`check` (``FellBehind``), however often it sends a byte. Pure: the caller passes its clock."""
+
+    __slots__ = ("min_rate", "grace", "start", "what")
+
+    def __init__(self, *, min_rate: float, grace: float, start: float, what: str = "the body") -> None:
+        if not min_rate > 0 or not grace > 0:
+            raise ValueError(f"a pace needs a positive min_rate and grace, found {min_rate!r}, {grace!r}")
+        self.min_rate, self.grace, self.start, self.what = float(min_rate), float(grace), start, what
+
+    def due(self, have: int) -> float:
+        """The time by which more than ``have`` bytes must be in."""
+        return self.start + self.grace + have / self.min_rate
+
+    def left(self, have: int, now: float) -> float:
+        """Seconds until :meth:`due` (negative: behind)."""
+        return self.due(have) - now
+
+    def check(self, have: int, now: float) -> None:
+        """FellBehind when ``have`` bytes at ``now`` is behind the pace."""
+        if now > self.due(have):
+            raise FellBehind(f"{self.what}: {have:,} bytes in {now - self.start:.1f} s, slower than the minimum of "
+                             f"{self.min_rate:,.0f} B/s after a {self.grace:g} s grace; asking the next source")
+
+
 def describe(e: BaseException | None) -> str:
     """A short one-line account of an error for logs and messages."""
     if e is None:

@@ -85,6 +85,10 @@ class HeadSeen:
     stream: str
     version: int | None
     manifest: Manifest | None = None
+    #: a long-poll for a version newer than ``after`` was answered at once with one that is not newer: a
+    #: source replaying an old head (or one whose long-polls are broken); the machine backs off and has the
+    #: other sources asked (``PollHead.probe``) rather than asking again at once
+    early: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,11 +169,14 @@ class CheckInitial:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PollHead:
-    """Long-poll ``stream``'s head for a version newer than ``after`` (None: answer at once)."""
+    """Long-poll ``stream``'s head for a version newer than ``after`` (None: answer at once). ``probe``: the last
+    source answered early with an old head (``HeadSeen.early``): first ask every other listed source's signed
+    head, and read from one that is ahead."""
 
     ticket: int
     stream: str
     after: int | None
+    probe: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -287,6 +294,7 @@ class SyncMachine:
         self._round: _Round | None = None
         self._backoff = config.backoff_min
         self._started = False
+        self._probe = False  # the next poll asks the other sources first (an early, old answer)
 
     # -- public ------------------------------------------------------------------------------------------------
     @property
@@ -402,7 +410,8 @@ class SyncMachine:
             self._round = _Round(start=None, phase="resync-head")
             return self._block(out, PollHead(ticket=self._next_ticket(), stream=self.config.model, after=None))
         self._round = _Round(start=pv, phase="poll")
-        return self._block(out, PollHead(ticket=self._next_ticket(), stream=self.config.model, after=pv))
+        probe, self._probe = self._probe, False
+        return self._block(out, PollHead(ticket=self._next_ticket(), stream=self.config.model, after=pv, probe=probe))
 
     def _result(self, ev: object, out: list[object]) -> None:
         r = self._round
@@ -435,9 +444,19 @@ class SyncMachine:
             self._wait(out, self.config.idle_wait)
             return
         if ev.version <= r.start:
+            if ev.early:  # an old head at once: never a busy loop; the others are asked next time
+                self._probe = True
+                seconds = self._backoff
+                self._backoff = min(self._backoff * 2, self.config.backoff_max)
+                out.append(Notify(kind="stale", version=ev.version,
+                                  detail=f"a source answered a long-poll at once with v{ev.version}, not newer than "
+                                         f"v{r.start}; asking the other sources, again in {seconds:g} s"))
+                self._wait(out, seconds)
+                return
             self._backoff = self.config.backoff_min
             self._new_round(out)
             return
+        self._backoff = self.config.backoff_min
         r.target = ev.version
         self._walk(r, out)
 

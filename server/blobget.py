@@ -14,7 +14,9 @@ do not pay a new handshake each, as with aiohttp's pool.
 Only what a blob answer needs is parsed: the status line, ``Content-Length`` (required;
 chunked bodies are refused) and ``Content-Range``. HTTPS parents, and anything this
 client does not speak, go through aiohttp (``supports``). Every wait has a timeout: the
-connect, and silence on the socket (``read``) before the head or within the body.
+connect, the whole head (however slowly it is dripped), silence on the socket (``read``), and the
+body's minimum rate (``deltasync.retry.Pace``: a parent that drips is failed over, the fetch resumed
+from the next parent with ``Range``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDict
 
 from deltasync.errors import UpstreamError, UpstreamTimeout
+from deltasync.retry import DEFAULT_MIN_RATE, DEFAULT_RATE_GRACE, Pace
 
 #: Each piece handed to ``on_body`` is at most this long (what one ``recv_into`` may fill).
 BUFFER = 1 << 20
@@ -72,6 +75,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._head: asyncio.Future[BlobResponse] | None = None
         self._done: asyncio.Future[None] | None = None
         self._left = 0  # body bytes still expected
+        self.length = 0  # the current answer's Content-Length
         self._on_body: Callable[[memoryview], None] | None = None
         self._error: BaseException | None = None
         self._paused = False
@@ -189,7 +193,7 @@ class _Conn(asyncio.BufferedProtocol):
         length = resp.content_length
         if length is None:
             raise UpstreamError(f"the parent's {resp.status} answer has no Content-Length")
-        self._left = length
+        self._left = self.length = length
         self.reusable = headers.get("connection", "").lower() != "close"
         rest = self._fill - (end + 4)
         if rest:
@@ -230,10 +234,14 @@ class BlobGetter:
     """GETs blob bodies from plain-HTTP parents into ``on_body`` callbacks; a few idle connections kept per parent."""
 
     def __init__(self, *, connect_timeout: float, read_timeout: float, user_agent: str,
-                 head_timeout: float | None = None, read_token: str | None = None) -> None:
+                 head_timeout: float | None = None, read_token: str | None = None,
+                 min_rate: float = DEFAULT_MIN_RATE, rate_grace: float = DEFAULT_RATE_GRACE) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
-        #: the status line and headers must come within this (the time-to-first-byte limit); None: read_timeout
+        #: a body must average ``min_rate`` bytes/s once ``rate_grace`` seconds have passed (``FellBehind``)
+        self.min_rate, self.rate_grace = min_rate, rate_grace
+        #: the status line and headers must all come within this of the request, however they are dripped (the
+        #: time-to-first-byte limit); None: read_timeout
         self.head_timeout = read_timeout if head_timeout is None else head_timeout
         self.user_agent = user_agent
         self._read_token = read_token  # sent to parents that require read tokens; never logged
@@ -245,7 +253,8 @@ class BlobGetter:
         return u.scheme == "http" and bool(u.hostname) and u.path in ("", "/") and not u.query
 
     async def get(self, parent: str, blob_id: str, offset: int, *,
-                  on_head: Callable[[BlobResponse], bool], on_body: Callable[[memoryview], None]) -> None:
+                  on_head: Callable[[BlobResponse], bool], on_body: Callable[[memoryview], None],
+                  min_rate: float | None = None) -> None:
         """Ask ``parent`` for the blob from ``offset``; ``on_head`` sees the answer's head and returns whether
         to read its body (else the connection is dropped); then every body piece goes to ``on_body``.
         A reused connection the parent had closed meanwhile is retried once on a new one."""
@@ -262,7 +271,9 @@ class BlobGetter:
         while True:
             conn, reused = await self._connection(parent, host, port)
             try:
-                resp = await self._wait(conn, conn.start(request), self.head_timeout)
+                head = conn.start(request)
+                resp = await self._wait(conn, head, self.head_timeout,
+                                        deadline=asyncio.get_running_loop().time() + self.head_timeout)
             except UpstreamError:
                 conn.close()
                 if reused and conn.received == 0:
@@ -276,7 +287,9 @@ class BlobGetter:
             if not on_head(resp):
                 conn.close()
                 return
-            await self._wait(conn, conn.read_body(on_body))
+            pace = Pace(min_rate=min_rate or self.min_rate, grace=self.rate_grace, start=asyncio.get_running_loop().time(),
+                        what=f"{parent}: blob {blob_id}'s body")
+            await self._wait(conn, conn.read_body(on_body), pace=pace)
         except BaseException:
             conn.close()
             raise
@@ -302,13 +315,24 @@ class BlobGetter:
             raise UpstreamError(f"could not connect to {parent}: {e}") from None
         return conn, False
 
-    async def _wait(self, conn: _Conn, fut: asyncio.Future, limit: float | None = None):
+    async def _wait(self, conn: _Conn, fut: asyncio.Future, limit: float | None = None, *,
+                    deadline: float | None = None, pace: Pace | None = None):
         """Wait for ``fut``; UpstreamTimeout after ``limit`` (default ``read_timeout``) seconds in which no byte
-        arrived."""
+        arrived, or at ``deadline`` (loop time) whatever arrived; FellBehind when the body falls behind
+        ``pace``."""
         loop = asyncio.get_running_loop()
         limit = self.read_timeout if limit is None else limit
         while True:
-            left = conn.last_activity + limit - loop.time()
+            now = loop.time()
+            left = conn.last_activity + limit - now
+            if deadline is not None and deadline - now < left:
+                left = deadline - now
+                if left <= 0:
+                    raise UpstreamTimeout(f"the parent did not send a whole answer head within {limit:.0f} s")
+            if pace is not None:
+                got = conn.length - conn._left
+                pace.check(got, now)
+                left = min(left, pace.left(got, now) + 1e-3)
             if left <= 0:
                 raise UpstreamTimeout(f"the parent sent nothing for {limit:.0f} s")
             done, _ = await asyncio.wait((fut,), timeout=left)

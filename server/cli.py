@@ -183,6 +183,11 @@ def register(subparsers) -> None:
                    help="read tokens its children must send (lines 'read MODEL TOKEN'); default: reads are open")
     r.add_argument("--read-token-file", type=Path, metavar="F", help="the read token this relay sends its parents")
     r.add_argument("--ca-file", type=Path, metavar="PEM", help="trust only these CAs for https parents")
+    r.add_argument("--min-rate", type=parse_size, default=64 << 10, metavar="BYTES",
+                   help="a parent whose body (blob or manifest) averages under BYTES per second after "
+                        "--rate-grace is failed over mid-body, the blob resumed from the next parent (default 64K)")
+    r.add_argument("--rate-grace", type=float, default=10.0, metavar="S",
+                   help="seconds a parent's body may take before --min-rate applies (default 10)")
     r.add_argument("--no-hinted-fetch", action="store_true",
                    help="fetch a blob only when a version names it or a child asks, not when the parent hints "
                         "that it is receiving it (an upload in progress)")
@@ -192,7 +197,8 @@ def register(subparsers) -> None:
 def _timeouts(args) -> Timeouts:
     return Timeouts(read=args.read_timeout, write=args.write_timeout, max_wait=args.max_wait,
                     heartbeat=args.heartbeat, ttfb=args.ttfb_timeout, hedge_after=args.hedge_after or None,
-                    shutdown=args.shutdown_timeout)
+                    shutdown=args.shutdown_timeout,
+                    **({"min_rate": args.min_rate, "rate_grace": args.rate_grace} if hasattr(args, "min_rate") else {}))
 
 
 def _limits(args) -> dict:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .connections import ServerLimits
+from deltasync.retry import DEFAULT_MIN_RATE, DEFAULT_RATE_GRACE, Pace
 from deltasync.signing import Verifier
 
 from .tokens import TokenTable
@@ -28,6 +29,13 @@ class Timeouts:
     heartbeat: float = 10.0  # SSE comment sent this often so followers can tell a live parent from a dead one
     parent_cooldown: float = 5.0  # a parent that failed is skipped this long while others are tried
     shutdown: float = 5.0  # requests still running this long after SIGTERM are cut
+    #: a parent's body (blob or manifest) must average this many bytes/s once ``rate_grace`` seconds have
+    #: passed (``deltasync.retry.Pace``); one that drips is failed over, a blob resumed from the next parent
+    min_rate: float = DEFAULT_MIN_RATE
+    rate_grace: float = DEFAULT_RATE_GRACE
+
+    def pace(self, start: float, what: str) -> Pace:
+        return Pace(min_rate=self.min_rate, grace=self.rate_grace, start=start, what=what)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -66,6 +66,9 @@ from .metrics import Metrics
 from .store import DiskStore
 from .upstream import USER_AGENT, Upstream
 
+#: a hinted fetch (an upload the parent says is arriving) must average at least this many bytes/s after the grace
+HINTED_MIN_RATE = 1 << 20
+
 log = logging.getLogger("deltasync.server.fetcher")
 timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps: benchmarks/keyframe_timeline.py
 
@@ -98,10 +101,14 @@ class BlobFetcher:
         self.check_digests = upstream.key is not None
         #: why the last fetch could not be stored (our disk full), until a blob is stored again; /healthz shows it
         self.storage_error: str | None = None
+        #: the hinted fetches running (blob id -> its fetch and task): unsigned, so a signed version's blob that
+        #: finds no room cancels them (``_hold``)
+        self._hinted: dict[str, tuple[_Fetch, asyncio.Task]] = {}
         t = timeouts
         ttfb = t.ttfb if len(upstream.parents) > 1 else max(t.ttfb, t.read)  # as Upstream.request: one parent, no hurry
         self._getter = BlobGetter(connect_timeout=t.connect, read_timeout=t.read, user_agent=USER_AGENT,
-                                  head_timeout=ttfb, read_token=upstream.read_token)
+                                  head_timeout=ttfb, read_token=upstream.read_token, min_rate=t.min_rate,
+                                  rate_grace=t.rate_grace)
 
     def inflight(self, blob_id: str) -> InflightBlob | None:
         return self._inflight.get(blob_id)
@@ -172,6 +179,8 @@ class BlobFetcher:
         self._inflight[blob_id] = blob
         self.metrics.inc("upstream_fetches")
         task = asyncio.get_running_loop().create_task(self._run(blob, hinted), name=f"fetch-{blob_id}")
+        if hinted:
+            task.add_done_callback(lambda _t, b=blob_id: self._hinted.pop(b, None))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return blob, True
@@ -199,6 +208,11 @@ class BlobFetcher:
         started = time.monotonic()
         timeline.info("mono=%.6f fetch-start %s", started, blob.id)
         fetch = _Fetch(blob, self._expected.get(blob.id), digests=self.check_digests)
+        if hinted:
+            # only a parent's word that an upload is arriving: it must keep a publisher's pace (a hint that slows
+            # to a trickle is dropped, its room released; a version naming the blob fetches it again)
+            fetch.min_rate = max(self.timeouts.min_rate, HINTED_MIN_RATE)
+            self._hinted[blob.id] = (fetch, asyncio.current_task())
         try:
             blob.part = await self.store.open_partial(blob.id)
             if fetch.expected is not None:  # the manifest in hand gives the size: no parent's answer awaited
@@ -210,8 +224,8 @@ class BlobFetcher:
             def on_retry(n: int, e: BaseException, delay: float) -> None:
                 log.warning("blob %s: %s; retrying in %.1f s", blob.id, describe(e), delay)
 
-            parent = await retry(lambda: self._round(fetch), backoff=RETRY_BACKOFF, attempts=self.attempts,
-                                 again=again, on_retry=on_retry)
+            parent = await retry(lambda: self._round(fetch), backoff=RETRY_BACKOFF,
+                                 attempts=1 if hinted else self.attempts, again=again, on_retry=on_retry)
             blob.verified = True
             blob.progress()
             if fetch.digest is not None and not fetch.digest_checked:  # no signed manifest named it yet
@@ -259,11 +273,31 @@ class BlobFetcher:
         so the version can be announced and a child's request joins the fetch before any parent answers (a
         parent's answer of another size is then refused in ``_sink``); any other blob on its first answer."""
         blob = fetch.blob
+        if self._hinted and fetch.min_rate is None:
+            self._make_room_from_hints(size)
         self.store.reserve(size)
         fetch.reserved = size
         if hasattr(blob.part, "preallocate"):
             blob.part.preallocate(size)  # posix_fallocate: quick
         blob.set_size(size)
+
+    def _make_room_from_hints(self, size: int) -> None:
+        """A blob a manifest or a reader wants needs ``size`` bytes: when the cache's budget cannot hold it beside
+        what is stored and reserved, hinted fetches (unsigned: a parent's word) are cancelled, their room released
+        at once, until it can. A signed version's blobs always find room before any hint."""
+        budget = self.store.budget
+        if budget is None:
+            return
+        for bid, (hf, task) in list(self._hinted.items()):
+            if self.store.stored_bytes + size <= budget:
+                return
+            log.warning("hinted blob %s: cancelled, its %d bytes released: a wanted blob needs %d bytes", bid,
+                        hf.reserved, size)
+            self.store.release(hf.reserved)
+            hf.reserved = 0
+            self._hinted.pop(bid, None)
+            self.metrics.inc("hinted_cancelled")
+            task.cancel()
 
     async def _round(self, fetch: _Fetch) -> str:
         """One round: every byte from the parents (resuming on the next), then the hash check (and the
@@ -332,14 +366,26 @@ class BlobFetcher:
         async with self.upstream.blob_request(parent, blob.id, offset) as resp:
             sink = self._sink(fetch, parent, resp, offset)
             content = resp.content
+            loop = asyncio.get_running_loop()
+            pace = self.timeouts.pace(loop.time(), f"{parent}: blob {blob.id}'s body")
+            if fetch.min_rate is not None:
+                pace.min_rate = fetch.min_rate
+            got = 0
             while True:
                 # readchunk hands over each buffered piece as received; readany would join
                 # everything buffered into one new (large, page-faulting) bytes object.
-                chunk, boundary = await content.readchunk()
+                # (silence is aiohttp's sock_read; the minimum rate is ours: a parent dripping bytes is put down)
+                try:
+                    async with asyncio.timeout(max(pace.left(got, loop.time()), 0.0) + 1e-3):
+                        chunk, boundary = await content.readchunk()
+                except TimeoutError:
+                    pace.check(got, loop.time())
+                    raise
                 if not chunk:
                     if boundary:
                         continue  # a chunked-encoding boundary
                     break
+                got += len(chunk)
                 sink(chunk)
             self._check_complete(blob, parent)
         return parent
@@ -354,7 +400,8 @@ class BlobFetcher:
             sink = self._sink(fetch, parent, resp, offset)
             return True
 
-        await self._getter.get(parent, blob.id, offset, on_head=on_head, on_body=lambda piece: sink(piece))
+        await self._getter.get(parent, blob.id, offset, on_head=on_head, on_body=lambda piece: sink(piece),
+                               min_rate=fetch.min_rate)
         self._check_complete(blob, parent)
         return parent
 
@@ -427,11 +474,12 @@ class _Fetch:
     """What one blob's fetch carries from round to round."""
 
     __slots__ = ("blob", "reserved", "rotate", "expected", "senders", "digest", "_alg",
-                 "size_suspect", "digest_checked")
+                 "size_suspect", "digest_checked", "min_rate")
 
     def __init__(self, blob: InflightBlob, expected: BlobRef | None, *, digests: bool) -> None:
         self.blob = blob
         self.reserved = 0  # bytes reserved in the store (released when the fetch ends)
+        self.min_rate: float | None = None  # a hinted fetch's own minimum rate (None: the relay's)
         self.rotate = 0  # start further down the parents after a copy failed its hash
         self.expected = expected  # the blob's ref in a manifest in hand: its size is the size
         self.senders: list[str] = []  # parents that sent bytes of the current copy

@@ -13,13 +13,16 @@ digest is computed while the upload streams in (kept for the blobs of recent upl
 or, for an older blob, by rereading it. A blob whose bytes do not match is refused
 (422 integrity), so the origin never serves a version whose blobs are not the signed ones.
 
-An upload of ``HINT_MIN`` bytes or more with a ``Content-Length`` is servable while it arrives: it
+An upload of ``HINT_MIN`` bytes or more with a ``Content-Length``, sent for a model its token may publish
+(``X-Deltasync-Model``, checked by the route layer: ``hint=True``), is servable while it arrives: it
 is registered as an ``InflightBlob`` (inflight.py, the relay fetch's cut-through) and announced to
 the streams of every model as a ``blob`` hint (events.py). A relay that follows this origin may
 then fetch it at once; it receives the bytes as they are written, and the last byte only once the
 whole upload hashed to its id (a failed or cut upload aborts those responses: the relay sees a
 truncated transfer). A version is still committed only when its blobs are stored: the hint lets
-the relays' copies of a keyframe start with its upload instead of after its commit.
+the relays' copies of a keyframe start with its upload instead of after its commit. An upload that names
+no model, or one its token may not publish, is stored the same way but never hinted (issue 27: an unsigned hint
+sized by the uploader takes room in every relay's cache, so only a publisher of some model may cause one).
 """
 
 from __future__ import annotations
@@ -74,12 +77,13 @@ class Intake:
         """The upload of ``blob_id`` being received now, when it is servable while it arrives."""
         return self._inflight.get(blob_id)
 
-    async def put_blob(self, blob_id: str, body: AsyncIterator[bytes], *, declared: int | None) -> tuple[int, bool]:
+    async def put_blob(self, blob_id: str, body: AsyncIterator[bytes], *, declared: int | None,
+                       hint: bool = False) -> tuple[int, bool]:
         """Store an uploaded blob; returns (size, created). Nothing is kept unless every check passes."""
         size = self.stored_size(blob_id, declared=declared)
         if size is not None:
             return size, False
-        up = await self.open_upload(blob_id, declared=declared)
+        up = await self.open_upload(blob_id, declared=declared, hint=hint)
         try:
             async for chunk in body:
                 up.feed(chunk)
@@ -97,16 +101,19 @@ class Intake:
             raise TooLargeError(f"blob of {declared} bytes exceeds this origin's limit of {self.max_blob_size}")
         return None
 
-    async def open_upload(self, blob_id: str, *, declared: int | None) -> Upload:
+    async def open_upload(self, blob_id: str, *, declared: int | None, hint: bool = False) -> Upload:
         """An upload of ``blob_id`` (not stored yet: see ``stored_size``) into a temp file: ``Upload.feed``
-        each piece, then ``finish``; ``close`` always."""
+        each piece, then ``finish``; ``close`` always. ``hint``: the uploader's token may publish the model it
+        names, so a large upload may be hinted to relays (otherwise it never is)."""
         try:
             part = await self.store.open_partial(blob_id)
         except OSError as e:
             raise StorageError(f"cannot store blob {blob_id}: {e.strerror or e}") from e
         timeline.info("mono=%.6f upload-start %s", time.monotonic(), blob_id)
         up = Upload(self, blob_id, part, declared)
-        if declared is not None and declared >= self.HINT_MIN and blob_id not in self._inflight:
+        if declared is not None and declared >= self.HINT_MIN and not hint:
+            self.metrics.inc("uploads_unhinted")  # no model named, or one the token may not publish
+        elif declared is not None and declared >= self.HINT_MIN and blob_id not in self._inflight:
             blob = up.blob = InflightBlob(blob_id)
             blob.part = part
             blob.set_size(declared)

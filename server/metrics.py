@@ -44,7 +44,11 @@ _COUNTERS: dict[str, str] = {
     "storage_errors": "Blob fetches that our own disk could not hold (answered 507; the parent is not blamed).",
     "negative_hits": "Blob requests answered 404 from the negative cache (no parent had it moments ago).",
     "hinted_fetches": "Blob fetches a relay started on its parent's upload hint, before a version named the blob.",
+    "hinted_cancelled": "Hinted fetches a relay cancelled to make room for a blob a version or a reader wanted.",
+    "hints_refused": "Upload hints a relay did not act on: over its share of the cache (HINT_SHARE), or too many.",
     "upload_reads": "Blob requests an origin answered from an upload still arriving (cut-through).",
+    "uploads_unhinted": "Large uploads an origin did not hint: no X-Deltasync-Model, or a model the token may not "
+                        "publish.",
 }
 
 

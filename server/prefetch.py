@@ -54,6 +54,8 @@ timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps: b
 
 #: hinted fetches running at once (more hints meanwhile are ignored: the version's own fetch gets those blobs)
 HINTED_MAX = 8
+#: the most of the cache's budget the hinted fetches running may hold together (hints are unsigned)
+HINT_SHARE = 0.25
 
 
 class Prefetcher:
@@ -78,7 +80,7 @@ class Prefetcher:
         self._wake: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task] = set()
         self.following: str | None = None
-        self._hinted: set = set()  # InflightBlobs of the hinted fetches still running
+        self._hinted: dict = {}  # InflightBlob of each hinted fetch still running -> its hinted size
 
     def start(self) -> None:
         self._spawn(self._follow_forever(), "prefetch-follow")
@@ -179,13 +181,23 @@ class Prefetcher:
         if not (isinstance(blob_id, str) and BLOB_ID_RE.match(blob_id) and isinstance(size, int) and size >= 0):
             log.warning("ignoring a malformed blob hint from the parent: %r", data)
             return
-        self._hinted = {b for b in self._hinted if not b.finished}
-        if (self.store.has_blob(blob_id) or self.fetcher.inflight(blob_id) is not None
-                or len(self._hinted) >= HINTED_MAX):
+        self._hinted = {b: n for b, n in self._hinted.items() if not b.finished}
+        if self.store.has_blob(blob_id) or self.fetcher.inflight(blob_id) is not None:
+            return
+        if len(self._hinted) >= HINTED_MAX:
+            self.metrics.inc("hints_refused")
             return
         budget = self.store.budget
         if budget is not None and size > budget - self.store.pinned_bytes:
             log.debug("hinted blob %s (%d bytes) does not fit beside what is pinned; not fetched", blob_id, size)
+            return
+        # hints are unsigned (anyone with a publish token can declare an upload of any size): together they may
+        # hold at most HINT_SHARE of the cache, so a signed version's blobs always find room beside them
+        hinted = sum(self._hinted.values())
+        if budget is not None and hinted + size > HINT_SHARE * budget:
+            self.metrics.inc("hints_refused")
+            log.info("hinted blob %s (%d bytes): hints would hold over %d%% of the cache; not fetched", blob_id,
+                     size, round(100 * HINT_SHARE))
             return
         try:
             blob, started = self.fetcher.get(blob_id, hinted=True)
@@ -195,7 +207,7 @@ class Prefetcher:
         if started:
             self.metrics.inc("hinted_fetches")
             timeline.info("mono=%.6f hinted %s", time.monotonic(), blob_id)
-            self._hinted.add(blob)
+            self._hinted[blob] = size
             self.hub.hint(blob_id, size)  # our children may follow our copy in turn
 
     # -- syncing models --------------------------------------------------------------------

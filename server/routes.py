@@ -51,6 +51,7 @@ IMMUTABLE = "public, max-age=31536000, immutable"
 JSON = "application/json"
 _VERSION_RE = re.compile(r"^[0-9]{1,19}$")
 REPLAY_LIMIT = 1024
+MODEL_HEADER = "X-Deltasync-Model"  # a blob PUT's model: hinted only if the token may publish it (_may_hint)
 
 
 def add_routes(app: web.Application) -> None:
@@ -149,6 +150,16 @@ def _check_token(svc: Services, request: web.Request) -> None:
         raise AuthError("the bearer token may not publish " + (f"model {model!r}" if model else "to this origin"))
 
 
+def _may_hint(svc: Services, request: web.Request) -> bool:
+    """Whether a blob PUT may be hinted to relays: it names its model (``X-Deltasync-Model``) and its token may
+    publish that model (a PUT without the header, or naming another model, is stored but not hinted)."""
+    model = request.headers.get(MODEL_HEADER)
+    table = svc.config.token_table
+    if model is None or not MODEL_RE.match(model) or table is None:
+        return False
+    return table.allows(bearer(request.headers.get("Authorization")), "publish", model)
+
+
 def _manifest_response(data: bytes, *, version: int, etag: str, cache: str) -> web.Response:
     return web.Response(body=data, content_type=JSON, headers={
         "ETag": etag, "Cache-Control": cache, "X-Deltasync-Version": str(version)})
@@ -178,14 +189,20 @@ async def healthz(request: web.Request) -> web.Response:
     svc = _svc(request)
     storage = _storage_error(svc)
     status = "shutting_down" if svc.hub.closed else "degraded" if storage else "ok"
+    writer_status = getattr(svc.store, "writer_status", None)  # a bucket store without conditional writes
+    writer = writer_status() if writer_status is not None else None
+    if status == "ok" and writer is not None and writer["lease"] == "standby":
+        status = "standby"  # reads served; writes wait for the writer lease (503 until it is taken)
     body = {"status": status, "role": svc.config.role,
             "models": {name: svc.store.head(name) for name in sorted(svc.store.models)}}
+    if writer is not None:
+        body["writer"] = writer
     if storage:
         body["storage"] = storage  # the disk cannot hold what the parents send: misses answer 507
     if svc.prefetcher is not None:
         body["following"] = svc.prefetcher.following
         body["parents"] = list(svc.config.parents)
-    return web.json_response(body, status=200 if status == "ok" else 503)
+    return web.json_response(body, status=200 if status in ("ok", "standby") else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -309,12 +326,13 @@ async def put_blob(request: web.Request) -> web.Response:
         blob_id = check_blob_id(request.match_info["id"])
         assert svc.intake is not None
         try:
+            hint = _may_hint(svc, request)
             if uploadrecv.usable(request):  # a large body: received straight into one buffer (uploadrecv.py)
-                size, created = await _put_blob_direct(svc.intake, blob_id, request)
+                size, created = await _put_blob_direct(svc.intake, blob_id, request, hint=hint)
             else:
                 size, created = await svc.intake.put_blob(blob_id, _pieces(request.content,
                                                                            UploadPace(svc.config.limits)),
-                                                          declared=request.content_length)
+                                                          declared=request.content_length, hint=hint)
         except (aiohttp.ClientPayloadError, ConnectionError, asyncio.IncompleteReadError) as e:
             raise FormatError(f"upload of blob {blob_id} was cut short: {e}") from None
     except DeltaSyncError:
@@ -327,11 +345,11 @@ async def put_blob(request: web.Request) -> web.Response:
     return resp
 
 
-async def _put_blob_direct(intake, blob_id: str, request: web.Request) -> tuple[int, bool]:
+async def _put_blob_direct(intake, blob_id: str, request: web.Request, *, hint: bool) -> tuple[int, bool]:
     size = intake.stored_size(blob_id, declared=request.content_length)
     if size is not None:
         return size, False  # its body is not read (aiohttp drains it, as for any upload of a stored blob)
-    up = await intake.open_upload(blob_id, declared=request.content_length)
+    up = await intake.open_upload(blob_id, declared=request.content_length, hint=hint)
     intake.metrics.inc("uploads_direct")
     try:
         request[_BODY_TAKEN] = True  # from here on the connection closes after the answer, whatever it is

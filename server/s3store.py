@@ -251,6 +251,7 @@ class S3Files:
         self.conditional = conditional  # None: probe at start
         self.lease_ttl = lease_ttl
         self.lease: WriterLease | None = None
+        self._take_over: asyncio.Task | None = None  # standby: waiting for the writer lease
         self._cached: OrderedDict[str, int] = OrderedDict()
         self._cached_bytes = 0
         self._manifests: OrderedDict[tuple[str, int], bytes] = OrderedDict()
@@ -269,7 +270,10 @@ class S3Files:
             log.warning("bucket %s does not honour conditional writes (If-None-Match): one origin at a time, "
                         "through the writer lease", self.bucket.where)
             self.lease = WriterLease(self.bucket, ttl=self.lease_ttl, settle=min(0.5, self.lease_ttl / 6))
-            await self.lease.acquire()
+            held = await self.lease.try_acquire()
+            if held is not None:  # start on standby: serve reads now, take over writes when the lease ends
+                log.warning("standby: %s", self.lease.held_message(held))
+                self._take_over = asyncio.get_running_loop().create_task(self._wait_for_lease(), name="lease-standby")
         await asyncio.to_thread(self._reset_scratch)
         blobs = await self.list_blobs()
         listed = [(mv, o) for o in await self.bucket.list(MODELS) if (mv := parse_manifest_key(o.key)) is not None]
@@ -277,6 +281,22 @@ class S3Files:
         log.info("bucket %s: %d blobs, %d manifests", self.bucket.where, len(blobs), len(manifests))
         return Inventory(blobs=tuple((bid, o.size) for bid, o in sorted(blobs.items(), key=lambda kv: kv[1].modified)),
                          manifests=tuple(manifests))
+
+    async def _wait_for_lease(self) -> None:
+        assert self.lease is not None
+        await self.lease.acquire()
+        log.warning("standby over: this origin took the writer lease of %s and accepts writes", self.bucket.where)
+
+    def writer_status(self) -> dict | None:
+        """For /healthz: None on a bucket with conditional writes (every origin writes); else the lease's
+        state, ``standby`` (another origin holds it; reads only) or ``holding``."""
+        if self.lease is None:
+            return None
+        if not self.lease.standby:
+            return {"lease": "holding", "holder": self.lease.holder}
+        cur = self.lease.held_by
+        return {"lease": "standby", "holder": None if cur is None else cur.holder,
+                "expires_in": None if cur is None else round(max(0.0, cur.expires - self.lease.clock()), 1)}
 
     async def _check_marker(self) -> None:
         data = await self.bucket.get(MARKER)
@@ -314,6 +334,8 @@ class S3Files:
 
     # -- blobs --------------------------------------------------------------------------------
     async def open_partial(self, blob_id: str, *, on_commit) -> S3Partial:
+        if self.lease is not None:
+            self.lease.refuse_writes()  # on standby: 503 naming the holder
         spool = await self.local.open_partial(blob_id, on_commit=None)
         return S3Partial(self, spool, on_commit)
 
@@ -407,6 +429,7 @@ class S3Files:
         """Commit: create the manifest object only if none exists; CommitConflictError if another
         origin committed this version first. Then move ``heads.json`` forward."""
         if self.lease is not None:
+            self.lease.refuse_writes()
             await self.lease.check()
         key = manifest_key(model, version)
         if not await self.bucket.put(key, data, create=True):
@@ -455,6 +478,9 @@ class S3Files:
     async def close(self) -> None:
         for t in list(self._tasks):
             await asyncio.gather(t, return_exceptions=True)
+        if self._take_over is not None:
+            self._take_over.cancel()
+            await asyncio.gather(self._take_over, return_exceptions=True)
         if self.lease is not None:
             await self.lease.release()
 
@@ -513,6 +539,10 @@ class S3Store(IndexedStore):
 
     def needs_verify(self, blob_id: str) -> bool:
         return False  # see the module docstring
+
+    def writer_status(self) -> dict | None:
+        """The writer lease's state for /healthz (``S3Files.writer_status``)."""
+        return self.files.writer_status()
 
     # -- other origins' commits ------------------------------------------------------------------
     async def _poll_forever(self) -> None:

@@ -151,6 +151,31 @@ class Upstream:
                     raise
                 raise UpstreamError(f"{method} {url}: the connection was closed mid-answer") from None
 
+    async def read_body(self, resp: aiohttp.ClientResponse, what: str, *, limit: int) -> bytes:
+        """A whole (small) body: at most ``4 * Timeouts.read`` in all, and at the minimum rate
+        (``Timeouts.min_rate`` after ``rate_grace``: ``FellBehind``), however often the parent sends a byte;
+        more than ``limit`` bytes is the parent's fault."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        pace = self.timeouts.pace(start, what)
+        end = start + 4 * self.timeouts.read
+        parts: list[bytes] = []
+        n = 0
+        while True:
+            left = min(end, pace.due(n)) - loop.time()
+            try:
+                async with asyncio.timeout(max(left, 0.0) + 1e-3):
+                    piece = await resp.content.readany()
+            except TimeoutError:
+                pace.check(n, loop.time())
+                raise UpstreamTimeout(f"{what}: not all sent within {4 * self.timeouts.read:g} s") from None
+            if not piece:
+                return b"".join(parts)
+            parts.append(piece)
+            n += len(piece)
+            if n > limit:
+                raise UpstreamError(f"{what}: a body of more than {limit:,} bytes")
+
     def blob_request(self, parent: str, blob_id: str, offset: int = 0, *, method: str = "GET"):
         headers = {"Range": f"bytes={offset}-"} if offset else {}
         return self.request(method, f"{parent}/v1/blobs/{blob_id}", headers=headers)
@@ -176,12 +201,7 @@ class Upstream:
                     raise UpstreamError(f"{parent} answered {resp.status} for {what}")
                 if (resp.content_length or 0) > self.max_manifest_size:
                     raise UpstreamError(f"{parent} sent a {resp.content_length}-byte manifest for {what}")
-                try:
-                    async with asyncio.timeout(4 * self.timeouts.read):
-                        body = await resp.read()
-                except TimeoutError:
-                    raise UpstreamTimeout(f"{parent} did not finish sending {what} within "
-                                          f"{4 * self.timeouts.read:g} s") from None
+                body = await self.read_body(resp, f"{parent}: {what}", limit=self.max_manifest_size)
             try:
                 m = parse_manifest(body, key=self.key)
             except SignatureError as e:

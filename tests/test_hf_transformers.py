@@ -89,3 +89,44 @@ def test_live_transformers_model_follows_its_save_pretrained_stream(cluster, tmp
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
         assert torch.equal(outputs[-1], fresh.generate(prompt, max_new_tokens=5, do_sample=False))
     assert live.lm_head.weight.data_ptr() == live.model.embed_tokens.weight.data_ptr()  # still one tensor
+
+
+@pytest.mark.parametrize("written_by", ["save_pretrained", "state_dict"])
+def test_the_readme_subscriber_call_on_a_plain_transformers_model(cluster, tmp_path, written_by):
+    """Issue 24: ``ThreadedSubscriber(urls, "policy", model)`` with the model itself (no ``hf_applier``), the stream
+    published from ``save_pretrained``'s files (no ``lm_head.weight``) or from the whole ``state_dict()``."""
+    from safetensors.torch import load_file
+
+    from deltasync.client.publisher import Publisher
+
+    model = f"hf-readme-{written_by}".replace("_", "-")
+    torch.manual_seed(0)
+    trainer = transformers.Qwen2ForCausalLM(tiny_config())
+    opt = torch.optim.AdamW(trainer.parameters(), lr=3e-3)
+    torch.manual_seed(98)
+    live = transformers.Qwen2ForCausalLM._from_config(tiny_config(), torch_dtype=torch.bfloat16).eval()
+    saver = transformers.Qwen2ForCausalLM._from_config(tiny_config(), torch_dtype=torch.bfloat16)
+    data = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(1))
+    with Publisher(cluster.origin, model, cluster.token, keyframe_every=0) as pub:
+        with ThreadedSubscriber(cluster.origin, model, live, use_squash=False) as sub:  # the README's call
+            for step in range(3):
+                loss = trainer(input_ids=data, labels=data).loss
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                saver.load_state_dict(trainer.state_dict())
+                if written_by == "save_pretrained":
+                    saver.save_pretrained(tmp_path / f"ckpt-{step}", safe_serialization=True)
+                    state = load_file(str(tmp_path / f"ckpt-{step}" / "model.safetensors"))
+                    assert "lm_head.weight" not in state
+                else:
+                    state = {n: t.detach().clone() for n, t in saver.state_dict().items()}
+                    assert "lm_head.weight" in state
+                pub.publish(step, state)
+                pub.flush(60)
+                assert sub.sync(60) == step
+    for (n, x), (_, y) in zip(live.state_dict().items(), saver.state_dict().items()):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16)), n
+    with torch.no_grad():
+        assert torch.equal(live(input_ids=data).logits.view(torch.int16), saver(input_ids=data).logits.view(torch.int16))
+    assert live.lm_head.weight.data_ptr() == live.model.embed_tokens.weight.data_ptr()

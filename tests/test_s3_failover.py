@@ -21,7 +21,7 @@ from deltasync.client.subscriber import ThreadedSubscriber
 from deltasync.testing.trace import RLTrace
 from s3_fixtures import BUCKET, bucket_env, rclone_s3  # noqa: F401  (fixtures)
 from server_fixtures import KEY, TOKEN, delta, keyframe, make_blob, put_blob, put_manifest, session, wait_head
-from test_s3_origin import SHAPE, blank, bucket_objects, exact, relay_proc, s3_origin
+from test_s3_origin import SHAPE, blank, bucket_objects, exact, relay_proc, s3_origin, wait_writer
 
 
 def test_sigkill_during_a_blob_upload_leaves_nothing_visible(rclone_s3, tmp_path, monkeypatch):
@@ -65,6 +65,7 @@ def test_a_paused_origin_loses_the_lease_and_cannot_commit(rclone_s3, tmp_path, 
         os.kill(a.pid, signal.SIGSTOP)  # a GC pause, a frozen VM...
         try:
             b = s3_origin(tmp_path, rclone_s3, "pause", "b", "--s3-lease-ttl", "2").start().wait_ready(30)
+            wait_writer(b)  # standby until a's lease expires, then b holds it
         finally:
             os.kill(a.pid, signal.SIGCONT)
         time.sleep(0.5)

@@ -35,7 +35,7 @@ from deltasync.testing.trace import ModelShape, RLTrace
 from inprocess_servers import origin_config, serving
 from s3_fixtures import BUCKET, bucket_env, moto_s3, rclone_s3  # noqa: F401  (fixtures)
 from server_fixtures import (
-    KEY, KEY_HEX, TOKEN, ServerProc, delta, keyframe, make_blob, put_blob, put_manifest, session, wait_head,
+    KEY, KEY_HEX, TOKEN, ServerProc, delta, get_bytes, keyframe, make_blob, put_blob, put_manifest, session, wait_head,
 )
 
 SHAPE = ModelShape(vocab=256, hidden=32, layers=2, ffn=96)
@@ -63,6 +63,25 @@ def s3_origin(workdir: Path, server, prefix: str, name: str = "origin", *extra: 
             "--key-file", str(workdir / "key"), "--no-fsync", "--s3-scratch", str(workdir / f"{name}-scratch"),
             "--bucket-poll", "0.3", "--heartbeat", "1", "--read-timeout", "5", *extra]
     return ServerProc("origin", workdir, name, args, port=port)
+
+
+def wait_writer(proc: ServerProc, timeout: float = 30.0) -> ServerProc:
+    """Wait until an origin on a bucket without conditional writes holds the writer lease (it starts on
+    standby, serving reads, while another origin's lease is live): its /healthz says "ok"."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{proc.url}/healthz", timeout=1) as r:
+                if json.loads(r.read())["status"] == "ok":
+                    return proc
+        except OSError:
+            pass
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.log()}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{proc.name} did not take the writer lease within {timeout} s:\n{proc.log()[-3000:]}")
 
 
 def relay_proc(workdir: Path, name: str, parents: list[str], *extra: str) -> ServerProc:
@@ -155,7 +174,7 @@ def test_sigkill_mid_publish_then_a_new_origin_on_the_bucket(rclone_s3, tmp_path
         # a second origin on the same bucket and port (a replacement pod behind one Service)
         t0 = time.monotonic()
         b = s3_origin(tmp_path, rclone_s3, "crash", "b", "--s3-lease-ttl", "3", port=a.port).start()
-        b.wait_ready(30)
+        wait_writer(b.wait_ready(30))  # on standby (reads only) until a's lease expires
         took = time.monotonic() - t0
         assert took < 15, f"the replacement origin took {took:.1f} s to get the lease"
         with Publisher(b.url, "crash", TOKEN, KEY, keyframe_every=0) as pub2:
@@ -180,16 +199,28 @@ async def _upload_only(url: str, blobs) -> None:
             assert await put_blob(s, url, bid, data) == 201
 
 
-def test_second_origin_refused_while_the_lease_is_held(rclone_s3, tmp_path, monkeypatch):
+def test_second_origin_stays_on_standby_while_the_lease_is_held(rclone_s3, tmp_path, monkeypatch):
+    """Issue 24: a second origin no longer refuses to start (nor blocks its start-up): it serves reads on standby
+    and refuses writes with 503 while the first one holds the lease (tests/test_s3_standby.py: the take-over)."""
     bucket_env(rclone_s3, monkeypatch)
     a = s3_origin(tmp_path, rclone_s3, "lease", "a", "--s3-lease-ttl", "3").start().wait_ready()
+    b = None
     try:
-        b = s3_origin(tmp_path, rclone_s3, "lease", "b", "--s3-lease-ttl", "3").start()
-        code = b.proc.wait(30)
-        assert code != 0
+        b = s3_origin(tmp_path, rclone_s3, "lease", "b", "--s3-lease-ttl", "3").start().wait_ready(30)
+        time.sleep(4.5)  # past one ttl: a renews, b stays on standby
+        assert b.proc.poll() is None
         log = b.log()
         assert "holds the writer lease" in log and "does not honour conditional writes" in log, log[-2000:]
+
+        async def refused() -> None:
+            async with session() as s:
+                st, _, body = await get_bytes(s, f"{b.url}/healthz")
+                assert st == 200 and json.loads(body)["status"] == "standby", body
+                assert await put_blob(s, b.url, *make_blob(1000, 5)) == 503
+        asyncio.run(refused())
     finally:
+        if b is not None:
+            b.stop()
         a.stop()
 
 

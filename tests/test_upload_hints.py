@@ -22,9 +22,11 @@ PUBLISHER = Ed25519Signer.generate()
 
 
 class HeldUpload:
-    """A PUT of ``data`` whose body stops after ``first`` bytes until ``release()`` (or ``cut()``)."""
+    """A PUT of ``data`` for ``model`` (``X-Deltasync-Model``: the origin hints only uploads naming a model their
+    token may publish) whose body stops after ``first`` bytes until ``release()`` (or ``cut()``)."""
 
-    def __init__(self, s: aiohttp.ClientSession, url: str, bid: str, data: bytes, first: int) -> None:
+    def __init__(self, s: aiohttp.ClientSession, url: str, bid: str, data: bytes, first: int, *,
+                 model: str = "hinted") -> None:
         self.go = asyncio.Event()
         self.abort = False
         self.sent = asyncio.Event()
@@ -39,7 +41,7 @@ class HeldUpload:
                 yield data[i:i + (1 << 20)]
 
         headers = {"Authorization": f"Bearer {TOKEN}", "Content-Length": str(len(data)),
-                   "Content-Type": "application/octet-stream"}
+                   "Content-Type": "application/octet-stream", "X-Deltasync-Model": model}
         self.task = asyncio.create_task(self._put(s, f"{url}/v1/blobs/{bid}", body(), headers))
 
     @staticmethod
@@ -255,12 +257,13 @@ async def test_a_hint_travels_down_a_chain_of_relays(tmp_path):
 
 
 async def test_a_hinted_blob_that_does_not_fit_the_cache_is_not_fetched(tmp_path):
-    """A relay fetches a hinted blob only when it fits its --cache-size beside what is pinned: a larger one waits
-    for a version that names it (a smaller one hinted after it is fetched, so the first hint was seen)."""
+    """A relay fetches a hinted blob only when it fits its --cache-size beside what is pinned, and within the
+    hints' share of it (prefetch.HINT_SHARE, a quarter): a larger one waits for a version that names it (a smaller
+    one hinted after it is fetched, so the first hint was seen)."""
     big_id, big = make_blob(6 << 20, 38)
     small_id, small = make_blob(2 << 20, 39)
     async with serving(origin_config(store_dir=tmp_path / "o")) as (o_url, o_svc), \
-            serving(relay_config([o_url], store_dir=tmp_path / "r", hinted_fetch=True, cache_size=4 << 20)
+            serving(relay_config([o_url], store_dir=tmp_path / "r", hinted_fetch=True, cache_size=8 << 20)
                     ) as (r_url, r_svc), session() as s:
         await wait_for(lambda: _true(o_svc.hub.subscribers >= 1), 10, what="the relay to follow the origin")
         up_big = HeldUpload(s, o_url, big_id, big, first=1 << 20)

@@ -9,7 +9,8 @@ Two implementations of the same loops, bit for bit equal (``tests/test_core_kern
   ``deltasync.fingerprint``), the specification the kernels are tested against.
 
 CUDA tensors take the Triton kernels of :mod:`deltasync.kernels.gpu` when triton imports
-(else torch), whatever the selection.
+(else torch), whatever the selection. :func:`triton_on_cpu` (tests only) sends CPU tensors down those
+paths, for Triton's interpreter (``tests/test_triton_kernels.py``).
 
 **The switch.** :func:`select` (``"numba"``, ``"reference"`` or ``"auto"``) is the only way to
 change the selection; the core never reads the environment: the CLI calls
@@ -108,12 +109,35 @@ def cpu_kernels():
 
 
 _gpu = False  # not yet imported
+_triton_on_cpu = False  # tests only (triton_on_cpu)
+
+
+def triton_on_cpu(on: bool = True) -> None:
+    """Tests only: CPU torch tensors take the core's CUDA paths (compared on their device, only the sparse
+    result to the host, and the Triton kernels of :mod:`deltasync.kernels.gpu`), in a process started with
+    ``TRITON_INTERPRET=1``, where Triton's interpreter runs the kernels on CPU tensors
+    (``tests/test_triton_kernels.py``). Select ``"reference"`` too, or the compiled CPU kernels take those
+    tensors first. Raises ImportError where triton does not import."""
+    global _triton_on_cpu, _gpu
+    if on:
+        from . import gpu as mod
+
+        if mod.triton is None:
+            raise ImportError("triton_on_cpu needs triton (pip install triton)")
+        _gpu = mod
+    _triton_on_cpu = bool(on)
+
+
+def on_host(device) -> bool:
+    """Whether the core treats tensors on ``device`` as host memory (numpy words, the CPU kernels): the CPU,
+    unless :func:`triton_on_cpu` routes it to the CUDA paths."""
+    return device.type == "cpu" and not _triton_on_cpu
 
 
 def gpu_kernels(t):
     """:mod:`deltasync.kernels.gpu` for a tensor on CUDA when triton imports, else None (torch)."""
     global _gpu
-    if t.device.type != "cuda":
+    if t.device.type != "cuda" and not (_triton_on_cpu and t.device.type == "cpu"):
         return None
     if _gpu is False:
         try:

@@ -14,7 +14,10 @@ and no ordering that depends on scheduling.
 
 :func:`self_check` compares each kernel with the torch reference on random data; ``make
 gpu-check`` runs it on a GPU, and ``tests/test_core_kernels.py`` runs it on CPU tensors under
-``TRITON_INTERPRET=1`` (Triton's interpreter) where triton is installed.
+``TRITON_INTERPRET=1`` (Triton's interpreter) where triton is installed (``make venv`` installs it).
+``tests/test_triton_kernels.py`` runs every core path that reaches these kernels (diff, encode, the
+publisher's reference, apply and rollback, fingerprints) the same way, through
+``kernels.triton_on_cpu()``, against the CPU reference bit for bit.
 """
 
 from __future__ import annotations
@@ -83,10 +86,11 @@ if triton is not None:
     def _lane_sums_kernel(lanes_ptr, table_ptr, out_ptr, length, LANE_MASK: tl.constexpr, BLOCK: tl.constexpr,
                           TILE: tl.constexpr):
         pid = tl.program_id(0)
+        first = pid.to(tl.int64) * BLOCK
         acc = tl.zeros((TILE,), dtype=tl.int64)
-        for j0 in range(0, BLOCK, TILE):
+        for j0 in range(0, tl.minimum(length - first, BLOCK), TILE):  # a short tensor's last block: its lanes only
             j = j0 + tl.arange(0, TILE)
-            idx = pid.to(tl.int64) * BLOCK + j
+            idx = first + j
             inside = idx < length
             lane = tl.load(lanes_ptr + idx, mask=inside, other=0).to(tl.int64) & LANE_MASK
             key = tl.load(table_ptr + j)

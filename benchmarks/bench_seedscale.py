@@ -1,0 +1,497 @@
+"""Issue 22's tensor-count row: the same bytes as 8 tensors, ~70k tensors (Kimi-K2 naming) and ~140k (FP8-served).
+
+States come from ``benchmarks/seedscale_states.py``: ``kimi_layout()`` (69,975 tensors, 288.8 MB of bf16 with
+Kimi-K2's Hugging Face names), ``fp8_layout()`` of it (139,522 tensors: a ``weight_scale_inv`` per projection,
+float32 here) and ``few_layout`` (the Kimi layout's elements in 8 tensors); ``make_state`` / ``step_state`` give
+a base and a ~1%-changed AdamW-like step (one ULP each). Each state is a safetensors file on tmpfs (/dev/shm when
+it has room, else the default temp directory; the section says which).
+
+Per layout, through the CLI (each command its own process, as a user runs it): an origin and one relay (parent:
+the origin; ``deltasync.cli.cluster``, ``--no-fsync``, HMAC-signed manifests, the origin's write token), then
+
+- *keyframe publish*: ``deltasync publish BASE`` (the stream's first version, v0: a keyframe), start to exit;
+- *first subscribe*: ``deltasync subscribe --from RELAY --out F --once``, start to exit (F holds v0);
+- an already-running ``deltasync subscribe --out F`` (follow mode, resuming F at v0) and every server idle
+  before the clock starts;
+- *publish --base*: ``deltasync publish --base BASE STEP``, start to exit;
+- *step delivery*: from the publish command's start until the follower's F holds v1 (its header's
+  ``deltasync.version`` is 1 and no undo journal is left: the commit point);
+- the step's manifest bytes (``GET /v1/models/M/versions/1`` from the origin) and blob bytes;
+- CPU seconds (user + sys) during the step: the publish process (``wait4``), the follower, the relay and the
+  origin (``/proc/PID/stat`` before the publish starts and when F holds v1).
+
+Then the in-process path on the same states and servers (another stream name, the follower stopped):
+``Publisher`` publishes the base (v0) then the step (v1) to the origin; a ``ThreadedSubscriber`` (auto mode) with
+a dict of tensors follows the relay. Timed: the step's ``publish()`` call (the trainer's blocking time), publish
+to committed at the origin, and publish to the subscriber's apply of v1 (verified); also the keyframe's.
+
+Every wait has a timeout (``STEP_TIMEOUT`` s): a layout that runs past it is recorded as such in the table and
+the failure said below it (the command-line entry exits 1); every server and client is stopped by pid at the end,
+on errors too.
+
+``run(quick)`` returns a Markdown section (quick: 8 tensors and the Kimi layout only);
+``python benchmarks/bench_seedscale.py [--quick] [--layouts few,kimi,fp8]`` prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from deltasync.cli.cluster import LocalCluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import seedscale_states as states  # noqa: E402
+from relay_procs import cpu_seconds  # noqa: E402
+
+MODEL = "seedscale"
+INPROC_MODEL = "seedscale-inproc"
+KEY = bytes(range(32))
+STEP_TIMEOUT = 600.0  # seconds any one command or wait may take
+CHANGED = 0.01
+LAYOUTS = ("few", "kimi", "fp8")
+TITLES = {"few": "8 tensors", "kimi": "Kimi-K2 layout", "fp8": "FP8-served layout"}
+_VERSION = re.compile(rb'"deltasync\.version"\s*:\s*"(\d+)"')
+
+
+class BenchTimeout(RuntimeError):
+    """A command or wait ran past STEP_TIMEOUT."""
+
+
+# -- states -----------------------------------------------------------------------------------------
+
+def _layout(which: str, kimi_kwargs: dict) -> dict[str, tuple[int, ...]]:
+    kimi = states.kimi_layout(**kimi_kwargs)
+    if which == "kimi":
+        return kimi
+    if which == "fp8":
+        return states.fp8_layout(kimi)
+    if which == "few":
+        return states.few_layout(states.elements_of(kimi))
+    raise ValueError(f"unknown layout {which!r}; expected one of {', '.join(LAYOUTS)}")
+
+
+def _write_states(layout: dict[str, tuple[int, ...]], base_path: Path, step_path: Path) -> dict:
+    """Base and ~1%-changed step as safetensors files; scale tensors float32 (their bf16 values widened after the
+    step, so they change where the bf16 words did). Returns facts about the states."""
+    base = states.make_state(layout, seed=0)
+    step = states.step_state(base, changed=CHANGED, seed=1)  # a new buffer: base is left as it was
+    scales = [n for n in layout if n.endswith("weight_scale_inv")]
+    for n in scales:
+        base[n] = base[n].float()
+        step[n] = step[n].float()
+    # make_state's tensors are views of one buffer: safetensors refuses shared storage, so each is cloned
+    save_file({n: t.clone() for n, t in base.items()}, str(base_path))
+    save_file({n: t.clone() for n, t in step.items()}, str(step_path))
+    data_bytes = sum(t.numel() * t.element_size() for t in base.values())
+    changed = sum(int((base[n].view(torch.int16) != step[n].view(torch.int16)).sum()) if base[n].element_size() == 2
+                  else int((base[n].view(torch.int32) != step[n].view(torch.int32)).sum()) for n in base)
+    return {"tensors": len(layout), "bytes": data_bytes, "scales": len(scales), "changed_words": changed,
+            "elements": states.elements_of(layout), "base": base, "step": step}
+
+
+# -- processes ----------------------------------------------------------------------------------------
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "deltasync.cli.main", *args]
+
+
+class _Child:
+    """A CLI process reaped by ``wait4`` on a thread: exit time, status and its own CPU seconds."""
+
+    def __init__(self, cmd: list[str], log: Path) -> None:
+        self.log_path = log
+        self._log = open(log, "wb")
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.ended: float | None = None
+        self.code: int | None = None
+        self.cpu_s: float | None = None
+        self._t = threading.Thread(target=self._reap, daemon=True)
+        self._t.start()
+
+    def _reap(self) -> None:
+        _, status, ru = os.wait4(self.proc.pid, 0)
+        self.ended = time.perf_counter()
+        self.cpu_s = ru.ru_utime + ru.ru_stime
+        self.code = os.waitstatus_to_exitcode(status)
+        self.proc.returncode = self.code
+        self._log.close()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout: float, what: str) -> float:
+        """Wait for exit 0; returns the seconds since start. Kills it and raises after ``timeout``."""
+        self._t.join(timeout)
+        if self.code is None:
+            self.stop()
+            raise BenchTimeout(f"{what}: still running after {timeout:.0f} s (killed); log tail:\n{self.log()[-1500:]}")
+        if self.code != 0:
+            raise RuntimeError(f"{what}: exited {self.code}; log tail:\n{self.log()[-1500:]}")
+        return self.ended - self.started
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM by pid, SIGKILL after ``timeout``."""
+        if self.code is None:
+            try:
+                self.proc.terminate()
+            except ProcessLookupError:
+                pass
+            self._t.join(timeout)
+            if self.code is None:
+                try:
+                    self.proc.kill()
+                except ProcessLookupError:
+                    pass
+                self._t.join(5)
+
+
+def _idle(pids: dict[str, int], timeout: float, what: str) -> None:
+    """Wait until none of ``pids`` gains more than 20 ms of CPU in 0.5 s (imports done, long-polling)."""
+    deadline = time.monotonic() + timeout
+    last = {n: -1.0 for n in pids}
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        quiet = True
+        for n, pid in pids.items():
+            now = cpu_seconds(pid)
+            quiet &= now - last[n] <= 0.02
+            last[n] = now
+        if quiet:
+            return
+    raise BenchTimeout(f"{what}: {', '.join(pids)} still busy after {timeout:.0f} s")
+
+
+def _file_version(path: Path) -> int | None:
+    """The version a ``subscribe --out`` file holds (its header's first bytes), None while none or mid-commit."""
+    from deltasync.client.filetarget import journal_path
+
+    if journal_path(path).exists():
+        return None
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8 + 1024)
+    except FileNotFoundError:
+        return None
+    m = _VERSION.search(head[8:])
+    return int(m.group(1)) if m else None
+
+
+def _wait_file_version(path: Path, version: int, timeout: float, follower: _Child) -> float:
+    """Poll F every 5 ms until it holds ``version``; returns perf_counter() then."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = _file_version(path)
+        if v is not None and v >= version:
+            return time.perf_counter()
+        if follower.code is not None:
+            raise RuntimeError(f"the follower exited {follower.code} before F held v{version}:\n{follower.log()[-1500:]}")
+        time.sleep(0.005)
+    raise BenchTimeout(f"step delivery: {path.name} did not hold v{version} within {timeout:.0f} s "
+                       f"(it holds v{_file_version(path)}); follower log tail:\n{follower.log()[-1500:]}")
+
+
+def _wait_head(url: str, model: str, version: int, timeout: float) -> None:
+    """Poll a server's ``GET /v1/models/M/head`` every 20 ms until its head is ``version`` or newer."""
+    deadline = time.monotonic() + timeout
+    seen = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models/{model}/head", timeout=30) as r:
+                body = r.read()
+                seen = int(r.headers.get("X-Deltasync-Version") or json.loads(body)["version"])
+                if seen >= version:
+                    return
+        except urllib.error.HTTPError as e:
+            if e.code != 404:
+                raise
+        time.sleep(0.02)
+    raise BenchTimeout(f"{url} did not hold {model} v{version} within {timeout:.0f} s (its head: {seen})")
+
+
+def _manifest(origin: str, model: str, version: int) -> tuple[int, int]:
+    """(manifest bytes as served, blob bytes it names) of one version at the origin."""
+    req = urllib.request.Request(f"{origin}/v1/models/{model}/versions/{version}", headers={"Accept-Encoding": "identity"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        body = r.read()
+    return len(body), sum(int(b["size"]) for b in json.loads(body).get("blobs", ()))
+
+
+# -- one layout ---------------------------------------------------------------------------------------
+
+def _cli_rows(cluster: LocalCluster, work: Path, base: Path, step: Path, timeout: float) -> dict:
+    common = ["--model", MODEL, "--key-file", str(cluster.key_file)]
+    pub = ["publish", "--origin", cluster.origin, "--token-file", str(cluster.token_file), *common, "--quiet",
+           "--timeout", str(int(timeout))]
+    relay = cluster.url("relay")
+    out = work / "sub.safetensors"
+    r: dict = {}
+    servers = {n: cluster.servers[n].proc.pid for n in ("origin", "relay")}
+
+    p = _Child(_cli(*pub, str(base)), work / "publish-keyframe.log")
+    r["keyframe_publish_s"] = p.wait(timeout, "keyframe publish")
+    r["keyframe_manifest_b"], r["keyframe_blob_b"] = _manifest(cluster.origin, MODEL, 0)
+
+    # the relay learns v0 from the origin's event: a `subscribe --once` started before that finds no version there
+    t0 = time.perf_counter()
+    _wait_head(relay, MODEL, 0, timeout)
+    r["relay_has_keyframe_s"] = time.perf_counter() - t0
+
+    s = _Child(_cli("subscribe", "--from", relay, *common, "--out", str(out), "--once", "--quiet",
+                    "--timeout", str(int(timeout))), work / "subscribe-once.log")
+    r["first_subscribe_s"] = s.wait(timeout, "first subscribe --once")
+    if _file_version(out) != 0:
+        raise RuntimeError(f"first subscribe: {out} holds v{_file_version(out)}, not v0")
+
+    follower = _Child(_cli("subscribe", "--from", relay, *common, "--out", str(out)), work / "follower.log")
+    try:
+        _idle({"follower": follower.pid, **servers}, timeout, "follower start")
+        if "resuming" not in follower.log() or follower.code is not None:
+            raise RuntimeError(f"the follower did not resume {out.name} at v0:\n{follower.log()[-1500:]}")
+        pids = {"follower": follower.pid, **servers}
+        cpu0 = {n: cpu_seconds(pid) for n, pid in pids.items()}
+        p = _Child(_cli(*pub, "--base", str(base), str(step)), work / "publish-step.log")
+        t_delivered = _wait_file_version(out, 1, timeout, follower)
+        cpu1 = {n: cpu_seconds(pid) for n, pid in pids.items()}
+        r["step_delivery_s"] = t_delivered - p.started
+        r["publish_base_s"] = p.wait(max(1.0, timeout - (time.perf_counter() - p.started)), "publish --base")
+        r["cpu_publish_s"] = p.cpu_s
+        for n in pids:
+            r[f"cpu_{n}_s"] = cpu1[n] - cpu0[n]
+    finally:
+        follower.stop()
+    r["step_manifest_b"], r["step_blob_b"] = _manifest(cluster.origin, MODEL, 1)
+    return r
+
+
+def _inproc_rows(cluster: LocalCluster, base: dict[str, torch.Tensor], step: dict[str, torch.Tensor],
+                 timeout: float) -> dict:
+    from deltasync.client.publisher import Publisher
+    from deltasync.client.subscriber import ThreadedSubscriber
+
+    r: dict = {}
+    applied: dict[int, float] = {}
+    got = threading.Condition()
+
+    def on_applied(v: int) -> None:
+        with got:
+            applied.setdefault(v, time.perf_counter())
+            got.notify_all()
+
+    def wait_applied(v: int, t0: float, what: str) -> float:
+        deadline = time.monotonic() + timeout - (time.perf_counter() - t0)
+        with got:
+            while v not in applied:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BenchTimeout(f"in-process {what}: the subscriber had not applied v{v} after {timeout:.0f} s "
+                                       f"(status: {sub.status})")
+                got.wait(min(left, 1.0))
+        return applied[v] - t0
+
+    pub = Publisher(cluster.origin, INPROC_MODEL, cluster.token, KEY, keyframe_every=0)
+    sub = None
+    try:
+        t0 = time.perf_counter()
+        pending = pub.publish(0, base)
+        r["ip_keyframe_blocking_s"] = pending.blocking_s
+        pending.result(timeout)
+        r["ip_keyframe_commit_s"] = time.perf_counter() - t0
+        target = {n: torch.zeros_like(t) for n, t in base.items()}
+        sub = ThreadedSubscriber([cluster.url("relay")], INPROC_MODEL, target, key=KEY, auto=True,
+                                 on_applied=on_applied)
+        t1 = time.perf_counter()
+        sub.start(timeout)
+        r["ip_first_sync_s"] = wait_applied(0, t1, "first sync")
+        time.sleep(1.0)  # let the subscriber settle into its long-poll
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        pending = pub.publish(1, step)
+        r["ip_publish_call_s"] = time.perf_counter() - t0
+        res = pending.result(timeout)
+        r["ip_commit_s"] = time.perf_counter() - t0
+        r["ip_delivery_s"] = wait_applied(1, t0, "step")
+        r["ip_cpu_s"] = time.process_time() - cpu0
+        r["ip_blob_b"] = res.blob_bytes
+        for n, t in step.items():  # the subscriber's tensors are the step's, bit for bit
+            if not torch.equal(target[n].view(torch.uint8), t.contiguous().view(torch.uint8)):
+                raise RuntimeError(f"in-process: the subscriber's {n} differs from the published step")
+    finally:
+        if sub is not None:
+            sub.close()
+        pub.close(timeout)
+    return r
+
+
+def _measure(which: str, timeout: float, kimi_kwargs: dict) -> dict:
+    root = _tmp_root()
+    with tempfile.TemporaryDirectory(prefix="deltasync-bench-seedscale-", dir=root) as tmp:
+        work = Path(tmp)
+        t0 = time.perf_counter()
+        facts = _write_states(_layout(which, kimi_kwargs), work / "base.safetensors", work / "step.safetensors")
+        facts["write_s"] = time.perf_counter() - t0
+        base, step = facts.pop("base"), facts.pop("step")
+        cluster = LocalCluster(work / "servers", key=KEY)
+        r = {"facts": facts, "dir": root or tempfile.gettempdir(), "error": None, "load": os.getloadavg()[0]}
+        try:
+            cluster.start_tree({"relay": ["origin"]})
+            r.update(_cli_rows(cluster, work, work / "base.safetensors", work / "step.safetensors", timeout))
+            r.update(_inproc_rows(cluster, base, step, timeout))
+            r["load_end"] = os.getloadavg()[0]
+        except BenchTimeout as e:
+            r["error"] = f"timed out: {e}"
+        except Exception as e:  # recorded in the table; the rest of the layouts still run
+            r["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            cluster.close()
+        return r
+
+
+def _tmp_root() -> str | None:
+    """/dev/shm when it has room for this layout's files (~10 states' worth), else the default temp dir."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return "/dev/shm" if st.f_bavail * st.f_frsize > 4 << 30 else None
+
+
+# -- report -------------------------------------------------------------------------------------------
+
+ROWS = [  # (key, label, kind)
+    ("step_delivery_s", "CLI: 1%-step delivered (publish start to the follower's file at v1)", "s"),
+    ("publish_base_s", "CLI: `publish --base` of the step", "s"),
+    ("keyframe_publish_s", "CLI: keyframe publish", "s"),
+    ("relay_has_keyframe_s", "CLI: keyframe publish's exit to the relay's head at v0", "s"),
+    ("first_subscribe_s", "CLI: first `subscribe --out --once` (from the relay, once it holds v0)", "s"),
+    ("step_manifest_b", "the step's manifest (GET from the origin)", "B"),
+    ("step_blob_b", "the step's blobs", "B"),
+    ("keyframe_manifest_b", "the keyframe's manifest", "B"),
+    ("cpu_publish_s", "CPU s, `publish --base` process (user+sys)", "s"),
+    ("cpu_follower_s", "CPU s, follower `subscribe --out`, during the step", "s"),
+    ("cpu_relay_s", "CPU s, relay, during the step", "s"),
+    ("cpu_origin_s", "CPU s, origin, during the step", "s"),
+    ("ip_publish_call_s", "in-process: step `publish()` call (trainer blocked)", "s"),
+    ("ip_commit_s", "in-process: step publish to committed at the origin", "s"),
+    ("ip_delivery_s", "in-process: step publish to the ThreadedSubscriber's apply", "s"),
+    ("ip_cpu_s", "in-process: CPU s of the one process (publisher + subscriber) for the step", "s"),
+    ("ip_keyframe_commit_s", "in-process: keyframe publish to committed", "s"),
+    ("ip_first_sync_s", "in-process: subscriber start to keyframe applied", "s"),
+]
+
+
+def _fmt(v, kind: str) -> str:
+    if v is None:
+        return "-"
+    if kind == "B":
+        return f"{v / 1e6:,.2f} MB" if v >= 1e6 else f"{v / 1e3:,.1f} KB"
+    return f"{v:,.2f}"
+
+
+def report(results: dict[str, dict], quick: bool, timeout: float) -> str:
+    cols = [w for w in LAYOUTS if w in results]
+    head = [f"{TITLES[w]} ({results[w]['facts']['tensors']:,})" for w in cols]
+    ratio_cols = [w for w in cols if w != "few" and "few" in results]
+    lines = [
+        "## Seed-scale tensor counts: the same bytes as 8, ~70k and ~140k tensors (issue 22)",
+        "",
+        "One state of the Kimi-K2 layout's elements (bf16, narrow dims: hidden 64, expert intermediate 32; real HF "
+        "names) in three layouts, a ~1%-changed AdamW-like step (one ULP each), through the CLI: `publish` -> origin "
+        "-> one relay -> an already-running `subscribe --out` (follow mode), every command its own process, HMAC-signed "
+        "manifests, `--no-fsync` stores; then the in-process `Publisher` and a `ThreadedSubscriber` (dict of tensors, "
+        "auto apply) on the same states and servers. One run each, this machine"
+        + (" (quick mode: 8 tensors and the Kimi layout only)" if quick else "") + ". Seconds unless marked; "
+        f"ratios are layout / 8 tensors. Timeout per command or wait: {timeout:.0f} s.",
+        "",
+        "| metric | " + " | ".join(head) + "".join(f" | {TITLES[w].split()[0]} / 8" for w in ratio_cols) + " |",
+        "|---|" + "---|" * (len(cols) + len(ratio_cols)),
+    ]
+    for key, label, kind in ROWS:
+        vals = [results[w].get(key) for w in cols]
+        if all(v is None for v in vals):
+            continue
+        cells = [_fmt(v, kind) if v is not None or not results[w]["error"] else "FAILED" for v, w in zip(vals, cols)]
+        few = results.get("few", {}).get(key)
+        for w in ratio_cols:
+            v = results[w].get(key)
+            cells.append(f"{v / few:,.1f}x" if v is not None and few else "-")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for w in cols:
+        f = results[w]["facts"]
+        scales = (f"; {f['scales']:,} `weight_scale_inv` tensors as float32 (their bf16 values widened)"
+                  if f["scales"] else "")
+        lines.append(f"- {TITLES[w]}: {f['tensors']:,} tensors, {f['bytes'] / 1e6:,.1f} MB{scales}; "
+                     f"{f['changed_words']:,} words changed in the step ({100 * f['changed_words'] / f['elements']:.2f}%); "
+                     f"files on {results[w]['dir']} (states written in {f['write_s']:.1f} s); 1-min load average "
+                     f"{results[w]['load']:.1f} at the start, {results[w].get('load_end', float('nan')):.1f} at the end "
+                     f"({os.cpu_count()} cores)")
+    for w in cols:
+        if results[w]["error"]:
+            lines.append(f"- **{TITLES[w]} FAILED**: " + results[w]["error"].splitlines()[0])
+            lines += ["", "```", results[w]["error"][-2500:], "```"]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def run(quick: bool = False, layouts: list[str] | None = None, *, timeout: float = STEP_TIMEOUT,
+        kimi_kwargs: dict | None = None) -> str:
+    layouts = layouts or (["few", "kimi"] if quick else list(LAYOUTS))
+    # warm-up, not reported: the first processes pay cold page cache (imports, numba's cache) and the first layout
+    # measured would carry it (8 tensors' first subscribe took 5.4 s cold, 1.6-2.4 s after)
+    warm = _measure("kimi", timeout, {"layers": 2, "experts": 2})
+    if warm["error"]:
+        raise RuntimeError(f"seedscale warm-up failed: {warm['error']}")
+    results = {}
+    for w in layouts:
+        print(f"  seedscale: {w}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        results[w] = _measure(w, timeout, kimi_kwargs or {})
+        print(f"  seedscale: {w} done in {time.perf_counter() - t0:.0f} s"
+              + (f" ({results[w]['error'].splitlines()[0]})" if results[w]["error"] else ""), file=sys.stderr, flush=True)
+    run.last_failed = [w for w in layouts if results[w]["error"]]
+    return report(results, quick, timeout)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--quick", action="store_true", help="8 tensors and the Kimi layout only")
+    ap.add_argument("--layouts", help=f"comma-separated, of {','.join(LAYOUTS)} (default: all; --quick: few,kimi)")
+    ap.add_argument("--timeout", type=float, default=STEP_TIMEOUT, help="seconds per command or wait")
+    ap.add_argument("--experts", type=int, help=argparse.SUPPRESS)  # a smaller Kimi layout, for a smoke run
+    ap.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help="also write the section to this file")
+    args = ap.parse_args()
+    layouts = args.layouts.split(",") if args.layouts else None
+    for w in layouts or ():
+        if w not in LAYOUTS:
+            ap.error(f"unknown layout {w!r}; expected some of {','.join(LAYOUTS)}")
+    kw = {k: v for k, v in (("experts", args.experts), ("layers", args.layers)) if v is not None}
+    text = run(args.quick, layouts, timeout=args.timeout, kimi_kwargs=kw)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 1 if run.last_failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Hostile peers for the tests of issue 27: a real asyncio TCP server on 127.0.0.1 (ephemeral port, its own
+thread and loop) in front of a real server. Each connection carries one request; ``plan(method, target)``
+says how it is answered:
+
+* ``PROXY``: passed through both ways as the bytes come (event streams and long-polls included);
+* ``DripBody(interval)``: the upstream's whole answer is fetched, its head sent at once, then its body one
+  byte per ``interval`` seconds (TUF's slow retrieval);
+* ``DripHead(interval)``: the same answer, head included, one byte per ``interval``;
+* ``Fixed(status, headers, body)``: this answer at once, the upstream never asked (a replayed head).
+
+``requests`` records (monotonic time, method, target) of every request, for rate checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+
+class _Proxy:
+    pass
+
+
+PROXY = _Proxy()
+
+
+@dataclass(frozen=True)
+class DripBody:
+    interval: float = 1.0
+
+
+@dataclass(frozen=True)
+class DripHead:
+    interval: float = 1.0
+
+
+@dataclass(frozen=True)
+class Fixed:
+    status: int
+    headers: dict
+    body: bytes
+
+
+class HostilePeer:
+    def __init__(self, upstream: str, plan: Callable[[str, str], object]) -> None:
+        u = urlsplit(upstream)
+        self.up_host, self.up_port = u.hostname, u.port
+        self.plan = plan
+        self.requests: list[tuple[float, str, str]] = []
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="hostile-peer", daemon=True)
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def __enter__(self) -> HostilePeer:
+        self._thread.start()
+        fut = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
+        fut.result(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _start(self) -> None:
+        self._server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _stop(self) -> None:
+        self._server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def count(self, pred: Callable[[str, str], bool] = lambda m, t: True, since: float = 0.0) -> int:
+        return sum(1 for at, m, t in list(self.requests) if at >= since and pred(m, t))
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            await self._serve(reader, writer)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.CancelledError):
+            pass
+        finally:
+            self._tasks.discard(task)
+            writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        method, target, _ = lines[0].split(" ", 2)
+        self.requests.append((time.monotonic(), method, target))
+        headers = [ln for ln in lines[1:] if ln and not ln.lower().startswith(("connection:", "keep-alive:"))]
+        length = next((int(ln.split(":", 1)[1]) for ln in headers if ln.lower().startswith("content-length:")), 0)
+        body = await reader.readexactly(length) if length else b""
+        plan = self.plan(method, target)
+        if isinstance(plan, Fixed):
+            hs = {"Content-Length": str(len(plan.body)), "Connection": "close", **plan.headers}
+            writer.write((f"HTTP/1.1 {plan.status} X\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hs.items())
+                          + "\r\n").encode("latin-1") + plan.body)
+            await writer.drain()
+            return
+        up_r, up_w = await asyncio.open_connection(self.up_host, self.up_port)
+        try:
+            up_w.write(("\r\n".join([lines[0], *headers, "Connection: close"]) + "\r\n\r\n").encode("latin-1") + body)
+            await up_w.drain()
+            if plan is PROXY:
+                while piece := await up_r.read(1 << 16):
+                    writer.write(piece)
+                    await writer.drain()
+                return
+            answer = await up_r.read(-1)
+        finally:
+            up_w.close()
+        split = answer.find(b"\r\n\r\n") + 4
+        if isinstance(plan, DripBody):
+            writer.write(answer[:split])
+            await writer.drain()
+            rest = answer[split:]
+        else:
+            rest = answer
+        for i in range(len(rest)):
+            writer.write(rest[i:i + 1])
+            await writer.drain()
+            await asyncio.sleep(plan.interval)
+
+
+def drip_blobs(kind: type = DripBody, interval: float = 1.0) -> Callable[[str, str], object]:
+    """A plan: blob GETs dripped, everything else passed through."""
+    def plan(method: str, target: str) -> object:
+        return kind(interval) if method == "GET" and target.startswith("/v1/blobs/") else PROXY
+    return plan
