@@ -186,6 +186,7 @@ def cmd_diff(args) -> int:
     while the kernels load, and on a small pair the command waited for the thread's own tiny delta.)"""
 
     from deltasync.client.cli import prefault_on_thread
+    from deltasync.cli.run import settle_heap
     from deltasync.tensorfile import MappedTensorFile
 
     t0 = time.perf_counter()
@@ -194,6 +195,7 @@ def cmd_diff(args) -> int:
     with MappedTensorFile(args.old) as of, MappedTensorFile(args.new) as nf:
         parent, version, model = diff_numbers(args, of.metadata, nf.metadata)
         old, new = of.host, nf.host
+        settle_heap()  # the maps' entries and views live on: out of the cyclic collector's way
         prefaulting = prefault_on_thread((of, nf))
         try:
             from deltasync.codec import EncodeOptions, encode_delta

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deltasync.cli.run import run_command
+from deltasync.cli.run import run_command, settle_heap
 from deltasync.errors import ApplyInterrupted, BaseMismatchError, DeltaSyncError, NotFoundError
 
 from .interrupt import Interrupt
@@ -402,6 +402,10 @@ def _cmd_publish(args) -> int:
                 base_file = MappedTensorFile(args.base)
             except (OSError, DeltaSyncError) as e:  # raised only if the origin has a head to diff against
                 base_error = e
+        for f in (base_file, state_file):
+            if f is not None:
+                f.host  # the maps' header entries and views, made now: long-lived, out of the collector's way
+        settle_heap()
         prefaulting = prefault_on_thread([f for f in (base_file, state_file) if f is not None], "publish-prefaulted")
         try:
             done = asyncio.run(asyncio.wait_for(
@@ -584,6 +588,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
                       f"{out} holds v{sub.version}", file=sys.stderr)
                 return 130 if interrupt.signalled else 1
             if v is not None and v != written:
+                settle_heap()  # the target's views and fingerprints live on: out of the collector's way
                 written = v
                 timeline.debug("mono=%.6f applied v%d cpu=%.3f", time.monotonic(), v, time.process_time())
                 st = sub.status

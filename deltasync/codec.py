@@ -415,8 +415,8 @@ def _on_host(t) -> bool:
 
 def _host_pieces(prepared, threaded: bool, whole: bool = False) -> list[list[tuple[int, int, int]]]:
     """Tasks of (tensor index, first chunk, end chunk) for the host tensors: without threads one piece per
-    tensor, in one task when ``whole`` (one compiled call for the state) else a task each (progress after
-    each tensor); with threads, pieces of whole chunks of about ``PIECE_WORDS`` words, small ones grouped
+    tensor, in one task when ``whole`` (one compiled call for the state) else in tasks of about
+    ``PIECE_WORDS // 2`` words (progress after each); with threads, pieces of whole chunks of about ``PIECE_WORDS`` words, small ones grouped
     into a task."""
     tasks: list[list[tuple[int, int, int]]] = []
     group: list[tuple[int, int, int]] = []
@@ -427,8 +427,14 @@ def _host_pieces(prepared, threaded: bool, whole: bool = False) -> list[list[tup
         if not threaded:
             if whole and tasks:
                 tasks[0].append((t, 0, len(ranges)))
+            elif not whole and tasks and words < PIECE_WORDS // 2:
+                # progress after each group of about PIECE_WORDS // 2 words, not after each tensor: a state of
+                # 70k small tensors was 70k compiled calls
+                tasks[-1].append((t, 0, len(ranges)))
+                words += ranges[-1][1]
             else:
                 tasks.append([(t, 0, len(ranges))])
+                words = ranges[-1][1]
             continue
         a = 0
         while a < len(ranges):

@@ -66,8 +66,24 @@ _SIGNED_NAMES = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 _NUMPY_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+_LOOKUPS: dict[Any, DtypeInfo] = {}  # torch dtype or name -> info, as asked (a state of 70k tensors asks ~1M times)
+
+
 def dtype_info(dtype: Any) -> DtypeInfo:
     """Look a dtype up by torch dtype or wire name; unknown ones raise UnsupportedError."""
+    try:
+        return _LOOKUPS[dtype]
+    except (KeyError, TypeError):
+        pass
+    info = _dtype_info(dtype)
+    try:
+        _LOOKUPS[dtype] = info
+    except TypeError:
+        pass
+    return info
+
+
+def _dtype_info(dtype: Any) -> DtypeInfo:
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     info = DTYPES.get(name)
     if info is None:
@@ -130,8 +146,11 @@ def signed_word_dtype(word_size: int) -> torch.dtype:
     return getattr(torch, _SIGNED_NAMES[word_size])
 
 
+_WORD_DTYPES = {w: np.dtype(t) for w, t in _NUMPY_UNSIGNED.items()}
+
+
 def numpy_word_dtype(word_size: int) -> np.dtype:
-    return np.dtype(_NUMPY_UNSIGNED[word_size])
+    return _WORD_DTYPES[word_size]
 
 
 def word_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -210,7 +210,7 @@ class Manifest:
                     given = parse_spans(spans.get(t.name), len(chunks), t.words)
                     if given is not None:
                         chunks = tuple(replace(c, start=a, stop=b) for c, (a, b) in zip(chunks, given))
-                out.append(replace(t, fp_before=None, chunks=chunks))
+                out.append(new_record(t.name, t.dtype, t.shape, None, t.fp_after, t.changed, chunks))
             tensors = tuple(out)
         return replace(self, tensors=tensors, meta=meta, format=3, signature=None, key_id=None)
 
@@ -272,6 +272,35 @@ class Manifest:
                 raise SignatureError(f"names key {self.key_id} but verifies with {sorted(held)} (key id altered)")
         except SignatureError as e:
             raise SignatureError(f"{where}: manifest {e}") from None
+
+
+_new, _set = object.__new__, object.__setattr__
+
+
+def new_record(name: str, dtype: str, shape: tuple[int, ...], fp_before: str | None, fp_after: str, changed: int,
+               chunks: tuple[ChunkRef, ...]) -> TensorRecord:
+    """A TensorRecord of checked values, built without the frozen dataclass's keyword ``__init__`` (its
+    per-field ``object.__setattr__`` through keyword binding costs µs a record, a 70k-tensor state per step)."""
+    r = _new(TensorRecord)
+    _set(r, "name", name)
+    _set(r, "dtype", dtype)
+    _set(r, "shape", shape)
+    _set(r, "fp_before", fp_before)
+    _set(r, "fp_after", fp_after)
+    _set(r, "changed", changed)
+    _set(r, "chunks", chunks)
+    return r
+
+
+def new_chunk(blob: str, index: int | None, key: str | None, start: int | None, stop: int | None) -> ChunkRef:
+    """A ChunkRef of checked values, without the keyword ``__init__`` (see :func:`new_record`)."""
+    c = _new(ChunkRef)
+    _set(c, "blob", blob)
+    _set(c, "index", index)
+    _set(c, "key", key)
+    _set(c, "start", start)
+    _set(c, "stop", stop)
+    return c
 
 
 SPANS_META_PREFIX = "deltasync.spans."  # format 2: meta["deltasync.spans.<tensor>"] = "s0:e0,s1:e1,..." (§5.1)

@@ -140,7 +140,7 @@ class _Reader:
 def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits) -> tuple:
     """Records of a compressed table (see :func:`pack_table`); ``limits``: the manifest module's limits
     object (``max_tensors``, ``max_dims``, ...). FormatError on anything malformed."""
-    from .manifest import ChunkRef, TensorRecord  # the record types live with the manifest
+    from .manifest import new_chunk, new_record  # the record types live with the manifest
 
     try:
         data = zstandard.ZstdDecompressor().decompress(blob, max_output_size=MAX_TABLE_BYTES)
@@ -256,40 +256,16 @@ def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits) -> tupl
     dnames = [infos[c].name for c in codes.tolist()]
     fp_hex = [f"{x:016x}" for x in fps.tolist()]
     ids = [blob_ids[i] for i in cblob.tolist()]
-    new_rec, new_ref, setattr_ = TensorRecord.__new__, ChunkRef.__new__, object.__setattr__
-    refs = []
     if kind == "delta":
         if flags & _F_SPANS:
-            it = zip(ids, cindex.tolist(), sstart.tolist(), sstop.tolist())
+            refs = list(map(new_chunk, ids, cindex.tolist(), [None] * nchunks, sstart.tolist(), sstop.tolist()))
         else:
-            it = ((b, i, None, None) for b, i in zip(ids, cindex.tolist()))
-        for b, i, s, e in it:
-            c = new_ref(ChunkRef)
-            setattr_(c, "blob", b)
-            setattr_(c, "index", i)
-            setattr_(c, "key", None)
-            setattr_(c, "start", s)
-            setattr_(c, "stop", e)
-            refs.append(c)
+            refs = list(map(new_chunk, ids, cindex.tolist(), [None] * nchunks, [None] * nchunks, [None] * nchunks))
     else:
-        for b, k in zip(ids, keys):
-            c = new_ref(ChunkRef)
-            setattr_(c, "blob", b)
-            setattr_(c, "index", None)
-            setattr_(c, "key", k)
-            setattr_(c, "start", None)
-            setattr_(c, "stop", None)
-            refs.append(c)
-    out = []
+        refs = list(map(new_chunk, ids, [None] * nchunks, keys, [None] * nchunks, [None] * nchunks))
     bounds = cstart.tolist()
-    for i, (name, dt, shape, fp, ch) in enumerate(zip(names, dnames, shapes, fp_hex, changed.tolist())):
-        rec = new_rec(TensorRecord)
-        setattr_(rec, "name", name)
-        setattr_(rec, "dtype", dt)
-        setattr_(rec, "shape", shape)
-        setattr_(rec, "fp_before", None)
-        setattr_(rec, "fp_after", fp)
-        setattr_(rec, "changed", ch)
-        setattr_(rec, "chunks", tuple(refs[bounds[i]:bounds[i + 1]]))
-        out.append(rec)
-    return tuple(out)
+    if nchunks == n and (n == 0 or int(counts.min()) == 1):  # one chunk a tensor (most states)
+        chunk_tuples = [(c,) for c in refs]
+    else:
+        chunk_tuples = [tuple(refs[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return tuple(map(new_record, names, dnames, shapes, [None] * n, fp_hex, changed.tolist(), chunk_tuples))
