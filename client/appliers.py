@@ -149,9 +149,44 @@ class TensorApplier:
     def needed_blobs(self, manifest: Manifest) -> set[str] | None:
         return None
 
+    def fit_state(self, state_fp: str) -> dict[str, int] | None:
+        """Which tied names the stream leaves out, told by a signed state fingerprint (a format-3 delta lists
+        only the tensors it changes, so its names cannot tell): each way of keeping all or one name of every
+        tied group (at most 64 ways) is tried against one scan. Returns the fingerprints of the names kept
+        (``left_out`` set), or None when no way gives ``state_fp``."""
+        from itertools import product
+
+        from deltasync.fingerprint import state_fingerprint
+
+        if not self.tied:  # nothing to choose (and a FileTarget's tensors are its file's)
+            fps = self.scan()
+            layout = self.layout()
+            return fps if state_fingerprint((n, *layout[n], fps[n]) for n in layout) == state_fp else None
+        have = live_tensors(self.target)
+        fps = {n: tensor_fingerprint(t) for n, t in have.items()}
+        layout = {n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in have.items()}
+        groups = sorted({frozenset({n} | g) for n, g in self.tied.items()}, key=sorted)
+        ways = [[frozenset()] + [grp - {keep} for keep in sorted(grp)] for grp in groups]
+        for k, choice in enumerate(product(*ways)):
+            if k >= 64:
+                break
+            out = frozenset().union(*choice) if choice else frozenset()
+            if state_fingerprint((n, *layout[n], fps[n]) for n in layout if n not in out) == state_fp:
+                self.left_out = out
+                return {n: v for n, v in fps.items() if n not in out}
+        return None
+
     def stage_delta(self, prepared: PreparedDelta, fps: Mapping[str, int], *, verify: str) -> Staged:
         m = prepared.manifest
-        self.fit_stream((r.name for r in m.tensors), version=m.version)
+        if m.format < 3:  # every tensor listed: the stream's names
+            self.fit_stream((r.name for r in m.tensors), version=m.version)
+        else:  # only the changed ones: each must be one the stream carries (the state fingerprint checks the rest)
+            carried = self.tensors()
+            extra = sorted(r.name for r in m.tensors if r.name not in carried)
+            if extra:
+                raise BaseMismatchError(
+                    f"v{m.version} of the stream changes {extra[:5]}, which the target lacks (or holds as a tied "
+                    "copy the stream left out before); is the target the same model? (docs/ENGINES.md)")
         return stage_prepared(self.tensors() if self.left_out else self.target, prepared, fps, verify=verify,
                               check=self.check)
 

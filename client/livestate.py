@@ -76,6 +76,16 @@ class LiveState:
     def adopt(self, version: int, signed: Manifest | None) -> bool:
         """The target claims to hold ``version``: scan it and compare with the signed manifest (None: the
         servers no longer have it). True: adopted; False: the version is forgotten (resync)."""
+        if signed is not None and signed.kind == "delta" and signed.format >= 3 \
+                and callable(getattr(self.applier, "fit_state", None)):
+            # a format-3 delta lists only what it changes: the signed state fingerprint tells which tied names
+            # the stream leaves out, and whether the target holds the version
+            fps = self.applier.fit_state(signed.state_fp)
+            if fps is not None:
+                self.version, self.fps, self.verify_state = version, fps, "ok"
+                return True
+            self.version, self.fps = None, None
+            return False
         fit = getattr(self.applier, "fit_stream", None)  # a TensorApplier learns which tied names the stream leaves out
         if signed is not None and fit is not None:
             try:

@@ -26,3 +26,39 @@ def keyframe_stream(model: str) -> str:
     if not MODEL_RE.match(name):
         raise ValueError(f"model name {model!r} is too long for a keyframe side stream ({name!r})")
     return name
+
+
+#: how far back ``stream_layout`` walks a stream's parents looking for a keyframe
+MAX_LAYOUT_WALK = 256
+
+
+async def stream_layout(client, model: str, head, verifier=None) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor of ``model`` at ``head`` (a parsed, verified manifest): name -> (dtype name, shape).
+
+    A keyframe, or a format-2 delta, lists every tensor; a format-3 delta only those it changes
+    (docs/FORMAT.md §5.3), so the layout comes from the side keyframe at the same version (same state
+    fingerprint) or, failing that, from the keyframe the delta chain starts at (deltas never change the
+    layout), walking back at most ``MAX_LAYOUT_WALK`` parents. ``client``: an HttpClient."""
+    from deltasync.errors import DeltaSyncError, NotFoundError
+    from deltasync.manifest import parse_manifest
+
+    def whole(m) -> bool:
+        return m.kind == "keyframe" or m.format < 3
+
+    if whole(head):
+        return {t.name: (t.dtype, tuple(t.shape)) for t in head.tensors}
+    try:
+        side = parse_manifest(await client.get_manifest(keyframe_stream(model), head.version), verifier=verifier)
+        if side.kind == "keyframe" and side.state_fp == head.state_fp:
+            return {t.name: (t.dtype, tuple(t.shape)) for t in side.tensors}
+    except DeltaSyncError:
+        pass
+    m = head
+    for _ in range(MAX_LAYOUT_WALK):
+        if m.parent is None:
+            break
+        m = parse_manifest(await client.get_manifest(model, m.parent), verifier=verifier)
+        if whole(m):
+            return {t.name: (t.dtype, tuple(t.shape)) for t in m.tensors}
+    raise NotFoundError(f"{model} v{head.version}: no keyframe found within {MAX_LAYOUT_WALK} versions to lay the "
+                        "state out from (the servers' retention keeps none: publish a keyframe)")

@@ -46,7 +46,9 @@ async def upload_blobs(client: HttpClient, blobs: Mapping[str, bytes], *, concur
 async def commit_manifest(client: HttpClient, manifest: Manifest, *, key: Signer | bytes | None = None) -> Manifest:
     """Sign (when a key is given) and PUT a manifest; returns what was sent. A public-key signer needs the
     blobs' digests in the manifest already (``Manifest.with_digests``; ``upload_version`` adds them)."""
-    manifest = manifest.compact()  # format 3: what is committed and sent (docs/FORMAT.md §5.3)
+    if key is not None or manifest.signature is None:
+        manifest = manifest.compact()  # format 3: what is committed and sent (docs/FORMAT.md §5.3)
+    # (a manifest the caller signed is sent as signed: compacting it would drop the signature)
     if key is not None:
         manifest = manifest.sign(key)
     await client.put_manifest(manifest.model, manifest.version, manifest.to_json())

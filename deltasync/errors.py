@@ -17,7 +17,7 @@
     ├── TooLargeError                   413 too_large             a body over the server's limit
     ├── RangeError                      416 range_not_satisfiable a Range that lies outside the blob
     ├── ApplyError                      500 apply                 patching live tensors failed; the state was rolled back
-    │   └── ApplyInterrupted            (apply)                   a signal or a deadline stopped an apply; rolled back
+    │   └── ApplyInterrupted            503 apply_interrupted     a signal or a deadline stopped an apply; rolled back
     ├── PublishError                    500 publish               a background encode/upload/commit failed
     ├── UpstreamError                   502 upstream              no server upstream answered usefully (refused,
     │   │                                                         5xx, bad bytes on every source)
@@ -215,6 +215,9 @@ class ApplyInterrupted(ApplyError):
     its deadline (``--timeout``) passed: every word written was restored, the target is the version before.
     Raised by the ``check`` callable an apply is given (``deltasync.apply.stage_prepared(check=)``); a caller
     that sees it stops applying (it is not the delta's fault: nothing is refetched)."""
+
+    code = "apply_interrupted"
+    http_status = 503
 
 
 class PublishError(DeltaSyncError):
