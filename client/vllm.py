@@ -273,6 +273,22 @@ def _unpacked_shape(mod, pname: str, param: torch.Tensor) -> tuple[int, ...]:
 _ORIGINAL_DISPATCH = None
 
 
+def _keeps_weights() -> bool:
+    """Whether the engine being loaded syncs through deltasync, so the hooks keep unpacked copies: outside a vLLM
+    config context (as before), with a worker extension configured, or with the ``deltasync`` weight-transfer
+    backend. The entry point (client/vllm_plugin.py) installs the hooks in every vLLM process; an engine that
+    uses neither pays nothing."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # pragma: no cover - an older vLLM: keep, as before
+        return True
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None or cfg.parallel_config.worker_extension_cls:
+        return True
+    wt = getattr(cfg, "weight_transfer_config", None)
+    return wt is not None and wt.backend == "deltasync"
+
+
 def install_cpu_pack_hook() -> bool:
     """Wrap vLLM's ``dispatch_cpu_unquantized_gemm`` so the unpacked weights are kept (idempotent).
 
@@ -290,7 +306,8 @@ def install_cpu_pack_hook() -> bool:
     original = layer_utils.dispatch_cpu_unquantized_gemm
 
     def dispatch_keeping_weights(layer: torch.nn.Module, remove_weight: bool) -> None:
-        if not hasattr(layer, "_deltasync_weight") and not layer.weight.is_meta and layer.weight.ndim == 2:
+        if (not hasattr(layer, "_deltasync_weight") and not layer.weight.is_meta and layer.weight.ndim == 2
+                and _keeps_weights()):
             # Plain attributes (object.__setattr__: a Module would register a Parameter as a parameter of its
             # own). The Parameter itself is kept: its loader attributes (weight_loader, output_dim) stay usable.
             bias = getattr(layer, "bias", None)
@@ -339,6 +356,8 @@ def install_cpu_moe_hook() -> bool:
     original = cls.process_weights_after_loading
 
     def prepare_keeping_weights(self, layer: torch.nn.Module) -> None:
+        if not _keeps_weights():
+            return original(self, layer)
         kept = {n: getattr(layer, n).detach().clone() for n in _MOE_WEIGHTS if not getattr(layer, n).is_meta}
         original(self, layer)
         if getattr(self, "_use_zentorch", False) or len(kept) != len(_MOE_WEIGHTS):
@@ -572,10 +591,13 @@ class _RankSync:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
-    def apply(self, *, deadline_passed: bool = False) -> tuple[int | None, bool]:
-        """Apply, on every rank together, the ready steps every rank has; returns (live version, any rank late)."""
+    def apply(self, *, deadline_passed: bool = False, up_to: int | None = None) -> tuple[int | None, bool]:
+        """Apply, on every rank together, the ready steps every rank has (none past ``up_to``); returns (live
+        version, any rank late)."""
         t0 = time.perf_counter()
         steps = self.sub.ready_steps()
+        if up_to is not None:
+            steps = [s for s in steps if s[1] <= up_to]
         live = self.sub.version
         newest = steps[-1][1] if steps else (live if live is not None else -1)
         # one all-reduce: min of the newest ready version (as -max of -v), late flag, and a digest of the step list

