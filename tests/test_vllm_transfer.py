@@ -122,6 +122,43 @@ def test_offline_llm_follows_training_through_vllms_api(run):
         shutdown(llm)
 
 
+def test_plugin_registers_and_survives_a_broken_import(monkeypatch, caplog):
+    """vLLM runs the entry point in every process: it registers both sides by module path (idempotently), and a
+    failure of ours (here: our hooks module failing to import) is logged, never raised into vLLM."""
+    import logging
+    import sys
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from deltasync.client import vllm_plugin
+
+    monkeypatch.setitem(sys.modules, "deltasync.client.vllm", None)  # `import` of it now raises ImportError
+    with caplog.at_level(logging.ERROR, logger="deltasync.client.vllm_plugin"):
+        vllm_plugin.register()
+        vllm_plugin.register()
+    assert "hooks failed" in caplog.text
+    from deltasync.client.vllm_transfer import DeltaSyncTrainerEngine, DeltaSyncWeightTransferEngine
+
+    assert WeightTransferEngineFactory._registry["deltasync"]() is DeltaSyncWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["deltasync"]() is DeltaSyncTrainerEngine
+
+
+def test_init_info_options_are_checked():
+    from deltasync.client.vllm_transfer import DeltaSyncWeightTransferEngine as E
+
+    e = object.__new__(E)  # parse_init_info reads no engine state (a real engine needs a loaded model)
+    info = e.parse_init_info({"urls": "http://a:1,http://b:2", "model": "policy", "version": 0, "scrub_every": 5,
+                              "read_token": "t"})
+    assert (info.model, info.version, info.options) == ("policy", 0, {"scrub_every": 5, "read_token": "t"})
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['scrub_evry'\]"):
+        e.parse_init_info({"urls": ["http://a:1"], "model": "policy", "scrub_evry": 5})
+    with pytest.raises(ValueError, match="needs \\['model'\\]"):
+        e.parse_init_info({"urls": ["http://a:1"]})
+    assert e.parse_update_info({"version": "3"}).version == 3
+    with pytest.raises(ValueError, match="update_info must be"):
+        e.parse_update_info({"step": 3})
+
+
 # -- vllm serve, driven by the trainer side over HTTP ------------------------------------------------------------
 
 def _free_port() -> int:
