@@ -288,13 +288,14 @@ def rank_status(worker) -> dict:
     return engine.status()
 
 
-def rank_fingerprints(worker) -> dict[str, str]:
-    """Engine name -> fingerprint of this rank's live tensor (the unpacked copy on CPU): ``llm.collective_rpc``
-    (as :func:`rank_status`)."""
+def rank_fingerprints(worker, draft: bool = False) -> dict[str, str]:
+    """Engine name -> fingerprint of this rank's live tensor (the unpacked copy on CPU; ``draft``: of the speculative
+    draft model): ``llm.collective_rpc(rank_fingerprints)`` (as :func:`rank_status`)."""
     from deltasync.client.vllm import _live_tensors
     from deltasync.fingerprint import fp_hex, tensor_fingerprint
 
-    return {n: fp_hex(tensor_fingerprint(l.tensor)) for n, l in _live_tensors(worker.get_model()).items()}
+    model = worker.get_draft_model() if draft else worker.get_model()
+    return {n: fp_hex(tensor_fingerprint(l.tensor)) for n, l in _live_tensors(model).items()}
 
 
 # -- the trainer side --------------------------------------------------------------------------------------------

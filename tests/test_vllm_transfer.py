@@ -262,3 +262,63 @@ def test_vllm_serve_follows_training_driven_by_the_trainer_engine(run, tmp_path)
                 engine.shutdown()
         finally:
             _stop(proc)
+
+
+# -- a speculative draft model following its own stream: start_draft_weight_update ---------------------------------
+
+def test_draft_model_follows_its_own_stream(tmp_path_factory, monkeypatch):
+    """TP=1, a target Qwen2 and a draft Qwen2 (``method="draft_model"``) trained side by side, each its own stream;
+    the engine starts with the flag only and ``init_info`` names both streams. After one step of each (the
+    target's session, then ``start_draft_weight_update``'s), both models' tensors equal a fresh vLLM's load of
+    that step's checkpoints bit for bit, and greedy tokens and logprobs (draft proposing) equal the fresh engine's.
+
+    Reading the tensors' fingerprints back goes through ``llm.collective_rpc(function)``, which vLLM 0.32 allows
+    only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickle between its own processes): set for this test's
+    engine only, as an inspection; the backend itself needs no such setting."""
+    from vllm_reference import spec_config
+
+    from deltasync.client.vllm_transfer import rank_fingerprints
+
+    for k, v in {**engine_env(1), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    workdir = tmp_path_factory.mktemp("vllm-transfer-draft")
+    run = start_train_run(workdir, model_name="tiny-qwen2-wt-spec")
+    drun = llm = ref_proc = None
+    try:
+        drun = start_train_run(workdir / "draft", model_name="tiny-qwen2-wt-spec-draft", arch="draft", seed=7,
+                               server=run.server)
+        ckpts, dckpts = run.prepare(1), drun.prepare(1)
+        ref_dir = workdir / "fresh"
+        ref_proc = start_reference(ckpts, 1, ref_dir, PROMPTS, drafts=dckpts)
+        llm = make_llm(run.checkpoints[0], 1, weight_transfer_config=CONFIG,
+                       speculative_config=spec_config(drun.checkpoints[0]))
+        llm.init_weight_transfer_engine({"init_info": {"urls": [run.url], "model": run.model_name, "key_hex": KEY_HEX,
+                                                       "version": 0, "draft_model": drun.model_name,
+                                                       "draft_version": 0}})
+        before = llm.collective_rpc(rank_fingerprints, kwargs={"draft": True})
+        v, dv = run.publish_step(), drun.publish_step()
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"version": v, "timeout": 120}})
+        llm.finish_weight_update(str(v))
+        llm.start_draft_weight_update()
+        llm.update_weights({"update_info": {"version": dv, "timeout": 120}})
+        llm.finish_weight_update()
+        assert llm.get_weight_version() == str(v)
+        fresh = wait_reference(ref_proc, ref_dir, run.checkpoints[v], timeout=600)
+        live_d = llm.collective_rpc(rank_fingerprints, kwargs={"draft": True})
+        assert live_d != before, "the draft's tensors never changed: the test would pass without the draft stream"
+        assert live_d == fresh["draft_fingerprints"], "the draft differs from a fresh load of its checkpoint"
+        assert llm.collective_rpc(rank_fingerprints) == fresh["fingerprints"], "the target differs from a fresh load"
+        assert greedy(llm, PROMPTS) == fresh["outputs"], "generation (draft proposing) differs from a fresh engine's"
+    finally:
+        try:
+            if ref_proc is not None:
+                stop_reference(ref_proc)
+            if llm is not None:
+                shutdown(llm)
+        finally:
+            if drun is not None:
+                drun.close()
+            run.close()
+
