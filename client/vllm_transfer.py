@@ -445,6 +445,7 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
         self.info: DeltaSyncTrainerInitInfo | None = None
         self.publisher = None
         self.servers_started = False  # init_weight_transfer_engine sent (after the first version was committed)
+        self._warned = False
         self.reports: list[SendReport] = []
 
     @classmethod
@@ -526,7 +527,8 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
             c = self.client
             pause = getattr(c, "pause", None) if info.pause else None
             resume = getattr(c, "resume", None) if info.pause else None
-            if info.pause and (pause is None or resume is None):
+            if info.pause and (pause is None or resume is None) and not self._warned:
+                self._warned = True
                 log.warning("deltasync: the client has no pause/resume: generation is not paused around the update "
                             "and the prefix cache is not dropped (use deltasync.client.vllm_transfer.HTTPClient)")
             t1 = time.perf_counter()
@@ -550,6 +552,19 @@ class DeltaSyncTrainerEngine(TrainerWeightTransferEngine[DeltaSyncTrainerInitInf
             self.publisher.close()
             self.publisher = None
 
+
+def _register_trainer_side() -> None:
+    """A trainer process that never starts an engine never runs vLLM's plugins; building a
+    :class:`DeltaSyncTrainerInitInfo` imports this module, which registers the trainer side here (idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    try:
+        WeightTransferTrainerFactory.register_engine(BACKEND, __name__, "DeltaSyncTrainerEngine")
+    except ValueError:  # already registered (the entry point, by the same module path)
+        pass
+
+
+_register_trainer_side()
 
 __all__ = ["BACKEND", "DeltaSyncInitInfo", "DeltaSyncTrainerEngine", "DeltaSyncTrainerInitInfo", "DeltaSyncUpdateInfo",
            "DeltaSyncWeightTransferEngine", "HTTPClient", "LLMClient", "SendReport", "rank_fingerprints",

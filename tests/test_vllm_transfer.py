@@ -159,6 +159,123 @@ def test_init_info_options_are_checked():
         e.parse_update_info({"step": 3})
 
 
+class _FollowingClient:
+    """Stands in for vLLM's control plane in the sharded-trainer test (no engine starts there; the real clients
+    are exercised above): records the calls and, like the deltasync backend, makes ``update_weights`` wait until a
+    real Subscriber holding the whole model has that version applied."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.sub = None
+        self.target: dict | None = None
+
+    def init_weight_transfer_engine(self, init_info) -> None:
+        import torch
+
+        from deltasync.client.subscriber import ThreadedSubscriber
+        from deltasync.signing import load_key
+
+        self.calls.append(("init", init_info["version"]))
+        # starts empty and fetches v0's keyframe (a server loaded from v0 would be checked against it instead)
+        self.target = {n: torch.zeros_like(t) for n, t in self.full.items()}
+        self.sub = ThreadedSubscriber(init_info["urls"], init_info["model"], self.target,
+                                      key=load_key(init_info["key_hex"]))
+        self.sub.start()
+
+    def start_weight_update(self) -> None:
+        self.calls.append(("start",))
+
+    def update_weights(self, update_info) -> None:
+        self.calls.append(("update", update_info["version"]))
+        deadline = time.monotonic() + update_info["timeout"]
+        while True:
+            v = self.sub.apply_pending(up_to=update_info["version"])
+            if v is not None and v >= update_info["version"]:
+                return
+            assert time.monotonic() < deadline, f"v{update_info['version']} never arrived: {self.sub.status}"
+            time.sleep(0.02)
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        self.calls.append(("finish", weight_version))
+
+
+def test_sharded_trainer_publishes_one_stream(tmp_path):
+    """Two trainer ranks (threads) each hold half of the state; each ``send_weights`` its half, rank 0 merges the
+    parts and commits one signed version, and only rank 0 drives the servers: the subscriber behind the client
+    holds the whole state bit for bit at every version."""
+    import threading
+
+    import torch
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from deltasync.client.vllm_transfer import DeltaSyncTrainerInitInfo
+    from server_fixtures import origin
+
+    clients = [_FollowingClient(), _FollowingClient()]
+    server = origin(tmp_path, key=True).start().wait_ready()
+    try:
+        g = torch.Generator().manual_seed(0)
+        full = {f"layers.{i}.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16) for i in range(6)}
+        halves = [{n: t for j, (n, t) in enumerate(full.items()) if j % 2 == r} for r in range(2)]
+        clients[0].full = full
+        slots: list = [None, None]
+        barrier = threading.Barrier(2, timeout=60)
+
+        def gather(rank):
+            def exchange(data: bytes):
+                slots[rank] = data
+                barrier.wait()
+                out = list(slots) if rank == 0 else None
+                barrier.wait()
+                return out
+            return exchange
+
+        errors, states = [], {}
+
+        def rank_main(rank: int) -> None:
+            try:
+                info = DeltaSyncTrainerInitInfo(rank=rank, origin=server.url, model="sharded", token=TOKEN,
+                                                key_hex=KEY_HEX, world=2, gather=gather(rank), dtype=None,
+                                                keyframe_every=0, timeout=60, pause=False)
+                engine = WeightTransferTrainerFactory.trainer_init(info, client=clients[rank])
+                try:
+                    mine = {n: t.clone() for n, t in halves[rank].items()}
+                    for v in range(3):
+                        if v:
+                            for t in mine.values():
+                                t.view(-1)[v * 7::97] += 1.0
+                        assert engine.send_weights(mine).version == v
+                        barrier.wait()  # the servers are at v now: compare before the next step
+                        if rank == 0:
+                            states[v] = {n: t.clone() for n, t in clients[0].target.items()}
+                        states[(v, rank)] = {n: t.clone() for n, t in mine.items()}
+                        barrier.wait()
+                finally:
+                    engine.shutdown()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                barrier.abort()
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        for v in range(3):
+            want = {**states[(v, 0)], **states[(v, 1)]}
+            assert set(states[v]) == set(want)
+            assert all(torch.equal(states[v][n].view(torch.int16), want[n].view(torch.int16)) for n in want), v
+        assert not all(torch.equal(states[2][n], states[0][n]) for n in full), "nothing changed between versions"
+        assert clients[1].calls == [], "a non-sender rank drove the servers"
+        assert clients[0].calls == [("init", 0)] + [c for v in range(3) for c in
+                                                    (("start",), ("update", v), ("finish", str(v)))]
+    finally:
+        if clients[0].sub is not None:
+            clients[0].sub.close()
+        server.stop()
+
+
 # -- vllm serve, driven by the trainer side over HTTP ------------------------------------------------------------
 
 def _free_port() -> int:
