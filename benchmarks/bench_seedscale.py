@@ -268,26 +268,32 @@ def _cli_rows(r: dict, cluster: LocalCluster, work: Path, base: Path, step: Path
         raise RuntimeError(f"first subscribe: {out} holds v{_file_version(out)}, not v0")
 
     follower = _Child(_cli("subscribe", "--from", relay, *common, "--out", str(out)), work / "follower.log")
+    ps: _Child | None = None  # the step's publish
     try:
         _idle({"follower": follower.pid, **servers}, timeout, "follower start")
         if "resuming" not in follower.log() or follower.code is not None:
             raise RuntimeError(f"the follower did not resume {out.name} at v0:\n{follower.log()[-1500:]}")
         pids = {"follower": follower.pid, **servers}
         cpu0 = {n: cpu_seconds(pid) for n, pid in pids.items()}
-        p = _Child(_cli(*pub, "--base", str(base), str(step)), work / "publish-step.log")
+        ps = _Child(_cli(*pub, "--base", str(base), str(step)), work / "publish-step.log")
         t_delivered = _wait_file_version(out, 1, timeout, follower)
         cpu1 = {n: cpu_seconds(pid) for n, pid in pids.items()}
-        r["step_delivery_s"] = t_delivered - p.started
-        r["publish_base_s"] = p.wait(max(1.0, timeout - (time.perf_counter() - p.started)), "publish --base", "publish_base_s")
-        r["cpu_publish_s"] = p.cpu_s
+        r["step_delivery_s"] = t_delivered - ps.started
+        r["publish_base_s"] = ps.wait(max(1.0, timeout - (time.perf_counter() - ps.started)), "publish --base",
+                                      "publish_base_s")
+        r["cpu_publish_s"] = ps.cpu_s
         for n in pids:
             r[f"cpu_{n}_s"] = cpu1[n] - cpu0[n]
     finally:
         follower.stop()
-        if p.code == 0 and "publish_base_s" not in r:  # the step was published; its delivery is what failed
-            r["publish_base_s"], r["cpu_publish_s"] = p.ended - p.started, p.cpu_s
-        if p.code == 0:
-            r["step_manifest_b"], r["step_blob_b"] = _manifest(cluster.origin, MODEL, 1)
+        if ps is not None:
+            if ps.code is None:  # the delivery failed first: the publish gets the rest of its time, then is stopped
+                ps._t.join(max(0.0, timeout - (time.perf_counter() - ps.started)))
+                ps.stop()
+            if ps.code == 0 and "publish_base_s" not in r:  # the step was published; its delivery is what failed
+                r["publish_base_s"], r["cpu_publish_s"] = ps.ended - ps.started, ps.cpu_s
+            if ps.code == 0:
+                r["step_manifest_b"], r["step_blob_b"] = _manifest(cluster.origin, MODEL, 1)
 
 
 def _inproc_rows(r: dict, cluster: LocalCluster, base: dict[str, torch.Tensor], step: dict[str, torch.Tensor],
