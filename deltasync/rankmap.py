@@ -39,6 +39,7 @@ import numpy as np
 
 from .dtypes import dtype_info, signed_word_dtype
 from .errors import BaseMismatchError
+from .kernels import cpu_kernels
 from .layout import RankLayout, Region, _contiguous_run, _flat, translate
 
 _MASK64 = (1 << 64) - 1
@@ -80,6 +81,9 @@ class RankMap:
     dst_cols: np.ndarray
     dst_row0: np.ndarray
     dst_col0: np.ndarray
+    run_src: np.ndarray  # whole-row regions: first source word, words, first parameter word
+    run_len: np.ndarray  # -1: a column split (divmod path); 0: a general region
+    run_dst: np.ndarray
     general: tuple[Region | None, ...]  # per region row: the region when it is not a 2-D box (translate() serves it)
 
     @classmethod
@@ -111,11 +115,16 @@ class RankMap:
             first.append(len(general))
         a = lambda i, dt=np.int64: np.asarray(cols[i], dtype=dt)  # noqa: E731
         first_np = np.asarray(first, dtype=np.int64)
+        src_cols, src_row0, rows, src_col0, ncols, dst_cols, dst_row0, dst_col0 = (a(i) for i in range(1, 9))
+        whole = (ncols == src_cols) & (src_col0 == 0) & (dst_cols == ncols) & (dst_col0 == 0)
+        is_box = np.asarray([g is None for g in general], dtype=bool)
+        run_len = np.where(whole, rows * ncols, -1) * is_box
         return cls(names=names, ids={n: i for i, n in enumerate(names)}, params=params,
                    word_sizes=np.asarray([dtype_info(layout.stream[n][0]).word_size for n in names], dtype=np.int64),
                    first=first_np, width=int(np.diff(first_np).max(initial=0)), param=a(0, np.int32),
-                   counted=np.asarray(counted, dtype=bool), src_cols=a(1), src_row0=a(2), rows=a(3), src_col0=a(4),
-                   cols=a(5), dst_cols=a(6), dst_row0=a(7), dst_col0=a(8), general=tuple(general))
+                   counted=np.asarray(counted, dtype=bool), src_cols=src_cols, src_row0=src_row0, rows=rows,
+                   src_col0=src_col0, cols=ncols, dst_cols=dst_cols, dst_row0=dst_row0, dst_col0=dst_col0,
+                   run_src=src_row0 * src_cols, run_len=run_len, run_dst=dst_row0 * dst_cols, general=tuple(general))
 
     # -- translation --
 
@@ -130,15 +139,27 @@ class RankMap:
             sel = np.flatnonzero(count > j) if j else None  # every tensor of the map has a region
             r = lo + j if sel is None else lo[sel] + j
             p = positions if sel is None else positions[sel]
-            row, col = np.divmod(p, self.src_cols[r])
-            row -= self.src_row0[r]
-            col -= self.src_col0[r]
-            keep = (row >= 0) & (row < self.rows[r]) & (col >= 0) & (col < self.cols[r])
+            # whole rows on both sides (most regions): one run of words, an offset
+            d = p - self.run_src[r]
+            keep = (d >= 0) & (d < self.run_len[r])
             k = np.flatnonzero(keep)
             rk = r[k]
             out_i.append(k if sel is None else sel[k])
             out_r.append(rk)
-            out_d.append((self.dst_row0[rk] + row[k]) * self.dst_cols[rk] + self.dst_col0[rk] + col[k])
+            out_d.append(d[k] + self.run_dst[rk])
+            # part of each row (a column split: o_proj, an expert's down_proj at TP > 1): divmod
+            o = np.flatnonzero(self.run_len[r] < 0)
+            if o.size:
+                ro, po = r[o], p[o]
+                row, col = np.divmod(po, self.src_cols[ro])
+                row -= self.src_row0[ro]
+                col -= self.src_col0[ro]
+                keep = (row >= 0) & (row < self.rows[ro]) & (col >= 0) & (col < self.cols[ro])
+                k = np.flatnonzero(keep)
+                rk = ro[k]
+                out_i.append(o[k] if sel is None else sel[o[k]])
+                out_r.append(rk)
+                out_d.append((self.dst_row0[rk] + row[k]) * self.dst_cols[rk] + self.dst_col0[rk] + col[k])
         gen = [i for i, g in enumerate(self.general) if g is not None]
         if gen:
             if layout is None:
@@ -159,6 +180,22 @@ class RankMap:
             e = np.zeros(0, dtype=np.int64)
             return e, e, e
         return np.concatenate(out_i), np.concatenate(out_r), np.concatenate(out_d)
+
+    def _placements(self, tids: np.ndarray, pos: np.ndarray, layout: RankLayout | None):
+        """:meth:`translate`, grouped by parameter (ascending): the compiled kernel when selected (one pass,
+        a counting sort by parameter) and the map has no general region, else the reference and a stable sort."""
+        k = cpu_kernels()
+        if k is not None and all(g is None for g in self.general):
+            n = tids.size * max(self.width, 1)
+            out = [np.empty(n, np.int64) for _ in range(3)]
+            m = k.rank_translate(self.first, self.width, self.run_src, self.run_len, self.run_dst, self.src_cols,
+                                 self.src_row0, self.rows, self.src_col0, self.cols, self.dst_cols, self.dst_row0,
+                                 self.dst_col0, self.param, len(self.params), tids, pos, *out)
+            return out[0][:m], out[1][:m], out[2][:m]
+        ci, rr, dst = self.translate(tids, pos, layout)
+        pid = self.param[rr]
+        order = np.argsort(pid.astype(np.int16) if len(self.params) < (1 << 15) else pid, kind="stable")
+        return ci[order], rr[order], dst[order]
 
     # -- patching --
 
@@ -194,12 +231,10 @@ class RankMap:
             raw = np.concatenate([ch.raw for ch in cl])
             vals = np.concatenate([ch.values for ch in cl]).view(np.dtype(f"i{ws}"))
             hit[tl] = True
-            ci, rr, dst = self.translate(tids, pos, layout)
+            ci, rr, dst = self._placements(tids, pos, layout)
             if ci.size == 0:
                 continue
             pid = self.param[rr]
-            order = np.argsort(pid.astype(np.int16) if len(self.params) < (1 << 15) else pid, kind="stable")
-            ci, rr, dst, pid = ci[order], rr[order], dst[order], pid[order]
             cuts = np.flatnonzero(np.diff(pid)) + 1
             counted = self.counted[rr]
             read: dict = {}  # device -> (stream positions, tensor ids, old words, words read back) of counted boxes

@@ -65,6 +65,14 @@ def test_translation_equals_the_region_by_region_path(facts, par):
     changes = {n: _positions(rng, int(np.prod(shape))) for n, (_, shape) in lay.stream.items()}
     want = _reference(lay, changes)
     assert want and _mapped(rm, lay, changes) == want
+    # the compiled kernel (one pass, grouped by parameter) places the same changes, in parameter order
+    here = {n: p for n, p in changes.items() if n in rm.ids}
+    tids = np.concatenate([np.full(p.size, rm.ids[n], dtype=np.int64) for n, p in here.items()])
+    pos = np.concatenate(list(here.values()))
+    ci, rr, dst = rm._placements(tids, pos, lay)
+    assert np.all(np.diff(rm.param[rr]) >= 0)
+    got = {(rm.names[tids[i]], int(pos[i]), rm.params[rm.param[r]], int(d)) for i, r, d in zip(ci, rr, dst)}
+    assert len(got) == ci.size and got == want
 
 
 def _general_layout() -> RankLayout:
@@ -120,11 +128,18 @@ def test_a_region_that_is_not_a_box_goes_through_translate_and_two_word_sizes_pa
         assert torch.equal(word_view(t), word_view(before[n])), n
 
 
-def test_the_map_is_built_once_and_a_step_costs_no_python_per_tensor():
-    """128 experts x 2 layers in per-expert names at TP=2 (a Qwen3-MoE-style stream: 799 tensors): build the map,
-    then patch a step touching every expert's words; print the times. The per-step time must not grow with the
-    tensor count the way a per-tensor loop does: a 64-layer map (24k tensors, the same changes per tensor) must
-    cost well under 32x the 2-layer one per change."""
+def test_the_map_is_built_once_and_a_step_walks_no_region(monkeypatch):
+    """128 experts x 2 layers, then x 64 layers, in per-expert names at TP=2 (a Qwen3-MoE-style stream): build the
+    map, then patch a step changing 1% of every tensor (every expert); the region-by-region translation is never
+    called (it raises here), and the times are printed (no bound: CI machines are shared; see
+    benchmarks/bench_engine_map.py)."""
+    import deltasync.rankmap
+
+    def walked(*a, **k):
+        raise AssertionError("a region was translated one by one")
+
+    monkeypatch.setattr(deltasync.rankmap, "translate", walked)
+
     def run(layers: int):
         facts = ModelFacts(layers=layers, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=64, vocab=100,
                            qk_norm=True, moe=MoEFacts(style="qwen3_moe", experts=128, intermediate=32))
@@ -145,8 +160,9 @@ def test_the_map_is_built_once_and_a_step_costs_no_python_per_tensor():
         for _ in range(3):
             undo, touched = [], set()
             t0 = time.perf_counter()
-            rm.patch(patches, words, undo, touched)
+            fpd = rm.patch(patches, words, undo, touched)
             best = min(best, time.perf_counter() - t0)
+        assert set(fpd) == set(lay.stream) and touched == set(lay.params)
         return len(lay.stream), build, best, sum(p[0].changes.positions.size for p in patches.values())
 
     n2, b2, s2, c2 = run(2)
@@ -154,5 +170,3 @@ def test_the_map_is_built_once_and_a_step_costs_no_python_per_tensor():
     print(f"\nRankMap, 128 experts/layer, TP=2 rank 0: {n2} tensors: build {b2 * 1e3:.1f} ms, step (1% of every "
           f"tensor, {c2} changes) {s2 * 1e3:.1f} ms; {n64} tensors: build {b64 * 1e3:.0f} ms, step ({c64} changes) "
           f"{s64 * 1e3:.0f} ms ({s64 / n64 * 1e6:.2f} us per tensor)")
-    assert s64 / c64 < 4 * s2 / c2 + 1e-6
-    assert s64 / n64 < 20e-6  # a few microseconds per tensor at most (the per-chunk loop was ~100+)
