@@ -133,6 +133,8 @@ def test_plugin_registers_and_survives_a_broken_import(monkeypatch, caplog):
     from deltasync.client import vllm_plugin
 
     monkeypatch.setitem(sys.modules, "deltasync.client.vllm", None)  # `import` of it now raises ImportError
+    # an LLM started earlier in this process reconfigured logging (dictConfig disables loggers that existed then)
+    monkeypatch.setattr(logging.getLogger("deltasync.client.vllm_plugin"), "disabled", False)
     with caplog.at_level(logging.ERROR, logger="deltasync.client.vllm_plugin"):
         vllm_plugin.register()
         vllm_plugin.register()
