@@ -132,9 +132,11 @@ def test_plugin_registers_and_survives_a_broken_import(monkeypatch, caplog):
 
     from deltasync.client import vllm_plugin
 
+    import deltasync.client
+
     monkeypatch.setitem(sys.modules, "deltasync.client.vllm", None)  # `import` of it now raises ImportError
-    # an LLM started earlier in this process reconfigured logging (dictConfig disables loggers that existed then)
-    monkeypatch.setattr(logging.getLogger("deltasync.client.vllm_plugin"), "disabled", False)
+    # (and the package attribute an earlier LLM's plugin run left behind, which `from ... import vllm` finds first)
+    monkeypatch.delattr(deltasync.client, "vllm", raising=False)
     with caplog.at_level(logging.ERROR, logger="deltasync.client.vllm_plugin"):
         vllm_plugin.register()
         vllm_plugin.register()
