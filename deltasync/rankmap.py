@@ -67,6 +67,7 @@ class RankMap:
 
     names: tuple[str, ...]
     ids: dict[str, int]
+    keys: dict[str, int]  # name -> id * 16 + word size (one lookup per tensor per step)
     params: tuple[str, ...]
     word_sizes: np.ndarray  # per stream tensor
     first: np.ndarray  # int64 [T + 1]
@@ -119,8 +120,10 @@ class RankMap:
         whole = (ncols == src_cols) & (src_col0 == 0) & (dst_cols == ncols) & (dst_col0 == 0)
         is_box = np.asarray([g is None for g in general], dtype=bool)
         run_len = np.where(whole, rows * ncols, -1) * is_box
-        return cls(names=names, ids={n: i for i, n in enumerate(names)}, params=params,
-                   word_sizes=np.asarray([dtype_info(layout.stream[n][0]).word_size for n in names], dtype=np.int64),
+        ws = [dtype_info(layout.stream[n][0]).word_size for n in names]
+        return cls(names=names, ids={n: i for i, n in enumerate(names)},
+                   keys={n: i * 16 + w for i, (n, w) in enumerate(zip(names, ws))}, params=params,
+                   word_sizes=np.asarray(ws, dtype=np.int64),
                    first=first_np, width=int(np.diff(first_np).max(initial=0)), param=a(0, np.int32),
                    counted=np.asarray(counted, dtype=bool), src_cols=src_cols, src_row0=src_row0, rows=rows,
                    src_col0=src_col0, cols=ncols, dst_cols=dst_cols, dst_row0=dst_row0, dst_col0=dst_col0,
@@ -210,14 +213,18 @@ class RankMap:
 
         # per word size: (tensor id per chunk, changes per chunk); the only Python per tensor is this lookup
         by_ws: dict[int, tuple[list, list]] = {}
-        ids, sizes = self.ids, self.word_sizes
+        keys = self.keys
+        last_ws, g = 0, None
         for name, chunks in patches.items():
-            t = ids.get(name)
-            if t is None:
+            key = keys.get(name)
+            if key is None:
                 continue
-            g = by_ws.get(sizes[t])
-            if g is None:
-                g = by_ws[sizes[t]] = ([], [])
+            ws, t = key & 15, key >> 4
+            if ws != last_ws:
+                g = by_ws.get(ws)
+                if g is None:
+                    g = by_ws[ws] = ([], [])
+                last_ws = ws
             for c in chunks:
                 g[0].append(t)
                 g[1].append(c.as_changes())
