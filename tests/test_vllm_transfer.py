@@ -107,14 +107,18 @@ def test_offline_llm_follows_training_through_vllms_api(run):
         assert got == fresh, "generation differs from a fresh vLLM loaded from the final checkpoint"
         assert got != first, "training changed nothing the engine generates: the test would pass without an update"
 
-        # bounded: a version nobody publishes; every rank gives up together, the weights stay at STEPS
+        # bounded: a version nobody publishes; every rank gives up together, the weights stay at STEPS (through
+        # LLMClient, the trainer engine's client over an offline LLM)
+        from deltasync.client.vllm_transfer import LLMClient
+
+        client = LLMClient(llm)
         t0 = time.perf_counter()
-        llm.start_weight_update()
+        client.start_weight_update()
         with pytest.raises(Exception, match=r"waiting for v99"):
-            llm.update_weights({"update_info": {"version": 99, "timeout": 1.5}})
+            client.update_weights({"version": 99, "timeout": 1.5})
         waited = time.perf_counter() - t0
         assert waited < 30, waited
-        assert llm.get_weight_version() == str(STEPS)
+        assert client.get_weight_version() == str(STEPS)
         assert greedy(llm, PROMPTS) == fresh, "a failed update changed the weights"
         print(f"\nvLLM TP={TP} offline, backend deltasync: start..finish per step (s): "
               f"{json.dumps([round(p, 4) for p in pauses])}; a never-published version gave up after {waited:.1f} s")
