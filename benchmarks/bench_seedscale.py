@@ -53,6 +53,7 @@ import torch
 from safetensors.torch import save_file
 
 from deltasync.cli.cluster import LocalCluster
+from deltasync.client.filetarget import journal_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import seedscale_states as states  # noqa: E402
@@ -69,7 +70,11 @@ _VERSION = re.compile(rb'"deltasync\.version"\s*:\s*"(\d+)"')
 
 
 class BenchTimeout(RuntimeError):
-    """A command or wait ran past STEP_TIMEOUT."""
+    """A command or wait ran past STEP_TIMEOUT; ``key``: the row it leaves unmeasured, shown as timed out."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 # -- states -----------------------------------------------------------------------------------------
@@ -139,12 +144,13 @@ class _Child:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait(self, timeout: float, what: str) -> float:
+    def wait(self, timeout: float, what: str, key: str | None = None) -> float:
         """Wait for exit 0; returns the seconds since start. Kills it and raises after ``timeout``."""
         self._t.join(timeout)
         if self.code is None:
             self.stop()
-            raise BenchTimeout(f"{what}: still running after {timeout:.0f} s (killed); log tail:\n{self.log()[-1500:]}")
+            raise BenchTimeout(f"{what}: still running after {timeout:.0f} s (killed); log tail:\n{self.log()[-1500:]}",
+                               key=key)
         if self.code != 0:
             raise RuntimeError(f"{what}: exited {self.code}; log tail:\n{self.log()[-1500:]}")
         return self.ended - self.started
@@ -183,8 +189,6 @@ def _idle(pids: dict[str, int], timeout: float, what: str) -> None:
 
 def _file_version(path: Path) -> int | None:
     """The version a ``subscribe --out`` file holds (its header's first bytes), None while none or mid-commit."""
-    from deltasync.client.filetarget import journal_path
-
     if journal_path(path).exists():
         return None
     try:
@@ -206,8 +210,9 @@ def _wait_file_version(path: Path, version: int, timeout: float, follower: _Chil
         if follower.code is not None:
             raise RuntimeError(f"the follower exited {follower.code} before F held v{version}:\n{follower.log()[-1500:]}")
         time.sleep(0.005)
+    held = "mid-apply: its undo journal is there" if journal_path(path).exists() else f"it holds v{_file_version(path)}"
     raise BenchTimeout(f"step delivery: {path.name} did not hold v{version} within {timeout:.0f} s "
-                       f"(it holds v{_file_version(path)}); follower log tail:\n{follower.log()[-1500:]}")
+                       f"({held}); follower log tail:\n{follower.log()[-1500:]}", key="step_delivery_s")
 
 
 def _wait_head(url: str, model: str, version: int, timeout: float) -> None:
@@ -238,17 +243,17 @@ def _manifest(origin: str, model: str, version: int) -> tuple[int, int]:
 
 # -- one layout ---------------------------------------------------------------------------------------
 
-def _cli_rows(cluster: LocalCluster, work: Path, base: Path, step: Path, timeout: float) -> dict:
+def _cli_rows(r: dict, cluster: LocalCluster, work: Path, base: Path, step: Path, timeout: float) -> None:
+    """The CLI rows into ``r`` (what was measured before a failure stays there)."""
     common = ["--model", MODEL, "--key-file", str(cluster.key_file)]
     pub = ["publish", "--origin", cluster.origin, "--token-file", str(cluster.token_file), *common, "--quiet",
            "--timeout", str(int(timeout))]
     relay = cluster.url("relay")
     out = work / "sub.safetensors"
-    r: dict = {}
     servers = {n: cluster.servers[n].proc.pid for n in ("origin", "relay")}
 
     p = _Child(_cli(*pub, str(base)), work / "publish-keyframe.log")
-    r["keyframe_publish_s"] = p.wait(timeout, "keyframe publish")
+    r["keyframe_publish_s"] = p.wait(timeout, "keyframe publish", "keyframe_publish_s")
     r["keyframe_manifest_b"], r["keyframe_blob_b"] = _manifest(cluster.origin, MODEL, 0)
 
     # the relay learns v0 from the origin's event: a `subscribe --once` started before that finds no version there
@@ -258,37 +263,45 @@ def _cli_rows(cluster: LocalCluster, work: Path, base: Path, step: Path, timeout
 
     s = _Child(_cli("subscribe", "--from", relay, *common, "--out", str(out), "--once", "--quiet",
                     "--timeout", str(int(timeout))), work / "subscribe-once.log")
-    r["first_subscribe_s"] = s.wait(timeout, "first subscribe --once")
+    r["first_subscribe_s"] = s.wait(timeout, "first subscribe --once", "first_subscribe_s")
     if _file_version(out) != 0:
         raise RuntimeError(f"first subscribe: {out} holds v{_file_version(out)}, not v0")
 
     follower = _Child(_cli("subscribe", "--from", relay, *common, "--out", str(out)), work / "follower.log")
+    ps: _Child | None = None  # the step's publish
     try:
         _idle({"follower": follower.pid, **servers}, timeout, "follower start")
         if "resuming" not in follower.log() or follower.code is not None:
             raise RuntimeError(f"the follower did not resume {out.name} at v0:\n{follower.log()[-1500:]}")
         pids = {"follower": follower.pid, **servers}
         cpu0 = {n: cpu_seconds(pid) for n, pid in pids.items()}
-        p = _Child(_cli(*pub, "--base", str(base), str(step)), work / "publish-step.log")
+        ps = _Child(_cli(*pub, "--base", str(base), str(step)), work / "publish-step.log")
         t_delivered = _wait_file_version(out, 1, timeout, follower)
         cpu1 = {n: cpu_seconds(pid) for n, pid in pids.items()}
-        r["step_delivery_s"] = t_delivered - p.started
-        r["publish_base_s"] = p.wait(max(1.0, timeout - (time.perf_counter() - p.started)), "publish --base")
-        r["cpu_publish_s"] = p.cpu_s
+        r["step_delivery_s"] = t_delivered - ps.started
+        r["publish_base_s"] = ps.wait(max(1.0, timeout - (time.perf_counter() - ps.started)), "publish --base",
+                                      "publish_base_s")
+        r["cpu_publish_s"] = ps.cpu_s
         for n in pids:
             r[f"cpu_{n}_s"] = cpu1[n] - cpu0[n]
     finally:
         follower.stop()
-    r["step_manifest_b"], r["step_blob_b"] = _manifest(cluster.origin, MODEL, 1)
-    return r
+        if ps is not None:
+            if ps.code is None:  # the delivery failed first: the publish gets the rest of its time, then is stopped
+                ps._t.join(max(0.0, timeout - (time.perf_counter() - ps.started)))
+                ps.stop()
+            if ps.code == 0 and "publish_base_s" not in r:  # the step was published; its delivery is what failed
+                r["publish_base_s"], r["cpu_publish_s"] = ps.ended - ps.started, ps.cpu_s
+            if ps.code == 0:
+                r["step_manifest_b"], r["step_blob_b"] = _manifest(cluster.origin, MODEL, 1)
 
 
-def _inproc_rows(cluster: LocalCluster, base: dict[str, torch.Tensor], step: dict[str, torch.Tensor],
-                 timeout: float) -> dict:
+def _inproc_rows(r: dict, cluster: LocalCluster, base: dict[str, torch.Tensor], step: dict[str, torch.Tensor],
+                 timeout: float) -> None:
+    """The in-process rows into ``r``."""
     from deltasync.client.publisher import Publisher
     from deltasync.client.subscriber import ThreadedSubscriber
 
-    r: dict = {}
     applied: dict[int, float] = {}
     got = threading.Condition()
 
@@ -304,7 +317,7 @@ def _inproc_rows(cluster: LocalCluster, base: dict[str, torch.Tensor], step: dic
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise BenchTimeout(f"in-process {what}: the subscriber had not applied v{v} after {timeout:.0f} s "
-                                       f"(status: {sub.status})")
+                                       f"(status: {sub.status})", key="ip_delivery_s" if v == 1 else "ip_first_sync_s")
                 got.wait(min(left, 1.0))
         return applied[v] - t0
 
@@ -339,7 +352,6 @@ def _inproc_rows(cluster: LocalCluster, base: dict[str, torch.Tensor], step: dic
         if sub is not None:
             sub.close()
         pub.close(timeout)
-    return r
 
 
 def _measure(which: str, timeout: float, kimi_kwargs: dict) -> dict:
@@ -352,17 +364,27 @@ def _measure(which: str, timeout: float, kimi_kwargs: dict) -> dict:
         base, step = facts.pop("base"), facts.pop("step")
         cluster = LocalCluster(work / "servers", key=KEY)
         r = {"facts": facts, "dir": root or tempfile.gettempdir(), "error": None, "load": os.getloadavg()[0]}
+        errors = []
         try:
             cluster.start_tree({"relay": ["origin"]})
-            r.update(_cli_rows(cluster, work, work / "base.safetensors", work / "step.safetensors", timeout))
-            r.update(_inproc_rows(cluster, base, step, timeout))
-            r["load_end"] = os.getloadavg()[0]
-        except BenchTimeout as e:
-            r["error"] = f"timed out: {e}"
-        except Exception as e:  # recorded in the table; the rest of the layouts still run
-            r["error"] = f"{type(e).__name__}: {e}"
+            # each part's failure is recorded (in the table and below it) and the next part still runs
+            for part, fn in (("CLI", lambda: _cli_rows(r, cluster, work, work / "base.safetensors",
+                                                         work / "step.safetensors", timeout)),
+                             ("in-process", lambda: _inproc_rows(r, cluster, base, step, timeout))):
+                try:
+                    fn()
+                except BenchTimeout as e:
+                    errors.append(f"{part}: timed out: {e}")
+                    if e.key:
+                        r.setdefault("timed_out", set()).add(e.key)
+                except Exception as e:
+                    errors.append(f"{part}: {type(e).__name__}: {e}")
+        except Exception as e:
+            errors.append(f"servers: {type(e).__name__}: {e}")
         finally:
             cluster.close()
+            r["load_end"] = os.getloadavg()[0]
+        r["error"] = "\n".join(errors) or None
         return r
 
 
@@ -427,9 +449,10 @@ def report(results: dict[str, dict], quick: bool, timeout: float) -> str:
     ]
     for key, label, kind in ROWS:
         vals = [results[w].get(key) for w in cols]
-        if all(v is None for v in vals):
+        if all(v is None for v in vals) and not any(key in results[w].get("timed_out", ()) for w in cols):
             continue
-        cells = [_fmt(v, kind) if v is not None or not results[w]["error"] else "FAILED" for v, w in zip(vals, cols)]
+        cells = [f"> {timeout:.0f} (timed out)" if key in results[w].get("timed_out", ())
+                 else _fmt(v, kind) if v is not None or not results[w]["error"] else "failed" for v, w in zip(vals, cols)]
         few = results.get("few", {}).get(key)
         for w in ratio_cols:
             v = results[w].get(key)
@@ -458,7 +481,7 @@ def run(quick: bool = False, layouts: list[str] | None = None, *, timeout: float
     layouts = layouts or (["few", "kimi"] if quick else list(LAYOUTS))
     # warm-up, not reported: the first processes pay cold page cache (imports, numba's cache) and the first layout
     # measured would carry it (8 tensors' first subscribe took 5.4 s cold, 1.6-2.4 s after)
-    warm = _measure("kimi", timeout, {"layers": 2, "experts": 2})
+    warm = _measure("kimi", max(timeout, 120.0), {"layers": 2, "experts": 2})
     if warm["error"]:
         raise RuntimeError(f"seedscale warm-up failed: {warm['error']}")
     results = {}

@@ -63,7 +63,7 @@ from deltasync.fingerprint import (
     tensor_fingerprint,
 )
 from deltasync.keyframe import copy_state
-from deltasync.tensorfile import MAX_HEADER_BYTES, MappedTensorFile, build_header, parse_header
+from deltasync.tensorfile import MAX_HEADER_BYTES, PATCHING, MappedTensorFile, build_header, parse_header
 
 from .appliers import TensorApplier
 
@@ -254,6 +254,7 @@ class _JournaledPatch:
     def rollback(self) -> None:
         self._inner.rollback()
         self._target.file.flush()
+        self._target._restore_meta()
         self._target.end_journal()
 
 
@@ -534,6 +535,8 @@ class FileTarget(TensorApplier):
     replaces it). Call :func:`recover` first. ``version``: what the file's header claims (None: not ours).
     """
 
+    _state_fp_before = ""  # the header's state fingerprint while a delta is being written (restored on rollback)
+
     def __init__(self, path: str | os.PathLike, model: str, *, layout: Layout | None = None,
                  before_commit: Callable[[int], None] | None = None,
                  before_write: Callable[[int], None] | None = None, open_existing: bool = True,
@@ -691,12 +694,26 @@ class FileTarget(TensorApplier):
         _write_journal(journal_path(self.path), {"from": self.version, "to": m.version, "size": self.file.size},
                        regions, [memoryview(payload)])
         try:
+            # the header says "patching" until the new version's is written (or the old one restored): a reader
+            # that finds F mid-apply, or left so by a kill, refuses it (tensorfile.check_published)
+            self._state_fp_before = self.file.metadata.get(META_STATE_FP, "")
+            self._write_meta(self.version, PATCHING)
             inner = stage_prepared(tensors, prepared, fps, verify=verify, check=self.check)
         except BaseException:
             self.file.flush()  # the core restored every word; make that durable before dropping the journal
+            self._restore_meta()
             self.end_journal()
             raise
         return _JournaledPatch(self, inner, m.version, m.state_fp)
+
+    def _write_meta(self, version: int, state_fp: str) -> None:
+        """Rewrite the header in place (same length: the pad absorbs the difference) with ``version``/``state_fp``."""
+        header, _ = build_header(self.layout(), _meta(self.model, version, state_fp), length=self.file.header.data_start)
+        self.file.write_header(header)
+
+    def _restore_meta(self) -> None:
+        """The header of the version F holds again (after a rollback): from the journal's copy of it."""
+        self._write_meta(self.version, self._state_fp_before)
 
     def _journal_payload(self, prepared: PreparedDelta) -> tuple[list[dict], np.ndarray]:
         """The undo journal's regions and payload for ``prepared``, in one buffer: O(changed) in time and

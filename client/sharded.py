@@ -36,19 +36,19 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import xxhash
 
 from deltasync.apply import PreparedDelta, prepare_delta
-from deltasync.codec import ChunkPatch, chunk_spans
-from deltasync.dtypes import dtype_info, signed_word_dtype, word_view
+from deltasync.codec import chunk_spans
+from deltasync.dtypes import dtype_info, word_view
 from deltasync.errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError
 from deltasync.fingerprint import (
     _lanes, fingerprint_delta, fingerprint_from_lane_sums, fp_hex, lanes_sum, state_fingerprint,
 )
-from deltasync.layout import RankLayout, Region, region_rows, translate
+from deltasync.layout import RankLayout, Region, region_rows
 from deltasync.manifest import Manifest
+from deltasync.rankmap import RankMap
 
 _MASK64 = (1 << 64) - 1
 _BLOCK_WORDS = 1 << 20  # scan: words per sub-box (bounds the temporary memory)
@@ -187,6 +187,7 @@ class ShardedApplier:
             raise BaseMismatchError(f"engine parameter {extra[0]!r} is not in the layout map (and {len(extra) - 1} more)")
         self._words = {n: word_view(t) for n, t in self.params.items()}
         self._by_source = layout.by_source()
+        self._rankmap = RankMap.compile(layout, skip=layout.aliases)  # offset tables: a step patched vectorized
         self.last_needed_bytes = 0
 
     # -- Applier seam --
@@ -220,11 +221,7 @@ class ShardedApplier:
         try:
             self._check_base(m, fps)
             with torch.no_grad():
-                for name, chunks in prepared.patches.items():
-                    if name in self.map.aliases:
-                        continue
-                    for c in chunks:
-                        deltas[name] = (deltas[name] + self._patch_chunk(name, c, undo, touched)) & _MASK64
+                deltas.update(self._rankmap.patch(prepared.patches, self._words, undo, touched, layout=self.map))
         except Exception as e:  # noqa: BLE001 - every failure is voted on, then raised
             err = e
         self._vote(m, fps, undo, err)
@@ -355,34 +352,6 @@ class ShardedApplier:
         for d, (s, n) in enumerate(r.dst):
             t = t.narrow(d, s, n)
         return t
-
-    def _patch_chunk(self, name: str, c: ChunkPatch, undo: list, touched: set[str]) -> int:
-        regions = self._by_source.get(name)
-        if not regions:
-            return 0
-        info = dtype_info(c.dtype)
-        sdt = signed_word_dtype(info.word_size)
-        ch = c.as_changes()
-        src_shape = self.map.stream[name][1]
-        fpd = 0
-        for r in regions:
-            keep, local = translate(r, src_shape, self.map.params[r.param][1], ch.positions)
-            if local.size == 0:
-                continue
-            words = self._words[r.param]
-            idx = torch.from_numpy(np.ascontiguousarray(local)).to(words.device)
-            old = words.index_select(0, idx)
-            vals = torch.from_numpy(np.ascontiguousarray(ch.values[keep]).view(np.dtype(f"i{info.word_size}"))).to(words.device)
-            raw = torch.from_numpy(np.ascontiguousarray(ch.raw[keep])).to(words.device)
-            new = torch.where(raw, vals, old + vals).to(sdt)
-            undo.append((words, idx, old))
-            words.index_copy_(0, idx, new)
-            touched.add(r.param)
-            if r.counted:
-                written = words.index_select(0, idx)  # read back: verify what landed
-                gpos = torch.from_numpy(np.ascontiguousarray(ch.positions[keep])).to(words.device)
-                fpd = (fpd + fingerprint_delta(gpos, old, written, info.word_size)) & _MASK64
-        return fpd
 
     def _partial(self, name: str) -> int:
         """This rank's share of a stream tensor's lane sum: its counted boxes (no length term)."""

@@ -273,6 +273,22 @@ def _unpacked_shape(mod, pname: str, param: torch.Tensor) -> tuple[int, ...]:
 _ORIGINAL_DISPATCH = None
 
 
+def _keeps_weights() -> bool:
+    """Whether the engine being loaded syncs through deltasync, so the hooks keep unpacked copies: outside a vLLM
+    config context (as before), with a worker extension configured, or with the ``deltasync`` weight-transfer
+    backend. The entry point (client/vllm_plugin.py) installs the hooks in every vLLM process; an engine that
+    uses neither pays nothing."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # pragma: no cover - an older vLLM: keep, as before
+        return True
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None or cfg.parallel_config.worker_extension_cls:
+        return True
+    wt = getattr(cfg, "weight_transfer_config", None)
+    return wt is not None and wt.backend == "deltasync"
+
+
 def install_cpu_pack_hook() -> bool:
     """Wrap vLLM's ``dispatch_cpu_unquantized_gemm`` so the unpacked weights are kept (idempotent).
 
@@ -290,7 +306,8 @@ def install_cpu_pack_hook() -> bool:
     original = layer_utils.dispatch_cpu_unquantized_gemm
 
     def dispatch_keeping_weights(layer: torch.nn.Module, remove_weight: bool) -> None:
-        if not hasattr(layer, "_deltasync_weight") and not layer.weight.is_meta and layer.weight.ndim == 2:
+        if (not hasattr(layer, "_deltasync_weight") and not layer.weight.is_meta and layer.weight.ndim == 2
+                and _keeps_weights()):
             # Plain attributes (object.__setattr__: a Module would register a Parameter as a parameter of its
             # own). The Parameter itself is kept: its loader attributes (weight_loader, output_dim) stay usable.
             bias = getattr(layer, "bias", None)
@@ -339,6 +356,8 @@ def install_cpu_moe_hook() -> bool:
     original = cls.process_weights_after_loading
 
     def prepare_keeping_weights(self, layer: torch.nn.Module) -> None:
+        if not _keeps_weights():
+            return original(self, layer)
         kept = {n: getattr(layer, n).detach().clone() for n in _MOE_WEIGHTS if not getattr(layer, n).is_meta}
         original(self, layer)
         if getattr(self, "_use_zentorch", False) or len(kept) != len(_MOE_WEIGHTS):
@@ -495,13 +514,13 @@ def _rank_layout(model: torch.nn.Module, hf_config, dtype: torch.dtype, rank: in
     """This rank's RankLayout from the model's facts (deltasync.layout.vllm_layout), checked against the map read
     from the rank's own layer objects (:func:`vllm_layout` here): any disagreement fails closed."""
     from deltasync.dtypes import dtype_info
-    from deltasync.layout import ModelFacts, Parallel
+    from deltasync.layout import ModelFacts
     from deltasync.layout import vllm_layout as facts_layout
 
     facts = ModelFacts.from_hf_config(hf_config, dtype=dtype_info(dtype).name)
     if facts.moe is not None and stacked_experts:
         facts = replace(facts, moe=replace(facts.moe, stacked=True))
-    layout = facts_layout(facts, Parallel(tp_rank=rank, tp_size=world), tied_copy=tied_copy)
+    layout = facts_layout(facts, _parallel(model, rank, world), tied_copy=tied_copy)
     ours = _regions_of(vllm_layout(model, stacked_experts=stacked_experts))
     theirs = {_region_key(r) for r in layout.regions if r.numel}
     if ours != theirs:
@@ -510,6 +529,23 @@ def _rank_layout(model: torch.nn.Module, hf_config, dtype: torch.dtype, rank: in
             f"rank {rank}: the layout map from the model's config disagrees with this rank's layer objects "
             f"(first differences: {diff}); the engine shards differently than vLLM 0.32.0 does — refusing")
     return layout
+
+
+def _parallel(model: torch.nn.Module, rank: int, world: int):
+    """This rank's place: its TP rank, and with ``enable_expert_parallel`` the EP rank, size and placement its routed
+    experts report (vllm .../fused_moe/config.py ``FusedMoEParallelConfig.make`` 0.32.0: with EP the experts are
+    split whole over ep_size = the flattened TP size, moe tp_size = 1; ``expert_map_manager.py``)."""
+    from deltasync.layout import Parallel
+
+    for mod in model.modules():
+        mgr = getattr(mod, "expert_map_manager", None)
+        if mgr is not None and mgr.ep_size > 1:
+            if mgr.tp_size != 1 or mgr.ep_size != world:
+                raise UnsupportedError(f"rank {rank}: experts split over EP {mgr.ep_size} with expert TP {mgr.tp_size} "
+                                       f"in a TP group of {world} (data parallel attention?); not mapped — refusing")
+            return Parallel(tp_rank=rank, tp_size=world, ep_rank=mgr.ep_rank, ep_size=mgr.ep_size,
+                            expert_placement=mgr.placement_strategy)
+    return Parallel(tp_rank=rank, tp_size=world)
 
 
 def _stacked_experts_in(checkpoint: str | None) -> bool:
@@ -550,17 +586,19 @@ class _RankSync:
         if stacked is None:
             stacked = _stacked_experts_in(checkpoint)
         self.stacked_experts = bool(stacked)
+        t0 = time.perf_counter()
         self.layout = _rank_layout(model, hf_config, dtype, rank, world, tied_copy=tied_copy,
                                    stacked_experts=self.stacked_experts)
         params = {n: l.tensor for n, l in self.live.items()}
         self.applier = ShardedApplier(self.layout, params, group=group if world > 1 else None)
+        self.map_build_s = time.perf_counter() - t0  # the layout map, its cross-check and its offset tables, once
         self.mode = "sharded"
         options.setdefault("use_squash", world == 1)  # the ranks' steps must match one to one
         # kept tensor -> its version when its layer was last packed
         self._packed_seen = {id(l.tensor): l.tensor._version for l in self.live.values() if l.layer is not None}
         self.sub = ThreadedSubscriber(urls, stream, self.applier, **options)
         self.version = options.get("version")
-        self.last_apply_s = 0.0
+        self.last_apply_s = self.last_repack_s = 0.0
         self.applies = 0
         self.repacked = 0
         self.needed_bytes = 0
@@ -572,10 +610,13 @@ class _RankSync:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
-    def apply(self, *, deadline_passed: bool = False) -> tuple[int | None, bool]:
-        """Apply, on every rank together, the ready steps every rank has; returns (live version, any rank late)."""
+    def apply(self, *, deadline_passed: bool = False, up_to: int | None = None) -> tuple[int | None, bool]:
+        """Apply, on every rank together, the ready steps every rank has (none past ``up_to``); returns (live
+        version, any rank late)."""
         t0 = time.perf_counter()
         steps = self.sub.ready_steps()
+        if up_to is not None:
+            steps = [s for s in steps if s[1] <= up_to]
         live = self.sub.version
         newest = steps[-1][1] if steps else (live if live is not None else -1)
         # one all-reduce: min of the newest ready version (as -max of -v), late flag, and a digest of the step list
@@ -588,10 +629,12 @@ class _RankSync:
             return self.sub.version, bool(late)  # nothing every rank has, or the ranks' steps differ: wait
         before = self.sub.version
         v = self.sub.apply_pending(up_to=up_to)
+        t1 = time.perf_counter()
         self._repack_changed()
         if v != before:
             self.applies += 1
             self.last_apply_s = time.perf_counter() - t0
+            self.last_repack_s = time.perf_counter() - t1
             self.needed_bytes = getattr(self.applier, "last_needed_bytes", 0)
         self.version = v
         return v, bool(late)
@@ -616,6 +659,7 @@ class _RankSync:
     def status(self) -> dict:
         s = asdict(self.sub.status)
         s.update(engine_version=self.sub.version, mode=self.mode, last_apply_s=self.last_apply_s,
+                 last_repack_s=self.last_repack_s, map_build_s=self.map_build_s, stream_tensors=len(self.layout.stream),
                  engine_applies=self.applies, repacked_layers=self.repacked, needed_bytes=self.needed_bytes)
         return s
 
@@ -761,9 +805,11 @@ class DeltaSyncWorkerExtension:
                 out.setdefault(p.engine, []).append(asdict(p))
         return out
 
-    def deltasync_fingerprints(self, draft=False) -> dict[str, str]:
+    def deltasync_fingerprints(self, draft=False, packed=False) -> dict[str, str]:
         """Engine name -> fingerprint of this rank's live tensor (the unpacked copy on CPU): for tests and audits.
-        ``draft=True``: of the speculative draft model's tensors instead."""
+        ``draft=True``: of the speculative draft model's tensors instead. ``packed=True``: of every parameter as the
+        model holds it (on CPU the packed MoE experts the kernel runs; a packed linear layer's emptied weight is
+        left out)."""
         from deltasync.fingerprint import fp_hex, tensor_fingerprint
 
         model = self._deltasync_model()
@@ -771,6 +817,8 @@ class DeltaSyncWorkerExtension:
             model = getattr(getattr(self.model_runner, "drafter", None), "model", None)
             if model is None:
                 raise UnsupportedError("deltasync_fingerprints(draft=True): no speculative draft model is loaded")
+        if packed:
+            return {n: fp_hex(tensor_fingerprint(p.detach())) for n, p in model.named_parameters() if p.numel()}
         return {n: fp_hex(tensor_fingerprint(l.tensor)) for n, l in _live_tensors(model).items()}
 
     def _deltasync_require(self) -> _RankSync:

@@ -46,7 +46,7 @@ import numpy as np
 
 from .atomic import write_atomic
 from .dtypes import HostTensor, dtype_info, numpy_word_dtype, word_count
-from .errors import FormatError
+from .errors import FormatError, IntegrityError
 
 if TYPE_CHECKING:
     import torch
@@ -383,10 +383,28 @@ class MappedTensorFile:
         self.close()
 
 
+#: ``deltasync.state_fp`` of a ``subscribe --out`` file while a delta is written into it (or was, when the
+#: subscriber was killed then): its bytes are no published version until the apply ends or is rolled back
+PATCHING = "patching"
+META_STATE_FP = "deltasync.state_fp"
+
+
+def check_published(metadata: Mapping[str, str], where: str) -> None:
+    """Refuse a file whose header says a delta is being written into it (docs/CLIENT.md, "The --out file":
+    the rule every reader of a ``subscribe --out`` file follows)."""
+    if metadata.get(META_STATE_FP) == PATCHING:
+        raise IntegrityError(
+            f"{where}: a delta is being written into this file (deltasync.state_fp is {PATCHING!r}): its bytes are "
+            "no published version. Wait for the apply to end, or, if its subscriber was killed, run `deltasync "
+            "subscribe --out` on it again (it rolls the file back to the version before, from its journal)")
+
+
 def read_state_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a safetensors file, as copy-on-write views of its mmap (nothing is read until
-    used; writes stay in this process). Bad files raise FormatError, a missing one FileNotFoundError."""
+    used; writes stay in this process). Bad files raise FormatError, a missing one FileNotFoundError, a
+    ``subscribe --out`` file caught mid-apply IntegrityError (:func:`check_published`)."""
     f = MappedTensorFile(path)
+    check_published(f.metadata, str(path))
     return f.tensors  # the tensors keep the map alive
 
 

@@ -330,23 +330,26 @@ def gloo_worker(rank: int, world: int, port: int, facts_name: str, ep: int, out_
         st.commit()
         fps = st.fps
         before = {n: t.clone() for n, t in params.items()}
-        # fault injection (this rank's patching raises half-way): every rank must roll back, bit-exact
-        real = app._patch_chunk
-        calls = {"n": 0}
+        # fault injection (this rank's patching raises half-way: half the tensors written): every rank must
+        # roll back, bit-exact
+        real = app._rankmap
 
-        def failing(*a, **k):
-            calls["n"] += 1
-            if rank == world - 1 and calls["n"] == 3:
-                raise RuntimeError("injected failure on the last rank")
-            return real(*a, **k)
+        class Failing:
+            def patch(self, patches, *a, **k):
+                items = list(patches.items())
+                out = real.patch(dict(items[: len(items) // 2]), *a, **k)
+                if rank == world - 1:
+                    raise RuntimeError("injected failure on the last rank")
+                out.update(real.patch(dict(items[len(items) // 2:]), *a, **k))
+                return out
 
-        app._patch_chunk = failing
+        app._rankmap = Failing()
         try:
             stage(encs[1], fps)
             raise AssertionError("the step should have failed on every rank")
         except DeltaSyncError as e:
             report["error"] = f"{type(e).__name__}: {e}"
-        app._patch_chunk = real
+        app._rankmap = real
         for n, t in params.items():
             assert torch.equal(t.view(torch.int16), before[n].view(torch.int16)), n
         st = stage(encs[1], fps)

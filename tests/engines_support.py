@@ -78,7 +78,69 @@ def tiny_draft_config(*, vocab: int = VOCAB):
     return cfg
 
 
-ARCHS = {"qwen2": tiny_qwen2_config, "qwen2_moe": tiny_qwen2_moe_config, "draft": tiny_draft_config}
+def qwen3_moe128_config(*, vocab: int = VOCAB):
+    """Qwen3-MoE at a seed model's expert count, narrow: 128 routed experts per layer (top 8), hidden 64, expert
+    intermediate 64 (vLLM-CPU's AMX MoE kernel needs 32 per rank: at TP=2 without EP each rank holds 32 of them),
+    2 layers, 4 heads of 32 over 2 KV heads, q/k norms, no shared expert. The stream names the experts per expert
+    (``mlp.experts.{e}.gate_proj.weight``), as Hugging Face checkpoints of this family do."""
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=32, max_position_embeddings=256,
+        tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+    )
+    cfg.torch_dtype = DTYPE
+    cfg.dtype = DTYPE
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    return cfg
+
+
+ARCHS = {"qwen2": tiny_qwen2_config, "qwen2_moe": tiny_qwen2_moe_config, "draft": tiny_draft_config,
+         "qwen3_moe128": qwen3_moe128_config}
+
+
+class AdamStreamTrainer:
+    """fp32 masters under a config's Hugging Face names (experts per expert), stepped by Adam with random
+    heavy-tailed gradients and weight decay (AdamW), served as their bf16 cast: at the default lr a step changes
+    6-10% of the words, in every expert. No forward pass: for a model whose only test is following the stream bit-exactly (the
+    TinyTrainer's transformers model would hold the experts stacked, transformers 5 style)."""
+
+    def __init__(self, cfg, *, seed: int = 0, lr: float = 2e-5, weight_decay: float = 0.01) -> None:
+        from types import SimpleNamespace
+
+        from deltasync.layout import ModelFacts
+        from engine_loaders import trainer_shapes
+
+        self.model = SimpleNamespace(config=cfg)  # what save_checkpoint reads
+        self.lr, self.wd = lr, weight_decay
+        self.gen = torch.Generator().manual_seed(seed)
+        self.master: dict[str, torch.Tensor] = {}
+        for name, shape in trainer_shapes(ModelFacts.from_hf_config(cfg)).items():
+            if name.endswith("norm.weight"):
+                w = 1.0 + 0.05 * torch.randn(shape, generator=self.gen)
+            else:
+                w = torch.randn(shape, generator=self.gen) / shape[-1] ** 0.5
+            self.master[name] = w
+        self.m = {n: torch.zeros_like(w) for n, w in self.master.items()}
+        self.v = {n: torch.zeros_like(w) for n, w in self.master.items()}
+        self.steps = 0
+
+    def step(self) -> float:
+        self.steps += 1
+        c1, c2 = 1 - 0.9 ** self.steps, 1 - 0.999 ** self.steps
+        with torch.no_grad():
+            for n, w in self.master.items():
+                g = torch.randn(w.shape, generator=self.gen) * torch.exp(torch.randn(w.shape[0], *([1] * (w.dim() - 1)),
+                                                                                     generator=self.gen))
+                self.m[n].mul_(0.9).add_(g, alpha=0.1)
+                self.v[n].mul_(0.999).addcmul_(g, g, value=0.001)
+                w.mul_(1 - self.lr * self.wd).addcdiv_(self.m[n], (self.v[n] / c2).sqrt_().add_(1e-8), value=-self.lr / c1)
+        return 0.0
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {n: w.to(DTYPE).contiguous() for n, w in self.master.items()}
 
 
 def serving_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -197,7 +259,8 @@ def start_train_run(workdir: Path, *, model_name: str = "tiny-qwen2", seed: int 
     if own:
         server = origin(workdir, key=True).start().wait_ready()
     try:
-        trainer = TinyTrainer(seed=seed, arch=arch)
+        trainer = (AdamStreamTrainer(ARCHS[arch](), seed=seed) if arch == "qwen3_moe128"
+                   else TinyTrainer(seed=seed, arch=arch))
         pub = Publisher(server.url, model_name, TOKEN, KEY, keyframe_every=0)
     except BaseException:
         if own:

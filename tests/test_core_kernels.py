@@ -335,10 +335,13 @@ def test_select_rejects_unknown_names():
 def test_triton_kernels_under_the_interpreter():
     """The Triton kernels of deltasync.kernels.gpu on CPU tensors under TRITON_INTERPRET=1 (no GPU here),
     against the torch reference; the same check runs on a real device in `make gpu-check`."""
-    pytest.importorskip("triton")
+    import importlib.util
     import os
     import subprocess
     import sys
+
+    if importlib.util.find_spec("triton") is None:  # not imported here: its extension reports leaks at exit
+        pytest.skip("triton is not installed (make venv installs it on Linux x86-64)")
 
     code = "from deltasync.kernels import gpu; gpu.self_check('cpu', n=20_011); print('self-check ok')"
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),

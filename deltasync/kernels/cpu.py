@@ -1139,3 +1139,51 @@ def journal_gather(words, positions, start, stop, rel, old):
         rel[k] = p - start
         old[k] = words[p]
     return -1
+
+
+# -- rank maps (deltasync.rankmap) ------------------------------------------------------------------------
+
+@_jit
+def rank_translate(first, width, run_src, run_len, run_dst, src_cols, src_row0, rows, src_col0, cols, dst_cols,
+                   dst_row0, dst_col0, param, n_params, tids, pos, out_i, out_r, out_d):
+    """Every (change, region) placement of changes (stream tensor id ``tids``, word position ``pos``) through a
+    RankMap's offset tables, written grouped by parameter (ascending; in change order within one): change index,
+    region row, parameter word. Returns how many. ``out_*`` hold ``len(tids) * width``. Regions with
+    ``run_len == 0`` and ``rows == 0`` (general ones) are left to the caller."""
+    n = tids.size
+    tmp_r = np.empty(n * width, np.int64)
+    tmp_d = np.empty(n * width, np.int64)
+    tmp_i = np.empty(n * width, np.int64)
+    counts = np.zeros(n_params + 1, np.int64)
+    m = 0
+    for i in range(n):
+        t = tids[i]
+        p = pos[i]
+        for r in range(first[t], first[t + 1]):
+            ln = run_len[r]
+            if ln > 0:
+                d = p - run_src[r]
+                if d < 0 or d >= ln:
+                    continue
+                dst = d + run_dst[r]
+            else:
+                row = p // src_cols[r] - src_row0[r]
+                col = p % src_cols[r] - src_col0[r]
+                if row < 0 or row >= rows[r] or col < 0 or col >= cols[r]:
+                    continue
+                dst = (dst_row0[r] + row) * dst_cols[r] + dst_col0[r] + col
+            tmp_i[m] = i
+            tmp_r[m] = r
+            tmp_d[m] = dst
+            counts[param[r] + 1] += 1
+            m += 1
+    for k in range(n_params):
+        counts[k + 1] += counts[k]
+    for k in range(m):
+        q = param[tmp_r[k]]
+        at = counts[q]
+        counts[q] = at + 1
+        out_i[at] = tmp_i[k]
+        out_r[at] = tmp_r[k]
+        out_d[at] = tmp_d[k]
+    return m
