@@ -165,6 +165,7 @@ class DeltaSyncCheckpointEngine(CheckpointEngine):
         """The host mirror, laid out as the stream's head manifest says, and its subscriber (fetching a keyframe)."""
         from deltasync.client.http import HttpClient
         from deltasync.client.loop import LoopThread
+        from deltasync.client.streams import stream_layout
         from deltasync.client.subscriber import ThreadedSubscriber
         from deltasync.dtypes import dtype_info
         from deltasync.manifest import parse_manifest
@@ -174,14 +175,15 @@ class DeltaSyncCheckpointEngine(CheckpointEngine):
         key = self._verifier()
         io = LoopThread("deltasync-verl-head")
         try:
-            async def head():
+            async def layout():
                 client = HttpClient(self.urls)
                 try:
                     deadline = time.monotonic() + self.timeout
                     while True:
                         h = await client.highest_head(self.model)
                         if h is not None and h.body is not None:
-                            return h.body
+                            # a format-3 delta lists only what it changes: the layout comes from a keyframe
+                            return await stream_layout(client, self.model, parse_manifest(h.body, verifier=key), key)
                         if time.monotonic() > deadline:
                             raise NotFoundError(f"{self.model}: no version on {', '.join(self.urls)} after "
                                                 f"{self.timeout:g} s")
@@ -189,11 +191,10 @@ class DeltaSyncCheckpointEngine(CheckpointEngine):
                 finally:
                     await client.close()
 
-            body = io.run(head(), self.timeout + 30)
+            shapes = io.run(layout(), self.timeout + 30)
         finally:
             io.close()
-        m = parse_manifest(body, verifier=key)
-        self.mirror = {t.name: torch.zeros(tuple(t.shape), dtype=dtype_info(t.dtype).torch_dtype) for t in m.tensors}
+        self.mirror = {n: torch.zeros(shape, dtype=dtype_info(dt).torch_dtype) for n, (dt, shape) in shapes.items()}
         self.sub = ThreadedSubscriber(self.urls, self.model, self.mirror, key=key, **self.subscriber_options)
         self.sub.start()
 
