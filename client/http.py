@@ -370,7 +370,31 @@ class HttpClient:
             self._bytes_in += len(body)
             return replace(HeadInfo.from_body(body, model=model, url=url), checked=check(body))
 
-        got = await asyncio.gather(*(one(u) for u in self.urls), return_exceptions=True)
+        # every URL at once; once one has answered, the others get a grace (0.5 s, or the hedge delay if shorter) and
+        # are then given up: a stalled source must not hold the answer back for its whole time-out
+        tasks = [asyncio.ensure_future(one(u)) for u in self.urls]
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(not t.cancelled() and t.exception() is None for t in done):
+                    break
+            if pending:
+                grace = min(0.5, self.timeouts.hedge_after or 0.5)
+                await asyncio.wait(pending, timeout=grace)
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        got = []
+        for t, u in zip(tasks, self.urls):
+            if t.cancelled():
+                got.append(asyncio.TimeoutError(f"{u}: no head within the grace after another answered"))
+            elif t.exception() is not None:
+                got.append(t.exception())
+            else:
+                got.append(t.result())
         heads = [h for h in got if isinstance(h, HeadInfo)]
         for url, h in zip(self.urls, got):
             if isinstance(h, BaseException):

@@ -71,11 +71,12 @@ def test_cuda_path_under_the_interpreter(results, case):
     _check(results.get(case), case)
 
 
-@pytest.mark.long
+@pytest.mark.sweep
 @pytest.mark.timeout(900)
 def test_cuda_path_under_the_interpreter_long_sweep():
     """The same cases on more sizes (2**16 + 1 words, every size for every dtype, 17,001-element tensors)
-    and every encode option: `make test-long`."""
+    and every encode option: `make test-sweep` (~4 min on 2 cores: kept out of CI's budget; the cases above
+    run on every submission)."""
     found = _run("--long", *CASES, timeout=840)
     for case in CASES:
         _check(found.get(case), case)
