@@ -181,7 +181,7 @@ def measure(pair, cctx) -> dict:
     for f, opts in ((1, EncodeOptions(format=1)), (2, EncodeOptions()), (3, EncodeOptions(coding="base-conditioned"))):
         enc = encode_delta(a, b, model="m", version=1, parent=0, options=opts)
         row[f"f{f}"] = sum(len(v) for v in enc.blobs.values())
-        row[f"m{f}"] = len(cctx.compress(enc.manifest.to_json()))
+        row[f"m{f}"] = len(cctx.compress(enc.manifest.compact().to_json()))
         if f >= 2:  # applies back to the new state, bit for bit
             target = {k: v.clone() for k, v in a.items()}
             apply_delta(target, enc.manifest, enc.blobs)
