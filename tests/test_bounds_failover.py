@@ -21,12 +21,12 @@ from aiohttp import web
 
 from deltasync.cli.cluster import LocalCluster
 from deltasync.client.http import HttpClient
-from deltasync.client.publisher import Publisher
 from deltasync.client.subscriber import ThreadedSubscriber
 from deltasync.errors import SignatureError, UpstreamError
 from deltasync.tensorfile import read_state_file, write_state_file
-from deltasync.testing.trace import ModelShape, RLTrace
+from deltasync.testing.trace import ModelShape
 from core_support import same_state as _same
+from cluster_support import origin_only, publish_trace
 
 KEY = bytes(range(11, 43))
 SHAPE = ModelShape(vocab=256, hidden=32, layers=1, ffn=64)
@@ -95,24 +95,14 @@ class BadRelay:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("bad-relay"), key=KEY)
-    try:
-        c.start_tree({})
+    with origin_only(tmp_path_factory.mktemp("bad-relay"), KEY) as c:
         yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture(scope="module")
 def published(cluster):
     """v0 keyframe, v1 and v2 deltas of model 'bf' on the origin."""
-    trace = RLTrace(SHAPE, lr=1e-4, seed=33)
-    states = [trace.step() for _ in range(3)]
-    with Publisher(cluster.origin, "bf", cluster.token, KEY, keyframe_every=0) as pub:
-        for i, s in enumerate(states):
-            pub.publish(i, s)
-        pub.flush(60)
-    return states
+    return publish_trace(cluster, "bf", SHAPE, KEY, seed=33, steps=3)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -25,6 +25,7 @@ from deltasync.retry import SlowerThanHedge, answering, first_source
 from deltasync.tensorfile import read_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 from core_support import same_state as _same
+from cluster_support import origin_only, publish_trace
 
 KEY = bytes(range(7, 39))
 SHAPE = ModelShape(vocab=256, hidden=32, layers=1, ffn=64)
@@ -128,23 +129,13 @@ def stalled():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("hedge"), key=KEY)
-    try:
-        c.start_tree({})
+    with origin_only(tmp_path_factory.mktemp("hedge"), KEY) as c:
         yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture(scope="module")
 def published(cluster):
-    trace = RLTrace(SHAPE, lr=1e-4, seed=41)
-    states = [trace.step() for _ in range(3)]
-    with Publisher(cluster.origin, "hd", cluster.token, KEY, keyframe_every=0) as pub:
-        for i, s in enumerate(states):
-            pub.publish(i, s)
-        pub.flush(60)
-    return states
+    return publish_trace(cluster, "hd", SHAPE, KEY, seed=41, steps=3)
 
 
 def _subscribe_once(cluster, sources: list[str], out, *extra: str) -> float:

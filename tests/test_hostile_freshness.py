@@ -16,12 +16,11 @@ import urllib.request
 import pytest
 
 from deltasync import syncmachine as sm
-from deltasync.cli.cluster import LocalCluster
-from deltasync.client.publisher import Publisher
 from deltasync.tensorfile import read_state_file
-from deltasync.testing.trace import ModelShape, RLTrace
+from deltasync.testing.trace import ModelShape
 from core_support import same_state as _same
 from hostile_peers import PROXY, Fixed, HostilePeer
+from cluster_support import origin_only, publish_trace
 
 KEY = bytes(range(21, 53))
 SHAPE = ModelShape(vocab=256, hidden=32, layers=1, ffn=64)
@@ -72,23 +71,13 @@ def test_a_newer_head_after_early_answers_is_followed_and_resets_the_back_off():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("fresh"), key=KEY)
-    try:
-        c.start_tree({})
+    with origin_only(tmp_path_factory.mktemp("fresh"), KEY) as c:
         yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture(scope="module")
 def published(cluster):
-    trace = RLTrace(SHAPE, lr=1e-4, seed=5)
-    states = [trace.step() for _ in range(5)]
-    with Publisher(cluster.origin, "fr", cluster.token, KEY, keyframe_every=0) as pub:
-        for i, s in enumerate(states):
-            pub.publish(i, s)
-        pub.flush(60)
-    return states
+    return publish_trace(cluster, "fr", SHAPE, KEY, seed=5, steps=5)
 
 
 def _replaying(cluster, version: int):

@@ -12,15 +12,14 @@ import time
 
 import pytest
 
-from deltasync.cli.cluster import LocalCluster
-from deltasync.client.publisher import Publisher
 from deltasync.errors import UpstreamTimeout
 from deltasync.retry import FellBehind, Pace
 from deltasync.tensorfile import read_state_file
-from deltasync.testing.trace import ModelShape, RLTrace
+from deltasync.testing.trace import ModelShape
 from core_support import same_state as _same
 from hostile_peers import DripBody, DripHead, HostilePeer, drip_blobs
 from server_fixtures import ServerProc
+from cluster_support import origin_only, publish_trace
 
 KEY = bytes(range(11, 43))
 SHAPE = ModelShape(vocab=512, hidden=64, layers=1, ffn=128)
@@ -54,23 +53,13 @@ def test_pace_table(have, now, behind):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("slow"), key=KEY)
-    try:
-        c.start_tree({})
+    with origin_only(tmp_path_factory.mktemp("slow"), KEY) as c:
         yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture(scope="module")
 def published(cluster):
-    trace = RLTrace(SHAPE, lr=1e-4, seed=27)
-    states = [trace.step() for _ in range(3)]
-    with Publisher(cluster.origin, "sl", cluster.token, KEY, keyframe_every=0) as pub:
-        for i, s in enumerate(states):
-            pub.publish(i, s)
-        pub.flush(60)
-    return states
+    return publish_trace(cluster, "sl", SHAPE, KEY, seed=27, steps=3)
 
 
 def _subscribe(cluster, sources: list[str], out, *extra: str, timeout: float = 60) -> tuple[float, subprocess.CompletedProcess]:
