@@ -29,6 +29,7 @@ from .digest import DEFAULT_DIGEST, blob_digest, parse_digest
 from .dtypes import dtype_info, word_count
 from .errors import DeltaSyncError, FormatError, SignatureError
 from .signing import Ed25519Signer, Signer, Verifier, as_signer, as_verifier, is_public_key, load_key
+from .tensortable import ChunkRef, TensorRecord, new_record, pack_table, unpack_table
 
 __all__ = [
     "BlobRef", "ChunkRef", "FORMAT_VERSION", "KINDS", "Manifest", "TensorRecord", "load_key", "parse_manifest",
@@ -69,45 +70,6 @@ MAX_TOTAL_BLOB_BYTES = 1 << 43
 #: chunk references of one manifest (all tensors together), and a delta chunk's index within its blob
 MAX_CHUNKS = 1 << 24
 MAX_CHUNK_INDEX = (1 << 32) - 1
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ChunkRef:
-    """Where one piece of a tensor's encoding lives: a blob and, inside it, a chunk
-    index (delta) or a tensor key (keyframe shard)."""
-
-    blob: str
-    index: int | None = None
-    key: str | None = None
-    # a delta chunk's word span [start, stop) in its tensor (format 3 records it; format 2 in meta). Not
-    # compared: a format-2 manifest read back has the spans in meta only
-    start: int | None = field(default=None, compare=False)
-    stop: int | None = field(default=None, compare=False)
-
-    def to_obj(self) -> dict:
-        return {"blob": self.blob, "index": self.index} if self.key is None else {"blob": self.blob, "key": self.key}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TensorRecord:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    fp_before: str | None  # 16 hex digits; None in keyframes
-    fp_after: str
-    changed: int  # words the delta writes (keyframes: all words); a squash may count a word put back to its base value
-    chunks: tuple[ChunkRef, ...] = ()
-
-    @property
-    def words(self) -> int:
-        return word_count(self.shape, dtype_info(self.dtype))
-
-    def to_obj(self) -> dict:
-        return {
-            "name": self.name, "dtype": self.dtype, "shape": list(self.shape),
-            "fp_before": self.fp_before, "fp_after": self.fp_after, "changed": self.changed,
-            "chunks": [c.to_obj() for c in self.chunks],
-        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -274,35 +236,6 @@ class Manifest:
             raise SignatureError(f"{where}: manifest {e}") from None
 
 
-_new, _set = object.__new__, object.__setattr__
-
-
-def new_record(name: str, dtype: str, shape: tuple[int, ...], fp_before: str | None, fp_after: str, changed: int,
-               chunks: tuple[ChunkRef, ...]) -> TensorRecord:
-    """A TensorRecord of checked values, built without the frozen dataclass's keyword ``__init__`` (its
-    per-field ``object.__setattr__`` through keyword binding costs µs a record, a 70k-tensor state per step)."""
-    r = _new(TensorRecord)
-    _set(r, "name", name)
-    _set(r, "dtype", dtype)
-    _set(r, "shape", shape)
-    _set(r, "fp_before", fp_before)
-    _set(r, "fp_after", fp_after)
-    _set(r, "changed", changed)
-    _set(r, "chunks", chunks)
-    return r
-
-
-def new_chunk(blob: str, index: int | None, key: str | None, start: int | None, stop: int | None) -> ChunkRef:
-    """A ChunkRef of checked values, without the keyword ``__init__`` (see :func:`new_record`)."""
-    c = _new(ChunkRef)
-    _set(c, "blob", blob)
-    _set(c, "index", index)
-    _set(c, "key", key)
-    _set(c, "start", start)
-    _set(c, "stop", stop)
-    return c
-
-
 SPANS_META_PREFIX = "deltasync.spans."  # format 2: meta["deltasync.spans.<tensor>"] = "s0:e0,s1:e1,..." (§5.1)
 
 _TABLES: list[tuple[tuple, tuple, str]] = []  # (tensors, blobs, packed table): the last few, by identity
@@ -314,8 +247,6 @@ def _packed_table(m: Manifest) -> str:
     for tensors, blobs, text in _TABLES:
         if tensors is m.tensors and blobs is m.blobs:
             return text
-    from .tensortable import pack_table
-
     text = base64.b64encode(pack_table(m.tensors, m.kind, [b.id for b in m.blobs])).decode()
     _TABLES.insert(0, (m.tensors, m.blobs, text))
     del _TABLES[4:]
@@ -386,8 +317,6 @@ def _table_records(text: Any, kind: str, blob_ids: list[str]) -> tuple[TensorRec
     """Format 3: the records of the base64 table, checked (docs/FORMAT.md §5.3), every chunk of every blob
     referenced at most once (a delta's chunk index is checked against the blob when it is decoded)."""
     import sys
-
-    from .tensortable import unpack_table
 
     _expect(isinstance(text, str), "table must be a base64 string")
     try:

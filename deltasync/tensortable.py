@@ -9,6 +9,7 @@ what is actually new: a delta lists only the tensors it changes, each with its f
 change count and its chunks (blob *position* in the manifest's blob list, index in the blob, word span);
 the names, dtypes and shapes repeat step after step and compress to a few bytes a tensor.
 
+The record types (``TensorRecord``, ``ChunkRef``) live here and are re-exported by ``deltasync.manifest``.
 ``pack_table(records, kind, blob_ids)`` -> bytes and ``unpack_table(data, kind, blob_ids)`` -> records
 are pure; ``unpack_table`` checks every structural rule and limit on the columns, with numpy, before it
 builds a record, and raises FormatError for anything malformed (the manifest parser adds the rest).
@@ -17,14 +18,84 @@ builds a record, and raises FormatError for anything malformed (the manifest par
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass, field
 
 import numpy as np
 import zstandard
 
-from .dtypes import dtype_info
+from .dtypes import dtype_info, word_count
 from .errors import FormatError
 
-__all__ = ["TABLE_VERSION", "pack_table", "unpack_table"]
+__all__ = ["ChunkRef", "TABLE_VERSION", "TensorRecord", "new_chunk", "new_record", "pack_table", "unpack_table"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkRef:
+    """Where one piece of a tensor's encoding lives: a blob and, inside it, a chunk
+    index (delta) or a tensor key (keyframe shard)."""
+
+    blob: str
+    index: int | None = None
+    key: str | None = None
+    # a delta chunk's word span [start, stop) in its tensor (format 3 records it; format 2 in meta). Not
+    # compared: a format-2 manifest read back has the spans in meta only
+    start: int | None = field(default=None, compare=False)
+    stop: int | None = field(default=None, compare=False)
+
+    def to_obj(self) -> dict:
+        return {"blob": self.blob, "index": self.index} if self.key is None else {"blob": self.blob, "key": self.key}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorRecord:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    fp_before: str | None  # 16 hex digits; None in keyframes
+    fp_after: str
+    changed: int  # words the delta writes (keyframes: all words); a squash may count a word put back to its base value
+    chunks: tuple[ChunkRef, ...] = ()
+
+    @property
+    def words(self) -> int:
+        return word_count(self.shape, dtype_info(self.dtype))
+
+    def to_obj(self) -> dict:
+        return {
+            "name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+            "fp_before": self.fp_before, "fp_after": self.fp_after, "changed": self.changed,
+            "chunks": [c.to_obj() for c in self.chunks],
+        }
+
+
+_new, _set = object.__new__, object.__setattr__
+
+
+def new_record(name: str, dtype: str, shape: tuple[int, ...], fp_before: str | None, fp_after: str, changed: int,
+               chunks: tuple[ChunkRef, ...]) -> TensorRecord:
+    """A TensorRecord of checked values, built without the frozen dataclass's keyword ``__init__`` (its
+    per-field ``object.__setattr__`` through keyword binding costs µs a record, a 70k-tensor state per step)."""
+    r = _new(TensorRecord)
+    _set(r, "name", name)
+    _set(r, "dtype", dtype)
+    _set(r, "shape", shape)
+    _set(r, "fp_before", fp_before)
+    _set(r, "fp_after", fp_after)
+    _set(r, "changed", changed)
+    _set(r, "chunks", chunks)
+    return r
+
+
+def new_chunk(blob: str, index: int | None, key: str | None, start: int | None, stop: int | None) -> ChunkRef:
+    """A ChunkRef of checked values, without the keyword ``__init__`` (see :func:`new_record`)."""
+    c = _new(ChunkRef)
+    _set(c, "blob", blob)
+    _set(c, "index", index)
+    _set(c, "key", key)
+    _set(c, "start", start)
+    _set(c, "stop", stop)
+    return c
+
 
 TABLE_VERSION = 1
 _MAGIC = b"DST\x01"
@@ -140,8 +211,6 @@ class _Reader:
 def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits) -> tuple:
     """Records of a compressed table (see :func:`pack_table`); ``limits``: the manifest module's limits
     object (``max_tensors``, ``max_dims``, ...). FormatError on anything malformed."""
-    from .manifest import new_chunk, new_record  # the record types live with the manifest
-
     try:
         data = zstandard.ZstdDecompressor().decompress(blob, max_output_size=MAX_TABLE_BYTES)
     except zstandard.ZstdError as e:
