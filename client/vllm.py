@@ -84,7 +84,19 @@ log = logging.getLogger("deltasync.client.vllm")
 EXTENSION = "deltasync.client.vllm.DeltaSyncWorkerExtension"
 
 
+def checkpoint_files_published(files: Sequence[str]) -> None:
+    """Refuse, before anything is loaded, a checkpoint file a subscriber is writing a delta into (its header's
+    ``deltasync.state_fp`` says "patching": docs/CLIENT.md, the rule for readers of a ``subscribe --out`` file).
+    Raises IntegrityError naming the file and the fix."""
+    from deltasync.tensorfile import MappedTensorFile, check_published
+
+    for f in files:
+        with MappedTensorFile(f) as mf:
+            check_published(mf.metadata, f)
+
+
 # -- layout map ----------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Piece:
@@ -780,8 +792,10 @@ class DeltaSyncWorkerExtension:
             m.weight = m._deltasync_weight
             if m._deltasync_bias is not None:
                 m.bias.data = m._deltasync_bias
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        checkpoint_files_published(files)  # a `subscribe --out` file caught mid-apply is refused, nothing loaded
         weights: list[tuple[str, torch.Tensor]] = []
-        for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        for f in files:
             weights.extend(load_file(f).items())
         with torch.no_grad():
             loaded = model.load_weights(weights)
