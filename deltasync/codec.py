@@ -31,6 +31,7 @@ import numpy as np
 from .blob import BlobReader, BlobWriter, blob_id
 from .dtypes import DtypeInfo, HostTensor, dtype_info, host_words, numpy_word_dtype, word_count, word_view
 from .errors import ChainError, FormatError, UnsupportedError
+from .frozen import build
 from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, fp_hex, state_fingerprint, tensor_fingerprint,
                           update_fingerprint, words_range_delta)
 from .manifest import SPANS_META_PREFIX, BlobRef, ChunkRef, Manifest, TensorRecord, parse_spans
@@ -930,21 +931,11 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
     return out
 
 
-_setattr = object.__setattr__
-
-
 def _new_patch(tensor: str, dtype: str, start: int, stop: int, changes: Changes) -> ChunkPatch:
     """``ChunkPatch(tensor=..., dtype=..., start=..., stop=..., changes=...)`` without the keyword
     ``__init__`` of a frozen dataclass (decode_blob makes one per chunk)."""
-    p = object.__new__(ChunkPatch)
-    _setattr(p, "tensor", tensor)
-    _setattr(p, "dtype", dtype)
-    _setattr(p, "start", start)
-    _setattr(p, "stop", stop)
-    _setattr(p, "changes", changes)
-    _setattr(p, "dense", None)
-    _setattr(p, "pending", None)
-    return p
+    return build(ChunkPatch, tensor=tensor, dtype=dtype, start=start, stop=stop, changes=changes, dense=None,
+                 pending=None)
 
 
 def _decode_chunk(name: str, info: DtypeInfo, start: int, stop: int, count: int, pos, parts) -> ChunkPatch:

@@ -47,6 +47,7 @@ import numpy as np
 from .atomic import write_atomic
 from .dtypes import HostTensor, dtype_info, numpy_word_dtype, word_count
 from .errors import FormatError, IntegrityError
+from .frozen import build
 
 if TYPE_CHECKING:
     import torch
@@ -134,7 +135,6 @@ def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHead
     base = 8 + n
     data_len = size - base
     entries = []
-    new_entry, set_ = object.__new__, object.__setattr__
     for name, e in header.items():
         if type(e) is not list or len(e) != 3 or (e := dict(e)).keys() != _ENTRY_KEYS:
             raise FormatError(f"{where}entry {name!r} is malformed (expected {sorted(_ENTRY_KEYS)})")
@@ -163,13 +163,8 @@ def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHead
             if stored != "uint8" or not shape or shape[-1] != rinfo.element_size:
                 raise FormatError(f"{where}{name}: stored as {tag} {shape}, cannot be {real}")
             dtype, real_shape = rinfo.name, tuple(shape[:-1])
-        entry = new_entry(TensorEntry)  # without the frozen dataclass's keyword __init__ (70k entries a file)
-        set_(entry, "name", name)
-        set_(entry, "dtype", dtype)
-        set_(entry, "shape", real_shape)
-        set_(entry, "start", base + b)
-        set_(entry, "stop", base + end)
-        entries.append(entry)
+        # without the frozen dataclass's keyword __init__ (70k entries a file)
+        entries.append(build(TensorEntry, name=name, dtype=dtype, shape=real_shape, start=base + b, stop=base + end))
     at = base
     for e in sorted(entries, key=lambda e: (e.start, e.stop)):
         if e.start != at:
@@ -202,7 +197,6 @@ def host_tensors_of(whole: np.ndarray, header: TensorHeader) -> dict[str, HostTe
     """Every tensor of a parsed buffer (``whole``: the buffer as a flat uint8 numpy array) as
     :class:`HostTensor` words viewing it (copied only where misaligned to its words). No torch."""
     out: dict[str, HostTensor] = {}
-    new, set_ = object.__new__, object.__setattr__
     for e in header.entries:
         info = dtype_info(e.dtype)
         wdt = numpy_word_dtype(info.word_size)
@@ -211,11 +205,8 @@ def host_tensors_of(whole: np.ndarray, header: TensorHeader) -> dict[str, HostTe
             raw = raw.copy()
         # HostTensor's checks hold by construction (the header's checked sizes): built without its keyword
         # __init__ and __post_init__ (~8 µs a tensor; 70k tensors a file)
-        h = new(HostTensor)
-        set_(h, "dtype", info.name)
-        set_(h, "shape", e.shape)
-        set_(h, "words", raw.view(wdt) if raw.size else np.empty(0, wdt))
-        out[e.name] = h
+        out[e.name] = build(HostTensor, dtype=info.name, shape=e.shape,
+                            words=raw.view(wdt) if raw.size else np.empty(0, wdt))
     return out
 
 

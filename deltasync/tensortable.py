@@ -25,6 +25,7 @@ import zstandard
 
 from .dtypes import dtype_info, word_count
 from .errors import FormatError
+from .frozen import build
 
 __all__ = ["ChunkRef", "TABLE_VERSION", "TensorRecord", "new_chunk", "new_record", "pack_table", "unpack_table"]
 
@@ -68,33 +69,16 @@ class TensorRecord:
         }
 
 
-_new, _set = object.__new__, object.__setattr__
-
-
 def new_record(name: str, dtype: str, shape: tuple[int, ...], fp_before: str | None, fp_after: str, changed: int,
                chunks: tuple[ChunkRef, ...]) -> TensorRecord:
-    """A TensorRecord of checked values, built without the frozen dataclass's keyword ``__init__`` (its
-    per-field ``object.__setattr__`` through keyword binding costs µs a record, a 70k-tensor state per step)."""
-    r = _new(TensorRecord)
-    _set(r, "name", name)
-    _set(r, "dtype", dtype)
-    _set(r, "shape", shape)
-    _set(r, "fp_before", fp_before)
-    _set(r, "fp_after", fp_after)
-    _set(r, "changed", changed)
-    _set(r, "chunks", chunks)
-    return r
+    """A TensorRecord of checked values, without the keyword ``__init__`` (:mod:`deltasync.frozen`)."""
+    return build(TensorRecord, name=name, dtype=dtype, shape=shape, fp_before=fp_before, fp_after=fp_after,
+                 changed=changed, chunks=chunks)
 
 
 def new_chunk(blob: str, index: int | None, key: str | None, start: int | None, stop: int | None) -> ChunkRef:
-    """A ChunkRef of checked values, without the keyword ``__init__`` (see :func:`new_record`)."""
-    c = _new(ChunkRef)
-    _set(c, "blob", blob)
-    _set(c, "index", index)
-    _set(c, "key", key)
-    _set(c, "start", start)
-    _set(c, "stop", stop)
-    return c
+    """A ChunkRef of checked values, without the keyword ``__init__`` (:mod:`deltasync.frozen`)."""
+    return build(ChunkRef, blob=blob, index=index, key=key, start=start, stop=stop)
 
 
 TABLE_VERSION = 1
