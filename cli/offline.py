@@ -187,12 +187,14 @@ def cmd_diff(args) -> int:
 
     from deltasync.client.cli import prefault_on_thread
     from deltasync.cli.run import settle_heap
-    from deltasync.tensorfile import MappedTensorFile
+    from deltasync.tensorfile import MappedTensorFile, check_published
 
     t0 = time.perf_counter()
     prog = Progress("diff", quiet=args.quiet)
     threads = max(args.threads, 1)
     with MappedTensorFile(args.old) as of, MappedTensorFile(args.new) as nf:
+        for f, path in ((of, args.old), (nf, args.new)):  # a `subscribe --out` file caught mid-apply: refused
+            check_published(f.metadata, str(path))
         parent, version, model = diff_numbers(args, of.metadata, nf.metadata)
         old, new = of.host, nf.host
         settle_heap()  # the maps' entries and views live on: out of the cyclic collector's way

@@ -392,14 +392,16 @@ def _cmd_publish(args) -> int:
     if args.keyframe_on_mismatch and not args.base:
         print("deltasync publish: error: --keyframe-on-mismatch needs --base", file=sys.stderr)
         return 2
-    from deltasync.tensorfile import MappedTensorFile
+    from deltasync.tensorfile import MappedTensorFile, check_published
 
     state_file = MappedTensorFile(args.state)
+    check_published(state_file.metadata, args.state)  # a `subscribe --out` file caught mid-apply: refused
     if policy is None:
         base_file = base_error = None
         if args.base:
             try:
                 base_file = MappedTensorFile(args.base)
+                check_published(base_file.metadata, args.base)
             except (OSError, DeltaSyncError) as e:  # raised only if the origin has a head to diff against
                 base_error = e
         for f in (base_file, state_file):
