@@ -35,6 +35,7 @@ from .codec import DENSE_FP, ChunkPatch, chunk_spans, decode_blob
 from . import kernels
 from .dtypes import dtype_info, host_words, numpy_word_dtype, signed_word_dtype, word_view
 from .blob import verify_blob
+from .parts import split_counts
 from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError
 from .fingerprint import fingerprint_delta, words_range_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint
 from .manifest import Manifest
@@ -512,7 +513,7 @@ def _patch_batched(tensors: Mapping[str, torch.Tensor], work: list[tuple[str, li
         fpds = np.zeros(len(counts), np.uint64)
         parts = [(0, len(counts))]
         if executor is not None and len(counts) > 1 and offsets[-1] >= BATCH_PART_MIN:
-            parts = kernels._split(counts, PATCH_TASKS)
+            parts = split_counts(counts, PATCH_TASKS)
 
         def run(r, jobs=jobs, old=old, fpds=fpds, offsets=offsets, like=like, w=w):
             a, b = r
@@ -559,18 +560,9 @@ PATCH_TASKS = 4  # stage_prepared with an executor: tensors in this many tasks o
 
 def _balanced(work: list[tuple[str, list[ChunkPatch]]], parts: int) -> list[list[tuple[str, list[ChunkPatch]]]]:
     """``work`` (in order) cut into at most ``parts`` contiguous groups of about equal change counts."""
-    counts = [sum(c.count for c in chunks) for _, chunks in work]
-    total = sum(counts)
-    if len(work) < 2 or total == 0:
+    if len(work) < 2:
         return [work] if work else []
-    groups: list[list[tuple[str, list[ChunkPatch]]]] = [[]]
-    acc = 0
-    for item, n in zip(work, counts):
-        if groups[-1] and acc * parts >= total * len(groups):
-            groups.append([])
-        groups[-1].append(item)
-        acc += n
-    return groups
+    return [work[a:b] for a, b in split_counts([sum(c.count for c in chunks) for _, chunks in work], parts)]
 
 
 def _patch_group(patch_one, group):

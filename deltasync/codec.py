@@ -32,6 +32,7 @@ from .blob import BlobReader, BlobWriter, blob_id
 from .dtypes import DtypeInfo, HostTensor, dtype_info, host_words, numpy_word_dtype, word_count, word_view
 from .errors import ChainError, FormatError, UnsupportedError
 from .frozen import build
+from .parts import map_parts
 from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, fp_hex, state_fingerprint, tensor_fingerprint,
                           update_fingerprint, words_range_delta)
 from .manifest import SPANS_META_PREFIX, BlobRef, ChunkRef, Manifest, TensorRecord, parse_spans
@@ -689,9 +690,7 @@ def _chunk_symbols(packer: ChunkPacker, order, infos, executor: Executor | None)
         return word_symbols(c.positions, c.start, c.old, c.new, is_float=infos[name].is_float) \
             if packer.takes_words(c) else None
 
-    if executor is None or len(order) < 2:
-        return map(one, order)
-    return iter(list(executor.map(one, order)))
+    return iter(list(map_parts(one, order, executor, weight=lambda item: item[2].positions.size)))
 
 
 def diff_ranks(diff: StateDiff, base: Mapping[str, torch.Tensor]) -> RankTable:
@@ -922,12 +921,8 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
         for (i, name, dtname, stop), (_, _, _, _, start, _, _, _), ch in zip(ans_batch, ans_rows, decoded):
             out[i] = new(name, dtname, start, stop, ch)
     todo = [i for i, job in enumerate(jobs) if job is not None]
-    if executor is None or len(todo) < 2:
-        for i in todo:
-            out[i] = jobs[i]()
-    else:
-        for i, p in zip(todo, executor.map(lambda i: jobs[i](), todo)):
-            out[i] = p
+    for i, p in zip(todo, map_parts(lambda i: jobs[i](), todo, executor)):
+        out[i] = p
     return out
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import rans
 from .errors import FormatError
+from .parts import map_parts
 from .kernels import cpu_kernels
 from .values import Changes, _raw_limit, changes_from_symbols, step_symbols
 from .varint import decode_varints, encode_varints
@@ -145,10 +146,7 @@ class AnsBlobCoder:
             gaps = (np.diff(positions, prepend=start - 1) - 1).astype(np.int64)
             return rans.encode_chunk(gaps, sym, bigneg, bigmag, gf, gc, vf, vc)
 
-        if self._executor is not None and fast and len(self._chunks) > 1:
-            messages = self._executor.map(code, self._chunks)
-        else:
-            messages = map(code, self._chunks)
+        messages = map_parts(code, self._chunks, self._executor if fast else None, weight=lambda item: item[3].size)
         append = writer.append
         for (record, *_), words in zip(self._chunks, messages):
             record["na"] = words.size

@@ -61,6 +61,7 @@ import types
 import numpy as np
 
 from ..errors import FormatError
+from ..parts import split_counts
 
 _MASK64 = (1 << 64) - 1
 _CHOICES = ("auto", "numba", "reference")
@@ -474,19 +475,6 @@ def _ans_error(code: int, detail: int, nr: int, word_size: int) -> FormatError:
     return FormatError(f"ans chunk: {_ERRORS.get(code, f'error {code}')}")
 
 
-def _split(counts: list[int], parts: int) -> list[tuple[int, int]]:
-    """Contiguous [a, b) ranges of ``counts`` with about equal sums, at most ``parts`` of them."""
-    total = sum(counts)
-    out, a, acc = [], 0, 0
-    for i, c in enumerate(counts):
-        acc += c
-        if acc * parts >= total * (len(out) + 1) and i + 1 < len(counts):
-            out.append((a, i + 1))
-            a = i + 1
-    out.append((a, len(counts)))
-    return [r for r in out if r[0] < r[1]]
-
-
 def decode_ans_chunks(tables, ans: np.ndarray, raws: dict, chunks: list, *, executor=None) -> list:
     """:func:`deltasync.entropy.decode_ans_chunks` (see there): one compiled call per word size (and part)."""
     from ..entropy import decode_ans_chunk
@@ -561,7 +549,7 @@ def decode_ans_rows(tables, ans: np.ndarray, raws: dict, rows: list, *, executor
         raw_words = np.ascontiguousarray(raws.get(w, np.zeros(0, wdt)), wdt)
         ranges = [(0, sub.shape[0])]
         if executor is not None and o >= _PART_MIN and sub.shape[0] > 1:
-            ranges = _split(counts.tolist(), _PARTS)
+            ranges = split_counts(counts.tolist(), _PARTS)
 
         def run(r, jobs=jobs, pos=pos, rawf=rawf, vals=vals, raw_words=raw_words, w=w):
             return k.ans_decode_chunks(words16, jobs[r[0] : r[1]], gtab, vtab, raw_words, pos, rawf, vals, w * 8)
