@@ -9,9 +9,10 @@ socket copy writes them there; ``received(offset, n)`` follows each read while t
 the core's cache (the caller hashes and fingerprints them). The socket copy is the only copy.
 
 The same relay-side idea is ``server/blobget.py`` (server/ and client/ never import each other).
-Only what a blob answer needs is parsed: the status line, ``Content-Length`` (required; chunked
-bodies are refused) and ``Content-Range``; an error answer's body (at most ``MAX_ERROR`` bytes) is
-read into memory and returned for the caller to raise. One request per connection (a keyframe has
+The head is read by the core's one HTTP head reader (``deltasync.httphead``: ``Content-Length`` required
+on a 200/206, chunked blob bodies refused, a 206's ``Content-Range`` checked against the Range asked);
+an error answer's body (at most ``MAX_ERROR`` bytes) is read into memory and returned for the caller
+to raise. One request per connection (a keyframe has
 a few large shards; there is nothing to gain from keeping connections alive). Plain ``http://``
 URLs only (``supports``); anything else goes through aiohttp.
 
@@ -23,22 +24,16 @@ the socket (``read``), the body's minimum rate (``min_rate`` after a ``grace``) 
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from multidict import CIMultiDict
-
 from deltasync.errors import IntegrityError, UpstreamError, UpstreamTimeout
+from deltasync.httphead import MAX_HEAD, Headers, check_range, read_head
 from deltasync.retry import DEFAULT_MIN_RATE, DEFAULT_RATE_GRACE, Pace
 
-MAX_HEAD = 64 << 10
 MAX_ERROR = 64 << 10
 #: the most bytes one ``recv_into`` writes before ``received`` runs (they stay in a core's L2 cache)
 MAX_PIECE = 1 << 20
-
-_STATUS = re.compile(rb"^HTTP/1\.[01] (\d{3})")
-_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 
 
 class BlobSink(Protocol):
@@ -64,7 +59,7 @@ class Answer:
 
     __slots__ = ("status", "headers", "start", "total", "error_body")
 
-    def __init__(self, status: int, headers: CIMultiDict) -> None:
+    def __init__(self, status: int, headers: Headers) -> None:
         self.status = status
         self.headers = headers
         self.start = 0
@@ -73,13 +68,15 @@ class Answer:
 
 
 class _Conn(asyncio.BufferedProtocol):
-    def __init__(self, sink: BlobSink, offset: int, total: int | None) -> None:
+    def __init__(self, sink: BlobSink, offset: int, total: int | None, where: str = "") -> None:
         self._loop = asyncio.get_running_loop()
+        self._where = where  # the URL asked, named in the errors
         self._sink = sink
         self._total = total  # the blob's size the caller knows (its manifest's); None: the server's word
         self._offset = offset  # the blob byte the next body byte is
         self._scratch = bytearray(MAX_HEAD)
         self._fill = 0
+        self._scanned = 0  # bytes of the head searched for its end so far
         self._answer: Answer | None = None
         self._left = 0  # body bytes still expected
         self._in_sink = False  # the last get_buffer handed out the sink's room
@@ -141,47 +138,23 @@ class _Conn(asyncio.BufferedProtocol):
 
     # -- parsing ---------------------------------------------------------------------------------
     def _parse_head(self) -> None:
-        data = memoryview(self._scratch)[:self._fill]
-        end = bytes(data[:min(self._fill, MAX_HEAD)]).find(b"\r\n\r\n")
-        if end < 0:
-            if self._fill >= MAX_HEAD:
-                raise UpstreamError(f"the server's answer head is longer than {MAX_HEAD} bytes")
+        got = read_head(self._scratch, filled=self._fill, scanned=self._scanned, max_bytes=MAX_HEAD, where=self._where)
+        if got is None:
+            self._scanned = self._fill
             return
-        lines = bytes(data[:end]).decode("latin-1").split("\r\n")
-        m = _STATUS.match(lines[0].encode("latin-1"))
-        if not m:
-            raise UpstreamError(f"not an HTTP/1.x answer: {lines[0][:80]!r}")
-        headers: CIMultiDict = CIMultiDict()
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise UpstreamError(f"malformed header line in the answer: {line[:80]!r}")
-            headers[name.strip()] = value.strip()
-        a = Answer(int(m.group(1)), headers)
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            if a.status in (200, 206):
-                raise UpstreamError("the server sent a chunked body; a blob answer carries Content-Length")
-            self._left = MAX_ERROR  # an error answer's body, read until the connection closes
+        head, end = got
+        a = Answer(head.status, head.headers)
+        if a.status in (200, 206):  # Content-Length is there (read_head's rule), a 206's range runs from our offset
+            a.start, a.total = check_range(head, self._offset, where=self._where)
+            self._left = head.content_length
+        elif head.content_length is not None:
+            self._left = head.content_length
         else:
-            length = headers.get("content-length", "")
-            if not length.isdigit():
-                raise UpstreamError(f"the server's {a.status} answer has no usable Content-Length ({length!r})")
-            self._left = int(length)
-        if a.status == 206:
-            cr = _CONTENT_RANGE.match(headers.get("content-range", ""))
-            if not cr:
-                raise UpstreamError(f"206 without a usable Content-Range: {headers.get('content-range')!r}")
-            start, last, total = (int(x) for x in cr.groups())
-            if start != self._offset or last != total - 1 or last - start + 1 != self._left:
-                raise UpstreamError(f"asked for bytes {self._offset}-, got {start}-{last}/{total} "
-                                    f"({self._left} bytes)")
-            a.start, a.total = start, total
-        elif a.status == 200:
-            a.start, a.total = 0, self._left
+            self._left = MAX_ERROR  # an error answer's body, chunked or to the close: read until the connection closes
         if a.status in (200, 206) and self._total is not None and a.total != self._total:
             raise IntegrityError(f"the server says the blob has {a.total} bytes, its manifest says {self._total}")
         self._answer = a
-        rest = memoryview(self._scratch)[end + 4:self._fill]
+        rest = memoryview(self._scratch)[end:self._fill]
         self._fill = 0
         if a.status not in (200, 206):
             self._scratch[:len(rest)] = bytes(rest)
@@ -259,7 +232,8 @@ async def receive(url: str, path: str, sink: BlobSink, offset: int, *, size: int
     loop = asyncio.get_running_loop()
     deadline = loop.time() + total
     try:
-        _, conn = await asyncio.wait_for(loop.create_connection(lambda: _Conn(sink, offset, size), host, port), connect)
+        _, conn = await asyncio.wait_for(loop.create_connection(lambda: _Conn(sink, offset, size, url + path), host, port),
+                                         connect)
     except asyncio.TimeoutError:
         raise UpstreamTimeout(f"could not connect to {url} within {connect:g} s") from None
     try:

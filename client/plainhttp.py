@@ -5,7 +5,8 @@ and the manifest (PUT). aiohttp, which the subscriber and the sidecar need for e
 cold command ~0.25 CPU-s to import (yarl, multidict, its HTTP parser, its TLS contexts), in the middle of
 the compare pass on a 2-core machine. :class:`PlainOrigin` speaks just that HTTP/1.1 on asyncio's
 streams: ``Content-Length`` request bodies, answers with ``Content-Length``, chunked or read to the close,
-keep-alive connections reused one request at a time (a few side by side for parallel blob PUTs).
+keep-alive connections reused one request at a time (a few side by side for parallel blob PUTs); an
+answer's head is read by the core's one HTTP head reader (``deltasync.httphead``).
 
 Nothing of the policy is its own: the head read goes through ``deltasync.retry.first_source`` under a
 ``deltasync.failover.Failover`` of its one URL, the writes through ``deltasync.retry.retry`` with ``RETRY_BACKOFF`` and the
@@ -28,6 +29,7 @@ from urllib.parse import quote, urlsplit
 from deltasync.blob import check_blob_id
 from deltasync.errors import AuthError, NotFoundError, UpstreamError, UpstreamTimeout, from_wire
 from deltasync.failover import Backoff, Failover
+from deltasync.httphead import MAX_HEAD, Headers, ResponseHead, read_head
 from deltasync.retry import RETRY_BACKOFF, Pace, describe, first_source, retry
 
 from .httpbase import MODEL_HEADER, HeadInfo, Timeouts, is_outage
@@ -36,7 +38,6 @@ __all__ = ["PlainOrigin", "supports"]
 
 log = logging.getLogger("deltasync.client.plainhttp")
 
-MAX_HEAD = 64 << 10  # an answer's status line and headers
 MAX_BODY = 256 << 20  # a head answer (a manifest); longer is that server's fault
 MAX_ERROR = 64 << 10  # what is kept of an error answer's body
 WRITE_PIECE = 4 << 20  # a request body handed to the transport at a time
@@ -45,19 +46,6 @@ WRITE_PIECE = 4 << 20  # a request body handed to the transport at a time
 def supports(url: str) -> bool:
     """Whether :class:`PlainOrigin` can talk to ``url`` (plain ``http://``)."""
     return urlsplit(url).scheme.lower() == "http"
-
-
-class _Headers(dict):
-    """An answer's headers: names lower-cased, looked up in any case."""
-
-    def get(self, key, default=None):
-        return super().get(key.lower(), default)
-
-    def __getitem__(self, key):
-        return super().__getitem__(key.lower())
-
-    def __contains__(self, key) -> bool:
-        return super().__contains__(key.lower())
 
 
 class _Conn:
@@ -117,7 +105,7 @@ class PlainOrigin:
         return _Conn(reader, writer)
 
     async def _request(self, method: str, path: str, *, body: bytes | bytearray | memoryview | tuple = b"",
-                       headers: dict[str, str] | None = None, limit: int = MAX_BODY) -> tuple[int, _Headers, bytes]:
+                       headers: dict[str, str] | None = None, limit: int = MAX_BODY) -> tuple[int, Headers, bytes]:
         """(status, headers, body) of one request; network failures and cut answers are UpstreamError /
         UpstreamTimeout (an outage), with the method and URL in the message."""
         where = f"{method} {self.url}{path}"
@@ -143,7 +131,7 @@ class PlainOrigin:
             raise UpstreamError(f"{where}: {describe(e)}") from e
 
     async def _exchange(self, conn: _Conn, method: str, path: str, body, headers: dict[str, str], limit: int,
-                        where: str) -> tuple[int, _Headers, bytes, bool]:
+                        where: str) -> tuple[int, Headers, bytes, bool]:
         t = self.timeouts
         views = _views(body)
         lines = [f"{method} {self._prefix}{path} HTTP/1.1", f"Host: {self._host_header}",
@@ -167,15 +155,16 @@ class PlainOrigin:
             if not e.partial:  # a kept-alive connection the server had closed
                 raise UpstreamError(f"{where}: the connection was closed before an answer") from None
             raise
-        status, head = _parse_head(raw, where)
-        keep = head.get("connection", "").lower() != "close"
+        # chunked or read-to-the-close bodies are read here (framed=False): small JSON answers, not blobs
+        head, _ = read_head(raw, max_bytes=MAX_HEAD, framed=False, where=where)
+        status, keep = head.status, head.keep_alive
         if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
-            return status, head, b"", keep
+            return status, head.headers, b"", keep
         data = await self._body(conn, head, limit if status < 300 else MAX_ERROR, where)
         if data is None:  # read to the close
             keep = False
             data = await self._to_close(conn, limit if status < 300 else MAX_ERROR, where)
-        return status, head, data, keep
+        return status, head.headers, data, keep
 
     async def _read(self, coro, where: str, pace: Pace | None = None, have: int = 0):
         """``await coro`` (a read of the answer's body): at most ``Timeouts.read``, and with a ``pace`` (``have``
@@ -192,10 +181,10 @@ class PlainOrigin:
                 pace.check(have, asyncio.get_running_loop().time() + 1e-3)
             raise UpstreamTimeout(f"{where}: the body stalled (nothing for {self.timeouts.read:g} s)") from None
 
-    async def _body(self, conn: _Conn, head: _Headers, limit: int, where: str) -> bytes | None:
+    async def _body(self, conn: _Conn, head: ResponseHead, limit: int, where: str) -> bytes | None:
         r = conn.reader
         pace = self.timeouts.pace(asyncio.get_running_loop().time(), what=where)
-        if head.get("transfer-encoding", "").lower() == "chunked":
+        if head.chunked:
             parts: list[bytes] = []
             n = 0
             while True:
@@ -213,12 +202,9 @@ class PlainOrigin:
                 parts.append(await self._read(r.readexactly(size), where, pace, n))
                 n += size
                 await self._read(r.readexactly(2), where, pace, n)
-        length = head.get("content-length")
-        if length is None:
+        size = head.content_length
+        if size is None:
             return None
-        if not length.isdigit():
-            raise UpstreamError(f"{where}: Content-Length {length!r}")
-        size = int(length)
         if size > limit:
             raise UpstreamError(f"{where}: a body of more than {limit:,} bytes")
         # one read of the whole body: it has the pace's time for all of it (grace + size / min_rate)
@@ -296,20 +282,3 @@ def _views(body) -> tuple[memoryview, ...]:
     """A request body as byte views: one buffer, or a tuple of pieces sent one after the other."""
     pieces = body if isinstance(body, tuple) else (body,)
     return tuple(v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in map(memoryview, pieces))
-
-
-def _parse_head(raw: bytes, where: str) -> tuple[int, _Headers]:
-    lines = raw.decode("latin-1").split("\r\n")
-    first = lines[0].split(" ", 2)
-    if len(first) < 2 or not first[0].startswith("HTTP/1.") or not first[1].isdigit() or len(first[1]) != 3:
-        raise UpstreamError(f"{where}: not an HTTP/1.x status line: {lines[0][:80]!r}")
-    head = _Headers()
-    for line in lines[1:]:
-        if not line:
-            continue
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise UpstreamError(f"{where}: a bad header line {line[:80]!r}")
-        key = name.strip().lower()
-        head[key] = f"{head[key]}, {value.strip()}" if key in head else value.strip()
-    return int(first[1]), head

@@ -11,10 +11,11 @@ file) before the buffer is reused: the socket copy is the only copy before the p
 cache. Connections are kept alive per parent (HTTP/1.1), so a delta's small blobs
 do not pay a new handshake each, as with aiohttp's pool.
 
-Only what a blob answer needs is parsed: the status line, ``Content-Length`` (required;
-chunked bodies are refused) and ``Content-Range``. HTTPS parents, and anything this
-client does not speak, go through aiohttp (``supports``). Every wait has a timeout: the
-connect, the whole head (however slowly it is dripped), silence on the socket (``read``), and the
+The head is read by the core's one HTTP head reader (``deltasync.httphead``: ``Content-Length``
+required, chunked bodies refused, a 206's ``Content-Range`` checked against the Range asked; a
+malformed head is its ``HeadError``, an ``UpstreamError``: the parent is failed over). HTTPS
+parents, and anything this client does not speak, go through aiohttp (``supports``). Every wait
+has a timeout: the connect, the whole head (however slowly it is dripped), silence on the socket (``read``), and the
 body's minimum rate (``deltasync.retry.Pace``: a parent that drips is failed over, the fetch resumed
 from the next parent with ``Range``).
 """
@@ -22,21 +23,16 @@ from the next parent with ``Range``).
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from multidict import CIMultiDict
-
 from deltasync.errors import UpstreamError, UpstreamTimeout
+from deltasync.httphead import MAX_HEAD, HeadError, Headers, check_range, read_head
 from deltasync.retry import DEFAULT_MIN_RATE, DEFAULT_RATE_GRACE, Pace
 
 #: Each piece handed to ``on_body`` is at most this long (what one ``recv_into`` may fill).
 BUFFER = 1 << 20
-MAX_HEAD = 64 << 10
 IDLE_PER_PARENT = 8
-
-_STATUS = re.compile(rb"^HTTP/1\.[01] (\d{3})")
 
 #: the body pieces of every connection are received into this one buffer (the event loop's thread takes each in,
 #: and ``on_body`` hashes and writes it, before it reads the next: one buffer stays in the core's L2, where one
@@ -50,7 +46,7 @@ class BlobResponse:
 
     __slots__ = ("status", "headers")
 
-    def __init__(self, status: int, headers: CIMultiDict) -> None:
+    def __init__(self, status: int, headers: Headers) -> None:
         self.status = status
         self.headers = headers
 
@@ -67,6 +63,9 @@ class _Conn(asyncio.BufferedProtocol):
         self._buf = bytearray(BUFFER)
         self._view = memoryview(self._buf)
         self._fill = 0
+        self._scanned = 0  # bytes of the current head searched for its end so far
+        self._offset = 0  # the blob byte the current request asked from
+        self._where = ""  # the current request's URL, named in the errors
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.received = 0  # bytes of the current answer (head included)
@@ -140,8 +139,12 @@ class _Conn(asyncio.BufferedProtocol):
         self._abort(UpstreamError(f"connection to the parent lost mid-answer ({exc or 'closed'})"))
 
     # -- one request ---------------------------------------------------------------------------
-    def start(self, request: bytes) -> asyncio.Future[BlobResponse]:
+    def start(self, request: bytes, *, offset: int = 0, where: str = "") -> asyncio.Future[BlobResponse]:
+        """Send ``request`` (a GET from blob byte ``offset``, ``where`` its URL for the errors); the future ends
+        with the answer's head."""
         self._head = self._loop.create_future()
+        self._offset, self._where = offset, where
+        self._scanned = 0
         self._done = None
         self._error = None
         self._fill = 0
@@ -171,33 +174,21 @@ class _Conn(asyncio.BufferedProtocol):
         return self._done
 
     def _parse_head(self) -> None:
-        data = self._view[:self._fill]
-        end = bytes(data[:min(self._fill, MAX_HEAD)]).find(b"\r\n\r\n")
-        if end < 0:
-            if self._fill >= MAX_HEAD:
-                raise UpstreamError(f"the parent's answer head is longer than {MAX_HEAD} bytes")
+        got = read_head(self._buf, filled=self._fill, scanned=self._scanned, max_bytes=MAX_HEAD, where=self._where)
+        if got is None:
+            self._scanned = self._fill
             return
-        head = bytes(data[:end]).decode("latin-1").split("\r\n")
-        m = _STATUS.match(head[0].encode("latin-1"))
-        if not m:
-            raise UpstreamError(f"not an HTTP/1.x answer: {head[0][:80]!r}")
-        headers: CIMultiDict = CIMultiDict()
-        for line in head[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise UpstreamError(f"malformed header line in the parent's answer: {line[:80]!r}")
-            headers[name.strip()] = value.strip()
-        resp = BlobResponse(int(m.group(1)), headers)
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            raise UpstreamError("the parent sent a chunked body; a blob answer carries Content-Length")
-        length = resp.content_length
-        if length is None:
-            raise UpstreamError(f"the parent's {resp.status} answer has no Content-Length")
-        self._left = self.length = length
-        self.reusable = headers.get("connection", "").lower() != "close"
-        rest = self._fill - (end + 4)
+        head, end = got
+        if head.content_length is None:  # a chunked error answer, or one read to the close: its body is not read
+            raise HeadError(f"{self._where}: the parent's {head.status} answer has no Content-Length")
+        if head.status in (200, 206):
+            check_range(head, self._offset, where=self._where)
+        resp = BlobResponse(head.status, head.headers)
+        self._left = self.length = head.content_length
+        self.reusable = head.keep_alive
+        rest = self._fill - end
         if rest:
-            self._buf[:rest] = self._buf[end + 4:self._fill]  # at most one read's worth, once per answer
+            self._buf[:rest] = self._buf[end:self._fill]  # at most one read's worth, once per answer
         self._fill = rest
         self._head.set_result(resp)
 
@@ -271,7 +262,7 @@ class BlobGetter:
         while True:
             conn, reused = await self._connection(parent, host, port)
             try:
-                head = conn.start(request)
+                head = conn.start(request, offset=offset, where=f"{parent.rstrip('/')}/v1/blobs/{blob_id}")
                 resp = await self._wait(conn, head, self.head_timeout,
                                         deadline=asyncio.get_running_loop().time() + self.head_timeout)
             except UpstreamError:
