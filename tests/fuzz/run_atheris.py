@@ -6,7 +6,7 @@ so a small input that makes a parser allocate without bound fails as a crash (Me
 of taking the machine. A target may raise only the library's own errors (the ``deltasync.errors``
 tree); any other exception is a crash: libFuzzer stops and writes the input to ``--artifacts``.
 The seeds are real inputs (a blob, a delta file, a manifest, a safetensors shard, an event
-stream) made fresh at start. Exit status 0 when every target ran its time without a crash.
+stream, answer heads) made fresh at start. Exit status 0 when every target ran its time without a crash.
 ``make fuzz`` runs this; it needs the ``fuzz`` extra (``pip install -e '.[fuzz]'``).
 """
 
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-TARGETS = ("blob", "deltafile", "manifest", "safetensors", "sse")
+TARGETS = ("blob", "deltafile", "manifest", "safetensors", "sse", "httphead")
 
 
 def seeds(target: str) -> list[bytes]:
@@ -48,6 +48,12 @@ def seeds(target: str) -> list[bytes]:
         return [man.to_json()]
     if target == "safetensors":
         return [save_shard(new), save_shard({"x": torch.zeros(3, dtype=torch.complex64)}, {"k": "v"})]
+    if target == "httphead":
+        # the first byte is the target's own (piece size, framing): see run_target
+        return [b"\x00HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 100-130/131\r\nContent-Length: 31\r\n"
+                b"Connection: keep-alive\r\n\r\nbody",
+                b"\x83HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\nx-a: 2\r\n\r\n",
+                b"\x05HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n"]
     if target == "sse":
         return [b"".join([format_event("version", {"model": "m", "version": 3}, id="3"),
                           b": keepalive\r\n\r\n", b"data: a\rdata: b\r\n\n"])]
@@ -62,6 +68,7 @@ def run_target(target: str) -> None:
         from deltasync.codec import decode_blob
         from deltasync.deltafile import unpack_delta_file
         from deltasync.errors import DeltaSyncError
+        from deltasync.httphead import check_range, read_head
         from deltasync.manifest import parse_manifest
         from deltasync.sse import SSEDecoder
         from deltasync.tensorfile import load_shard
@@ -78,12 +85,34 @@ def run_target(target: str) -> None:
                 except DeltaSyncError:
                     pass
 
+    def httphead(data: bytes) -> None:
+        # the first byte picks the piece size and whether 200s may be unframed; the rest is the answer, dripped
+        # into a receive buffer as the callers do; a head read whole must be the head read in pieces
+        cut, framed, data = (data[0] % 16 + 1, data[0] < 128, data[1:]) if data else (1, True, b"")
+        buf = bytearray(len(data))
+        try:
+            whole = read_head(data, framed=framed)
+        except DeltaSyncError:
+            whole = None
+        scanned = 0
+        for end in [*range(cut, len(data), cut), len(data)]:
+            buf[scanned:end] = data[scanned:end]
+            got = read_head(buf, filled=end, scanned=scanned, framed=framed)
+            if got is not None:
+                assert got == whole, (got, whole)
+                if got[0].status in (200, 206) and got[0].content_length is not None:
+                    check_range(got[0], 0)
+                return
+            scanned = end
+        assert whole is None
+
     fns = {
         "blob": decode_blob,
         "deltafile": lambda d: unpack_delta_file(d, key=key),
         "manifest": lambda d: parse_manifest(d, key=key),
         "safetensors": load_shard,
         "sse": sse,
+        "httphead": httphead,
     }
     fn = fns[target]
 
