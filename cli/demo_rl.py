@@ -506,8 +506,9 @@ def write_plot(path: Path, ds: PathResult, ref: PathResult, cfg: RLConfig) -> No
 
     png = line_chart([Series(label="deltasync (vLLM weight-transfer API)", ys=ds.curve, color=BLUE, width=3),
                       Series(label="reference (reload each checkpoint)", ys=ref.curve, color=ORANGE, dashed=True)],
-                     title=f"GRPO on a+b= (tiny Qwen2, vLLM TP={cfg.tp}): mean reward per step",
-                     xlabel="step", ylabel="reward")
+                     title="GRPO on a+b=: mean reward per step",
+                     xlabel=f"step ({cfg.groups} prompts x {cfg.samples} samples)",
+                     ylabel="reward")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(png)

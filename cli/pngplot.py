@@ -162,11 +162,11 @@ def line_chart(series: Sequence[Series], *, title: str, xlabel: str = "", ylabel
         c.text(px(i) - text_width(str(i)) // 2, bottom + 10, str(i))
     c.line(left, top, left, bottom, BLACK)
     c.line(left, bottom, right, bottom, BLACK)
-    c.text((width - text_width(title)) // 2, 10, title)
-    if xlabel:
-        c.text((left + right - text_width(xlabel)) // 2, height - 20, xlabel)
     if ylabel:
         c.text(8, 12, ylabel)
+    c.text(max((width - text_width(title)) // 2, 8 + (text_width(ylabel) + 24 if ylabel else 0)), 12, title)
+    if xlabel:
+        c.text((left + right - text_width(xlabel)) // 2, height - 20, xlabel)
     for s in series:
         phase = 0
         pts = [(px(i), py(v)) for i, v in enumerate(s.ys)]
