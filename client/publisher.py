@@ -181,6 +181,7 @@ class PendingVersion:
         self.side_keyframe = side
         self.blocking_s = blocking_s
         self._future = future
+        self.serving: dict[str, PendingVersion] = {}  # the serving-format streams' versions of this step
 
     def done(self) -> bool:
         return self._future.done()
@@ -229,7 +230,7 @@ class Publisher:
                  upload_concurrency: int = 4, max_pending: int = 4, timeouts: Timeouts | None = None,
                  commit: bool = True, check_origin: bool = True, shard_bytes: int = DEFAULT_SHARD_BYTES,
                  base: tuple[int, Mapping[str, torch.Tensor], Mapping[str, int] | None] | None = None,
-                 budget: int | BudgetPolicy | None = None, ssl=None) -> None:
+                 budget: int | BudgetPolicy | None = None, ssl=None, serve: Sequence[object] = ()) -> None:
         if keyframe_every < 0:
             raise ValueError("keyframe_every must be >= 0")
         self.model = model
@@ -264,6 +265,15 @@ class Publisher:
         self._origin_checked = not check_origin
         self._closed = False
         self.results: list[PublishResult] = []  # committed versions, in order (kept small: last 1000)
+        self.serving = None  # serving-format streams beside this one (client/serving.py), ``serve=["fp8-block"]``
+        if serve:
+            if not commit:
+                raise ValueError("serving formats need the whole state on one publisher (not part mode)")
+            from .serving import ServingStreams
+            self.serving = ServingStreams(model, serve, lambda name: Publisher(
+                origin_url, name, token, key, keyframe_every=keyframe_every, options=options, workers=workers,
+                upload_concurrency=upload_concurrency, max_pending=max_pending, timeouts=timeouts,
+                check_origin=check_origin, shard_bytes=shard_bytes, budget=budget, ssl=ssl))
         if base is not None:
             version, tensors, fps = base
             self._ref = Reference.adopt(tensors, fps)
@@ -352,10 +362,15 @@ class Publisher:
             raise
         fut.add_done_callback(lambda _f: self._slots.release())
         self._prev = fut
-        return PendingVersion(step, kind, side, blocking, fut)
+        pending = PendingVersion(step, kind, side, blocking, fut)
+        if self.serving is not None:  # stream name -> its PendingVersion of this step
+            pending.serving = self.serving.publish(step, tensors, keyframe=keyframe, meta=meta)
+        return pending
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued version is committed; raise the first background error."""
+        if self.serving is not None:
+            self.serving.flush(timeout)
         if self._prev is not None:
             try:
                 self._prev.result(timeout)
@@ -390,6 +405,8 @@ class Publisher:
             self.flush(timeout)
         finally:
             self._closed = True
+            if self.serving is not None:
+                self.serving.close(timeout)
             try:
                 self._io.run(self._client.close(), 10)
             except Exception:  # closing a session must not mask the flush error
