@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import zstandard
 
-from deltasync import rans
+from deltasync.kernels import rans
 from deltasync.apply import apply_delta, prepare_delta, stage_prepared
 from deltasync.codec import EncodeOptions, encode_delta
 from deltasync.fingerprint import tensor_fingerprint

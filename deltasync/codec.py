@@ -36,7 +36,7 @@ from .parts import map_parts
 from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, fp_hex, state_fingerprint, tensor_fingerprint,
                           update_fingerprint, words_range_delta)
 from .manifest import SPANS_META_PREFIX, BlobRef, ChunkRef, Manifest, TensorRecord, parse_spans
-from .entropy import AnsBlobCoder, AnsTables, word_symbols
+from .entropy import AnsBlobCoder, AnsTables, decode_ans_rows, word_symbols
 from .conditioned import (CODING_BASE_CONDITIONED, CODING_BASE_FREE, CODING_META, CODINGS, CondBlobCoder, CondTables,
                           PendingChanges, chunk_ranks, context_spec)
 from . import kernels
@@ -827,7 +827,7 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
     ctables: list[CondTables] = []  # v3: the blob's per-context models, parsed at its first ansx chunk
 
     jobs: list[Callable[[], ChunkPatch] | None] = []
-    # ans chunks: (index in jobs, tensor, dtype, stop) and their kernel rows (kernels.decode_ans_rows)
+    # ans chunks: (index in jobs, tensor, dtype, stop) and their kernel rows (entropy.decode_ans_rows)
     ans_batch: list[tuple[int, str, str, int]] = []
     ans_rows: list[tuple[int, int, int, int, int, int, int, int]] = []
     dtypes: dict[str, tuple] = {}  # dtype name -> (info, word size, numpy word dtype, raw stream name)
@@ -916,7 +916,7 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
     out: list[ChunkPatch | None] = [None] * len(jobs)
     if ans_batch:  # (format 2 blobs have no gap/bitmap chunks, so errors still come in chunk order)
         raws = {w: reader.stream(f"raw{w}", numpy_word_dtype(w)) for w in {r[-1] for r in ans_rows}}
-        decoded = kernels.decode_ans_rows(tables[0], reader.stream("ans"), raws, ans_rows, executor=executor)
+        decoded = decode_ans_rows(tables[0], reader.stream("ans"), raws, ans_rows, executor=executor)
         new = _new_patch
         for (i, name, dtname, stop), (_, _, _, _, start, _, _, _), ch in zip(ans_batch, ans_rows, decoded):
             out[i] = new(name, dtname, start, stop, ch)

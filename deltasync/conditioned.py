@@ -5,7 +5,7 @@ more often for small magnitudes: the old word's *exponent* predicts whether a wo
 how much. This mode groups a chunk's words by the exponent of their **old** value (the context ``e``,
 :func:`context_spec`), codes the changed words of each group as gaps between their ranks inside the
 group, and models gaps (G_e) and value symbols (V_e) per context, under the same rANS as the ``ans``
-mode (:mod:`deltasync.rans`). On real AdamW traces that is ~30% fewer bytes than ``ans``.
+mode (:mod:`deltasync.kernels.rans`). On real AdamW traces that is ~30% fewer bytes than ``ans``.
 
 The price: **decoding needs the base**. A decoded chunk is a *pending* patch
 (:class:`PendingChanges`) until it is given the chunk's old words; the decoder reads every old word of
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from . import rans
+from .kernels import rans
 from .errors import FormatError
 from .values import Changes, changes_from_symbols, step_symbols
 from .varint import decode_varints, encode_varints

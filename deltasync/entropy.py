@@ -2,7 +2,7 @@
 
 Per change, the gap to the previous change (bucket under model G, then its low bits) and the value
 symbol (model V; :func:`deltasync.values.step_symbols`) go into the chunk's message
-(:mod:`deltasync.rans`); raw words go to the ``raw{w}`` stream as in format 1. Models G and V are
+(:mod:`deltasync.kernels.rans`); raw words go to the ``raw{w}`` stream as in format 1. Models G and V are
 static per blob: the encoder counts every chunk of the blob, normalizes (``rans.normalize``) and
 sends the frequencies in the ``ansm`` stream (docs/FORMAT.md §4.3), then codes each chunk. Chunks
 decode independently (the decoder needs only the blob's tables), so an executor decodes them in
@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import rans
+from .kernels import rans
 from .errors import FormatError
-from .parts import map_parts
+from .parts import map_parts, split_counts
+from .dtypes import numpy_word_dtype
 from .kernels import cpu_kernels
 from .values import Changes, _raw_limit, changes_from_symbols, step_symbols
 from .varint import decode_varints, encode_varints
@@ -199,12 +200,113 @@ class AnsChunk:
     word_size: int
 
 
+_PARTS = 4  # an executor's share of a blob's ans chunks: this many parts of about equal change counts
+_PART_MIN = 1 << 15  # fewer changes than this in all: one part
+
+
+def _packed_tables(tables):
+    (gf, gc, gl), (vf, vc, vl) = tables.g, tables.v
+    return cpu_kernels().ans_slot_table(gf, gc, gl), cpu_kernels().ans_slot_table(vf, vc, vl)
+
+
+def _ans_error(code: int, detail: int, nr: int, word_size: int) -> FormatError:
+    if code == cpu_kernels().E_ANS_NRAW:
+        return FormatError(f"values: {detail} raw symbols but {nr} raw words")
+    if code == cpu_kernels().E_ANS_STEPBIG:
+        return FormatError(f"values: a step larger than half a {word_size * 8}-bit word")
+    return FormatError(f"ans chunk: {_ERRORS.get(code, f'error {code}')}")
+
+
 def decode_ans_chunks(tables: AnsTables, ans: np.ndarray, raws: dict[int, np.ndarray], chunks: list[AnsChunk],
                       *, executor=None) -> list[Changes]:
     """Every chunk of ``chunks`` decoded (:func:`decode_ans_chunk` each, same results and errors: the first
     failing chunk in list order raises). With the compiled kernels, chunks of one word size are decoded in
     one call into shared arrays (each chunk's Changes are views of them); ``executor``: in a few parts on
     its threads."""
-    from . import kernels
+    for c in chunks:
+        if c.at < 0 or c.at + 2 * c.na > ans.size or c.r0 < 0 or c.r0 + c.nr > raws[c.word_size].size:
+            raise FormatError("blob stream 'ans' or its raw words are shorter than its chunks need (truncated or corrupt)")
+    if cpu_kernels() is None:
+        out = []
+        for c in chunks:
+            words = np.array(ans[c.at : c.at + 2 * c.na]).view("<u2")
+            out.append(decode_ans_chunk(tables, words, raws[c.word_size][c.r0 : c.r0 + c.nr], c.count, c.length,
+                                        c.start, c.word_size))
+        return out
+    return decode_ans_rows(tables, ans, raws, [(c.at, c.na, c.count, c.length, c.start, c.r0, c.nr, c.word_size)
+                                               for c in chunks], executor=executor)
 
-    return kernels.decode_ans_chunks(tables, ans, raws, chunks, executor=executor)
+
+_object_new = object.__new__
+_setattr = object.__setattr__
+
+
+def decode_ans_rows(tables, ans: np.ndarray, raws: dict, rows: list, *, executor=None) -> list:
+    """:func:`decode_ans_chunks` of chunks given as tuples ``(at, na, count, length, start, r0, nr, word_size)``
+    (an :class:`AnsChunk`'s fields, as ``codec.decode_blob`` gathers them: no object per chunk); the same
+    Changes and the same errors."""
+    k = cpu_kernels()
+    if k is None:
+        return decode_ans_chunks(tables, ans, raws, [
+            AnsChunk(at=r[0], na=r[1], count=r[2], length=r[3], start=r[4], r0=r[5], nr=r[6], word_size=r[7])
+            for r in rows], executor=executor)
+    if not rows:
+        return []
+    table = np.array(rows, dtype=np.int64).reshape(-1, 8)
+    at, na, r0, nr, ws = table[:, 0], table[:, 1], table[:, 5], table[:, 6], table[:, 7]
+    wsizes = sorted({r[7] for r in rows})
+    multi = len(wsizes) > 1
+    sizes = np.array([raws[w].size for w in ws.tolist()], np.int64) if multi else raws[wsizes[0]].size
+    if ((at < 0) | (at + 2 * na > ans.size) | (r0 < 0) | (r0 + nr > sizes)).any():
+        raise FormatError("blob stream 'ans' or its raw words are shorter than its chunks need (truncated or corrupt)")
+    if ans.size % 2:
+        raise FormatError(f"blob stream 'ans' has {ans.size} bytes, not a whole number of 16-bit words")
+    words16 = ans.view("<u2") if ans.size else np.zeros(0, np.uint16)
+    gtab, vtab = _packed_tables(tables)
+    result: list = [None] * len(rows)
+    failures: list[tuple[int, int, int]] = []  # (chunk index, code, detail)
+    new, put = _object_new, _setattr
+    for w in wsizes:
+        if multi:
+            idx = np.flatnonzero(ws == w)
+            sub = table[idx]
+        else:
+            idx = np.arange(len(rows))
+            sub = table
+        counts = sub[:, 2]
+        offsets = np.zeros(sub.shape[0] + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        jobs = np.empty((sub.shape[0], 8), dtype=np.int64)
+        jobs[:, 0] = sub[:, 0] // 2
+        jobs[:, 1:7] = sub[:, 1:7]
+        jobs[:, 7] = offsets[:-1]
+        o = int(offsets[-1])
+        wdt = numpy_word_dtype(w)
+        pos = np.empty(o, np.int64)
+        rawf = np.empty(o, np.bool_)
+        vals = np.empty(o, wdt)
+        raw_words = np.ascontiguousarray(raws.get(w, np.zeros(0, wdt)), wdt)
+        ranges = [(0, sub.shape[0])]
+        if executor is not None and o >= _PART_MIN and sub.shape[0] > 1:
+            ranges = split_counts(counts.tolist(), _PARTS)
+
+        def run(r, jobs=jobs, pos=pos, rawf=rawf, vals=vals, raw_words=raw_words, w=w):
+            return k.ans_decode_chunks(words16, jobs[r[0] : r[1]], gtab, vtab, raw_words, pos, rawf, vals, w * 8)
+
+        got = list(executor.map(run, ranges)) if len(ranges) > 1 else [run(ranges[0])]
+        idx = idx.tolist()
+        for (a, _), (code, j, detail) in zip(ranges, got):
+            if code != 0:
+                failures.append((idx[a + j], int(code), int(detail)))
+        bounds = offsets.tolist()
+        for row, i in enumerate(idx):
+            a, b = bounds[row], bounds[row + 1]
+            ch = new(Changes)  # Changes(positions=..., raw=..., values=...) without the frozen keyword __init__
+            put(ch, "positions", pos[a:b])
+            put(ch, "raw", rawf[a:b])
+            put(ch, "values", vals[a:b])
+            result[i] = ch
+    if failures:
+        i, code, detail = min(failures)
+        raise _ans_error(code, detail, rows[i][6], rows[i][7])
+    return result

@@ -33,60 +33,10 @@ import xxhash
 
 from .dtypes import HostTensor, dtype_info, word_view
 from .kernels import cpu_kernels, gpu_kernels
+from .kernels.fpkeys import C0, MASK64, T_NP, fingerprint_delta_torch, lanes_sum_torch
 
 if TYPE_CHECKING:
     import torch
-
-BLOCK_BITS = 16
-BLOCK = 1 << BLOCK_BITS
-_CHUNK_BLOCKS = 4  # lanes per full-recompute step: 4 blocks = 256 Ki lanes = 2 MiB of int64
-_MASK64 = (1 << 64) - 1
-_C0 = 0x2545F4914F6CDD1D
-_SEED_T = 0x6A09E667F3BCC908
-_SEED_B = 0xBB67AE8584CAA73B
-
-
-def _to_signed(x: int) -> int:
-    x &= _MASK64
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _splitmix64_np(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        z = x + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
-
-
-_T_NP = _splitmix64_np(np.arange(BLOCK, dtype=np.uint64) + np.uint64(_SEED_T)) | np.uint64(1)
-_T_BY_DEVICE: dict = {}  # torch.device -> the table as int64 on it (torch imported on first use)
-
-
-def _table(device: torch.device) -> torch.Tensor:
-    t = _T_BY_DEVICE.get(device.type if device.type == "cpu" else device)
-    if t is None:
-        import torch
-
-        cpu = _T_BY_DEVICE.get("cpu")
-        if cpu is None:
-            cpu = _T_BY_DEVICE["cpu"] = torch.from_numpy(_T_NP.view(np.int64).copy())
-        t = _T_BY_DEVICE[device] = cpu if device.type == "cpu" else cpu.to(device)
-    return t
-
-
-def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 values (torch's >> is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def _block_keys(blocks: torch.Tensor) -> torch.Tensor:
-    """O(b) for a tensor of int64 block numbers, on their device (splitmix64, wrapping int64)."""
-    z = (blocks ^ _to_signed(_SEED_B)) + _to_signed(0x9E3779B97F4A7C15)
-    z = (z ^ _lsr(z, 30)) * _to_signed(0xBF58476D1CE4E5B9)
-    z = (z ^ _lsr(z, 27)) * _to_signed(0x94D049BB133111EB)
-    return (z ^ _lsr(z, 31)) | 1
-
 
 def _lanes(tensor: torch.Tensor) -> torch.Tensor:
     """Flat signed view of a contiguous tensor's lanes (int8 or int16)."""
@@ -123,8 +73,8 @@ def tensor_fingerprint(tensor: torch.Tensor, *, executor=None) -> int:
     n = lanes.numel()
     if executor is not None and n > FP_SPLIT_LANES:
         parts = executor.map(lambda s: lanes_sum(lanes[s : s + FP_SPLIT_LANES], s), range(0, n, FP_SPLIT_LANES))
-        return (sum(parts) + n * _C0) & _MASK64
-    return (lanes_sum(lanes, 0) + n * _C0) & _MASK64
+        return (sum(parts) + n * C0) & MASK64
+    return (lanes_sum(lanes, 0) + n * C0) & MASK64
 
 
 def host_lanes(t: HostTensor) -> np.ndarray:
@@ -139,7 +89,7 @@ def host_lanes_sum(lanes: np.ndarray, offset: int) -> int:
         return 0
     k = cpu_kernels()
     if k is not None:
-        return int(k.lanes_sum(lanes, offset, _T_NP)) & _MASK64
+        return int(k.lanes_sum(lanes, offset, T_NP)) & MASK64
     import torch
 
     signed = lanes.view(np.int8 if lanes.dtype == np.uint8 else np.int16)
@@ -151,8 +101,8 @@ def _host_fingerprint(t: HostTensor, executor) -> int:
     n = lanes.size
     if executor is not None and n > FP_SPLIT_LANES:
         parts = executor.map(lambda s: host_lanes_sum(lanes[s : s + FP_SPLIT_LANES], s), range(0, n, FP_SPLIT_LANES))
-        return (sum(parts) + n * _C0) & _MASK64
-    return (host_lanes_sum(lanes, 0) + n * _C0) & _MASK64
+        return (sum(parts) + n * C0) & MASK64
+    return (host_lanes_sum(lanes, 0) + n * C0) & MASK64
 
 
 def copy_fingerprint(dst: torch.Tensor, src: torch.Tensor | np.ndarray, *, executor=None) -> int:
@@ -192,8 +142,8 @@ def copy_fingerprint(dst: torch.Tensor, src: torch.Tensor | np.ndarray, *, execu
     if executor is not None and n > FP_SPLIT_LANES:
         parts = executor.map(lambda s: copy_lanes_sum_np(dl[s : s + FP_SPLIT_LANES], sl[s : s + FP_SPLIT_LANES], s),
                              range(0, n, FP_SPLIT_LANES))
-        return (sum(parts) + n * _C0) & _MASK64
-    return (copy_lanes_sum_np(dl, sl, 0) + n * _C0) & _MASK64
+        return (sum(parts) + n * C0) & MASK64
+    return (copy_lanes_sum_np(dl, sl, 0) + n * C0) & MASK64
 
 
 def words_range_delta(old_words: torch.Tensor, new_words: torch.Tensor, start: int, word_size: int) -> int:
@@ -205,100 +155,26 @@ def words_range_delta(old_words: torch.Tensor, new_words: torch.Tensor, start: i
     per = max(word_size // 2, 1)
     lane_dt = torch.int8 if word_size == 1 else torch.int16
     lo = start * per
-    return (lanes_sum(new_words.view(lane_dt), lo) - lanes_sum(old_words.view(lane_dt), lo)) & _MASK64
+    return (lanes_sum(new_words.view(lane_dt), lo) - lanes_sum(old_words.view(lane_dt), lo)) & MASK64
 
 
 def fingerprint_from_lane_sums(partial_sums, n_lanes: int) -> int:
     """A tensor's fingerprint from partial ``lanes_sum`` results that together cover all its
     ``n_lanes`` lanes (e.g. tensor-parallel shards, summed by an all-reduce)."""
-    return (sum(partial_sums) + n_lanes * _C0) & _MASK64
+    return (sum(partial_sums) + n_lanes * C0) & MASK64
 
 
 def lanes_sum(lanes: torch.Tensor, offset: int) -> int:
-    """sum_i lane_i * K(offset + i) mod 2**64 over a flat int8/int16 lane view."""
-    n = lanes.numel()
-    if n == 0:
+    """sum_i lane_i * K(offset + i) mod 2**64 over a flat int8/int16 lane view: the compiled kernel on CPU, the
+    Triton kernels on CUDA, else torch (:func:`deltasync.kernels.fpkeys.lanes_sum_torch`)."""
+    if lanes.numel() == 0:
         return 0
-    import torch
-
     if lanes.device.type == "cpu" and (k := cpu_kernels()) is not None:  # compiled: one pass, no buffers
+        import torch
+
         lanes = lanes.contiguous().view(torch.uint8 if lanes.dtype == torch.int8 else torch.uint16)
-        return int(k.lanes_sum(lanes.numpy(), offset, _T_NP)) & _MASK64
-    mask = 0xFF if lanes.dtype == torch.int8 else 0xFFFF
-    device = lanes.device
-    total = 0
-    head = min((-offset) % BLOCK, n)
-    if head:  # up to the first block boundary: per-lane keys
-        idx = torch.arange(offset, offset + head, dtype=torch.int64, device=device)
-        total += int(((lanes[:head].to(torch.int64) & mask) * lane_keys(idx)).sum().item())
-        lanes, offset, n = lanes[head:], offset + head, n - head
-        if n == 0:
-            return total & _MASK64
-    table = _table(device)
-    g = gpu_kernels(lanes) if offset % BLOCK == 0 else None
-    if g is not None:  # Triton: one pass, per-block sums on the device
-        sums = g.lane_block_sums(lanes.contiguous(), table)
-        keys = _block_keys(torch.arange(offset >> BLOCK_BITS, (offset >> BLOCK_BITS) + sums.numel(), dtype=torch.int64,
-                                        device=device))
-        return (total + int((sums * keys).sum().item())) & _MASK64
-    if device.type == "cpu":  # unsigned views widen without a mask pass on CPU
-        lanes, mask = lanes.view(torch.uint8 if mask == 0xFF else torch.uint16), 0
-    step = BLOCK * _CHUNK_BLOCKS
-    nblocks = (n + BLOCK - 1) // BLOCK
-    buf = torch.empty(min(step, nblocks * BLOCK), dtype=torch.int64, device=device)
-    sums = torch.empty(nblocks, dtype=torch.int64, device=device)
-    for start in range(0, n, step):
-        m = min(step, n - start)
-        rows = (m + BLOCK - 1) // BLOCK
-        if m < rows * BLOCK:
-            buf.zero_()
-        view = buf[:m]
-        view.copy_(lanes[start : start + m])
-        if mask:
-            view.bitwise_and_(mask)
-        mat = buf[: rows * BLOCK].view(rows, BLOCK)
-        mat.mul_(table)
-        first = start >> BLOCK_BITS
-        torch.sum(mat, dim=1, out=sums[first : first + rows])
-    first_block = offset >> BLOCK_BITS
-    keys = _block_keys(torch.arange(first_block, first_block + nblocks, dtype=torch.int64, device=device))
-    total += int((sums * keys).sum().item())
-    return total & _MASK64
-
-
-def lane_keys(index: torch.Tensor) -> torch.Tensor:
-    """K(i) for int64 lane indices, on their device."""
-    import torch
-
-    table = _table(index.device)
-    blocks = index >> BLOCK_BITS
-    if index.numel() > 256:
-        b0, b1 = int(blocks.min()), int(blocks.max())
-        if b1 - b0 < index.numel():  # few distinct blocks: key each block once, then gather
-            keys = _block_keys(torch.arange(b0, b1 + 1, dtype=torch.int64, device=index.device))
-            return table[index & (BLOCK - 1)] * keys[blocks - b0]
-    return table[index & (BLOCK - 1)] * _block_keys(blocks)
-
-
-def _word_lanes(positions: torch.Tensor, words: torch.Tensor, word_size: int):
-    """Split words at word positions into (lane indices, lane values as int64)."""
-    import torch
-
-    w = words.to(torch.int64)
-    if word_size == 1:
-        return positions, w & 0xFF
-    per = word_size // 2
-    if per == 1:
-        return positions, w & 0xFFFF
-    shifts = torch.arange(per, dtype=torch.int64, device=w.device) * 16
-    values = _lsr_any(w.unsqueeze(1), shifts) & 0xFFFF
-    index = positions.unsqueeze(1) * per + torch.arange(per, device=w.device)
-    return index.reshape(-1), values.reshape(-1)
-
-
-def _lsr_any(z: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-    # Logical shifts by a tensor of amounts; only used with shifts < 64 and a 0xFFFF mask after.
-    return z >> shifts
+        return int(k.lanes_sum(lanes.numpy(), offset, T_NP)) & MASK64
+    return lanes_sum_torch(lanes, offset, gpu=gpu_kernels(lanes))
 
 
 def fingerprint_delta(
@@ -316,19 +192,16 @@ def fingerprint_delta(
         udt = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[word_size]
         return int(k.fingerprint_delta(positions.contiguous().numpy(), old_words.contiguous().view(udt).numpy(),
                                        new_words.contiguous().view(udt).numpy(), 0 if word_size == 1 else word_size // 2,
-                                       _T_NP)) & _MASK64
-    idx, old = _word_lanes(positions, old_words, word_size)
-    _, new = _word_lanes(positions, new_words, word_size)
-    d = ((new - old) * lane_keys(idx)).sum()
-    return int(d.item()) & _MASK64
+                                       T_NP)) & MASK64
+    return fingerprint_delta_torch(positions, old_words, new_words, word_size)
 
 
 def update_fingerprint(fp: int, delta: int) -> int:
-    return (fp + delta) & _MASK64
+    return (fp + delta) & MASK64
 
 
 def fp_hex(fp: int) -> str:
-    return f"{fp & _MASK64:016x}"
+    return f"{fp & MASK64:016x}"
 
 
 def parse_fp(text: str) -> int:
@@ -338,7 +211,7 @@ def parse_fp(text: str) -> int:
 def state_fingerprint(records: Iterable[tuple[str, str, tuple[int, ...] | list[int], int]]) -> str:
     """xxh3-64 over sorted (name, dtype name, shape, tensor fp) records, as 16 hex digits."""
     # one hash over the records' lines (the same digest as feeding them one by one: ~3x less Python per tensor)
-    text = "".join([f"{name}\x00{dtype}\x00{','.join(map(str, map(int, shape)))}\x00{fp & _MASK64:016x}\n"
+    text = "".join([f"{name}\x00{dtype}\x00{','.join(map(str, map(int, shape)))}\x00{fp & MASK64:016x}\n"
                     for name, dtype, shape, fp in sorted(records, key=_first)])
     return xxhash.xxh3_64_hexdigest(text.encode())
 

@@ -1,6 +1,6 @@
 """Compile every CPU kernel into numba's on-disk cache, before the first process needs it.
 
-The kernels (:mod:`deltasync.kernels.cpu`, :mod:`deltasync.rans`, :mod:`deltasync.conditioned`) are
+The kernels (:mod:`deltasync.kernels.cpu`, :mod:`deltasync.kernels.rans`, :mod:`deltasync.conditioned`) are
 ``cache=True`` numba functions: each signature is compiled once, at its first call, and written to
 numba's cache (``__pycache__`` beside the module, or ``NUMBA_CACHE_DIR``); every later process loads
 the machine code. Compiling them all takes ~1 CPU-minute here. On a fresh install that cost fell on the
@@ -73,7 +73,8 @@ def _rank_map_flow() -> None:
 def cache_dirs() -> list[str]:
     """Where numba keeps the compiled kernels (one directory per module that defines some); empty where
     numba found no writeable cache location and compiles in memory, once per process."""
-    from . import conditioned, rans
+    from . import conditioned
+    from .kernels import rans
 
     k = kernels.cpu_kernels()
     if k is None:

@@ -280,7 +280,7 @@ def _fingerprint_changes(pos: np.ndarray, tids: np.ndarray, old, new, ws: int, d
     """acc[tensor] += sum (new - old) * K(lane) over the words' lanes at stream positions ``pos`` (mod 2**64)."""
     import torch
 
-    from .fingerprint import _word_lanes, lane_keys
+    from .kernels.fpkeys import lane_keys, word_lanes as _word_lanes
 
     p = torch.from_numpy(pos).to(dev)
     lane_idx, o = _word_lanes(p, old, ws)

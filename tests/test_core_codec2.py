@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltasync import rans
+from deltasync.kernels import rans
 from deltasync.apply import apply_delta
 from deltasync.blob import BlobReader
 from deltasync.codec import ChunkPacker, EncodeOptions, decode_blob, encode_delta

@@ -239,7 +239,7 @@ def test_every_single_lane_change_changes_it():
             assert tensor_fingerprint(from_bytes(bytes(mod), torch.bfloat16, (n,))) != fp, (lane, delta)
     # and for every lane of the tensor: its key is odd, so any lane change d (0 < |d| < 2**16) moves
     # the sum by d * K(i) != 0 mod 2**64
-    from deltasync.fingerprint import lane_keys
+    from deltasync.kernels.fpkeys import lane_keys
 
     keys = lane_keys(torch.arange(n, dtype=torch.int64))
     assert bool(((keys & 1) == 1).all())

@@ -1,7 +1,7 @@
 """The kernels of the decode and apply path (decode of whole ans chunks, the one-pass patch, the journal's gather and scatter)
 against the reference, bit for bit, and the threaded decode and apply against the serial ones.
 
-* ``kernels.decode_ans_chunks`` (numba: one call per word size) must give exactly the Changes that
+* ``entropy.decode_ans_chunks`` (numba: one call per word size) must give exactly the Changes that
   ``entropy.decode_ans_chunk`` gives chunk by chunk, and fail on the same chunk with the same message
   for cut, extended, flipped or miscounted streams.
 * ``kernels.patch_chunk`` must leave the words, old words and fingerprint change of ``patch_words``
@@ -26,7 +26,7 @@ from deltasync import kernels
 from deltasync.apply import apply_prepared, prepare_delta, stage_prepared
 from deltasync.blob import BlobReader
 from deltasync.codec import EncodeOptions, decode_blob, encode_delta
-from deltasync.entropy import AnsChunk, AnsTables
+from deltasync.entropy import AnsChunk, AnsTables, decode_ans_chunks
 from deltasync.errors import FormatError, IntegrityError
 from deltasync.fingerprint import fingerprint_state
 from deltasync.values import Changes
@@ -93,7 +93,7 @@ def _decode_both(tables, ans, raws, chunks, executor=None):
     for sel in ("reference", "numba"):
         kernels.select(sel)
         try:
-            out.append(("ok", kernels.decode_ans_chunks(tables, ans, raws, chunks, executor=executor)))
+            out.append(("ok", decode_ans_chunks(tables, ans, raws, chunks, executor=executor)))
         except FormatError as e:
             out.append(("error", str(e)))
     return out
@@ -113,7 +113,7 @@ def test_ans_decode_matches_reference(seed, density, big):
             _same_changes(x, y)
         with ThreadPoolExecutor(2) as pool:  # split in parts on the pool: the same arrays
             kernels.select("numba")
-            for x, y in zip(ref, kernels.decode_ans_chunks(*parts, executor=pool), strict=True):
+            for x, y in zip(ref, decode_ans_chunks(*parts, executor=pool), strict=True):
                 _same_changes(x, y)
 
 
@@ -159,7 +159,7 @@ def test_malformed_ans_chunks_fail_alike(seed, how, where):
 
 def test_big_steps_past_half_a_word_fail_alike():
     """A BIG step's magnitude beyond half the word (only a forged stream has one) fails alike."""
-    from deltasync import rans
+    from deltasync.kernels import rans
 
     gfreq = rans.normalize(np.bincount([1, 2], minlength=rans.N_GAP))
     vfreq = rans.normalize(np.bincount([rans.BIG, 0], minlength=rans.N_VAL))

@@ -22,7 +22,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from deltasync import kernels, rans
+from deltasync import kernels
+from deltasync.kernels import rans
 from deltasync.codec import EncodeOptions, diff_states, encode_delta, encode_diff
 from deltasync.entropy import _buckets
 from deltasync.fingerprint import fingerprint_delta, lanes_sum, tensor_fingerprint

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deltasync import rans
+from deltasync.kernels import rans
 
 pytest.importorskip("numba")
 pytestmark = pytest.mark.long  # compiles four prototype kernels (~40 s): `make test-long`, not `make test`

@@ -173,7 +173,8 @@ def case_patch_words(c: Checks) -> None:
 
 
 def case_lane_block_sums(c: Checks) -> None:
-    from deltasync.fingerprint import BLOCK, _block_keys, _table, lanes_sum
+    from deltasync.fingerprint import lanes_sum
+    from deltasync.kernels.fpkeys import BLOCK, block_keys, table_on
 
     rng = np.random.default_rng(3)
     sizes = (1, 63, 65, 4097, BLOCK - 1, BLOCK, BLOCK + 1) + ((3 * BLOCK + 5,) if LONG else ())
@@ -183,8 +184,8 @@ def case_lane_block_sums(c: Checks) -> None:
                 lanes = torch.from_numpy(random_words(rng, n, w).view(f"i{w}"))
                 if fill == "ones":
                     lanes.fill_(-1)
-                sums = gpu.lane_block_sums(lanes, _table(lanes.device))
-                keys = _block_keys(torch.arange(sums.numel(), dtype=torch.int64))
+                sums = gpu.lane_block_sums(lanes, table_on(lanes.device))
+                keys = block_keys(torch.arange(sums.numel(), dtype=torch.int64))
                 got = int((sums * keys).sum().item()) & ((1 << 64) - 1)
                 with reference():
                     c.eq(lanes_sum(lanes, 0), got, f"lane_block_sums {lane_dt} n={n} {fill}")

@@ -39,9 +39,6 @@ raw, word_size)``
 ``copy_lanes_sum_np(dst, src, offset)``        ``dst[:] = src`` and the ``lanes_sum`` of it, one pass
 ``fingerprint_delta_np(positions, old, new,    ``fingerprint.fingerprint_delta`` on the host
 word_size)``
-``decode_ans_chunks(tables, ans, raws,         ``entropy.decode_ans_chunk`` for each of a blob's ans
-chunks, executor=)``                           chunks: one compiled call per word size (in parts on
-                                               the executor's threads), Changes as views of it
 ``patch_chunk(words, changes, word_size)``     ``patch_words`` in one prefetching pass (apply.py)
 ``patch_jobs(jobs, like, old, fpds, w)``       ``patch_chunk`` of many tensors' chunks in one call (apply.py)
 ``gather_words`` / ``scatter_words``           ``out[:] = words[pos]`` / ``words[pos] = src`` (the
@@ -50,18 +47,19 @@ chunks, executor=)``                           chunks: one compiled call per wor
 rel, old)``                                    uint32 offsets and old words (tests/test_tail_journal.py)
 =============================================  ===============================================
 
-The whole-chunk decode, the one-pass patch and gather/scatter are tested in ``tests/test_kernels_apply.py``.
+The ans chunks' whole-blob decode is :func:`deltasync.entropy.decode_ans_chunks` (it calls the compiled
+kernel itself: this package imports none of its callers). The one-pass patch and gather/scatter are tested in ``tests/test_kernels_apply.py``.
 """
 
 from __future__ import annotations
 
 import threading
-import types
 
 import numpy as np
 
 from ..errors import FormatError
-from ..parts import split_counts
+from .cache import load_cached_directly
+from .fpkeys import T_NP
 
 _MASK64 = (1 << 64) - 1
 _CHOICES = ("auto", "numba", "reference")
@@ -149,15 +147,8 @@ def gpu_kernels(t):
     return _gpu
 
 
-_TABLE: list[np.ndarray] = []
-
-
 def _table() -> np.ndarray:
-    if not _TABLE:
-        from ..fingerprint import _T_NP
-
-        _TABLE.append(_T_NP)
-    return _TABLE[0]
+    return T_NP
 
 
 _local = threading.local()
@@ -199,7 +190,7 @@ def diff_words(o: np.ndarray, n: np.ndarray, start: int, word_size: int, update_
         return pos, ow, nw, int(fpd)
     import torch
 
-    from ..fingerprint import fingerprint_delta
+    from .fpkeys import fingerprint_delta_torch as fingerprint_delta
 
     rel = np.flatnonzero(o != n)
     if rel.size == 0:
@@ -446,7 +437,7 @@ def fingerprint_delta_np(positions: np.ndarray, old: np.ndarray, new: np.ndarray
     if k is None:
         import torch
 
-        from ..fingerprint import fingerprint_delta
+        from .fpkeys import fingerprint_delta_torch as fingerprint_delta
 
         sdt = np.dtype(f"i{word_size}")
         return fingerprint_delta(torch.from_numpy(positions), torch.from_numpy(old.view(sdt)),
@@ -455,123 +446,6 @@ def fingerprint_delta_np(positions: np.ndarray, old: np.ndarray, new: np.ndarray
 
 
 # -- A: whole-chunk decode, fused patch, journal gather ------------------------------------------------
-
-_PARTS = 4  # an executor's share of a blob's ans chunks: this many parts of about equal change counts
-_PART_MIN = 1 << 15  # fewer changes than this in all: one part
-
-
-def _packed_tables(tables):
-    (gf, gc, gl), (vf, vc, vl) = tables.g, tables.v
-    return _cpu.ans_slot_table(gf, gc, gl), _cpu.ans_slot_table(vf, vc, vl)
-
-
-def _ans_error(code: int, detail: int, nr: int, word_size: int) -> FormatError:
-    from ..entropy import _ERRORS
-
-    if code == _cpu.E_ANS_NRAW:
-        return FormatError(f"values: {detail} raw symbols but {nr} raw words")
-    if code == _cpu.E_ANS_STEPBIG:
-        return FormatError(f"values: a step larger than half a {word_size * 8}-bit word")
-    return FormatError(f"ans chunk: {_ERRORS.get(code, f'error {code}')}")
-
-
-def decode_ans_chunks(tables, ans: np.ndarray, raws: dict, chunks: list, *, executor=None) -> list:
-    """:func:`deltasync.entropy.decode_ans_chunks` (see there): one compiled call per word size (and part)."""
-    from ..entropy import decode_ans_chunk
-
-    for c in chunks:
-        if c.at < 0 or c.at + 2 * c.na > ans.size or c.r0 < 0 or c.r0 + c.nr > raws[c.word_size].size:
-            raise FormatError("blob stream 'ans' or its raw words are shorter than its chunks need (truncated or corrupt)")
-    if cpu_kernels() is None:
-        out = []
-        for c in chunks:
-            words = np.array(ans[c.at : c.at + 2 * c.na]).view("<u2")
-            out.append(decode_ans_chunk(tables, words, raws[c.word_size][c.r0 : c.r0 + c.nr], c.count, c.length,
-                                        c.start, c.word_size))
-        return out
-    return decode_ans_rows(tables, ans, raws, [(c.at, c.na, c.count, c.length, c.start, c.r0, c.nr, c.word_size)
-                                               for c in chunks], executor=executor)
-
-
-_object_new = object.__new__
-_setattr = object.__setattr__
-
-
-def decode_ans_rows(tables, ans: np.ndarray, raws: dict, rows: list, *, executor=None) -> list:
-    """:func:`decode_ans_chunks` of chunks given as tuples ``(at, na, count, length, start, r0, nr, word_size)``
-    (an ``entropy.AnsChunk``'s fields, as ``codec.decode_blob`` gathers them: no object per chunk); the same
-    Changes and the same errors."""
-    from ..dtypes import numpy_word_dtype
-    from ..values import Changes
-
-    k = cpu_kernels()
-    if k is None:
-        from ..entropy import AnsChunk
-
-        return decode_ans_chunks(tables, ans, raws, [
-            AnsChunk(at=r[0], na=r[1], count=r[2], length=r[3], start=r[4], r0=r[5], nr=r[6], word_size=r[7])
-            for r in rows], executor=executor)
-    if not rows:
-        return []
-    table = np.array(rows, dtype=np.int64).reshape(-1, 8)
-    at, na, r0, nr, ws = table[:, 0], table[:, 1], table[:, 5], table[:, 6], table[:, 7]
-    wsizes = sorted({r[7] for r in rows})
-    multi = len(wsizes) > 1
-    sizes = np.array([raws[w].size for w in ws.tolist()], np.int64) if multi else raws[wsizes[0]].size
-    if ((at < 0) | (at + 2 * na > ans.size) | (r0 < 0) | (r0 + nr > sizes)).any():
-        raise FormatError("blob stream 'ans' or its raw words are shorter than its chunks need (truncated or corrupt)")
-    if ans.size % 2:
-        raise FormatError(f"blob stream 'ans' has {ans.size} bytes, not a whole number of 16-bit words")
-    words16 = ans.view("<u2") if ans.size else np.zeros(0, np.uint16)
-    gtab, vtab = _packed_tables(tables)
-    result: list = [None] * len(rows)
-    failures: list[tuple[int, int, int]] = []  # (chunk index, code, detail)
-    new, put = _object_new, _setattr
-    for w in wsizes:
-        if multi:
-            idx = np.flatnonzero(ws == w)
-            sub = table[idx]
-        else:
-            idx = np.arange(len(rows))
-            sub = table
-        counts = sub[:, 2]
-        offsets = np.zeros(sub.shape[0] + 1, np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        jobs = np.empty((sub.shape[0], 8), dtype=np.int64)
-        jobs[:, 0] = sub[:, 0] // 2
-        jobs[:, 1:7] = sub[:, 1:7]
-        jobs[:, 7] = offsets[:-1]
-        o = int(offsets[-1])
-        wdt = numpy_word_dtype(w)
-        pos = np.empty(o, np.int64)
-        rawf = np.empty(o, np.bool_)
-        vals = np.empty(o, wdt)
-        raw_words = np.ascontiguousarray(raws.get(w, np.zeros(0, wdt)), wdt)
-        ranges = [(0, sub.shape[0])]
-        if executor is not None and o >= _PART_MIN and sub.shape[0] > 1:
-            ranges = split_counts(counts.tolist(), _PARTS)
-
-        def run(r, jobs=jobs, pos=pos, rawf=rawf, vals=vals, raw_words=raw_words, w=w):
-            return k.ans_decode_chunks(words16, jobs[r[0] : r[1]], gtab, vtab, raw_words, pos, rawf, vals, w * 8)
-
-        got = list(executor.map(run, ranges)) if len(ranges) > 1 else [run(ranges[0])]
-        idx = idx.tolist()
-        for (a, _), (code, j, detail) in zip(ranges, got):
-            if code != 0:
-                failures.append((idx[a + j], int(code), int(detail)))
-        bounds = offsets.tolist()
-        for row, i in enumerate(idx):
-            a, b = bounds[row], bounds[row + 1]
-            ch = new(Changes)  # Changes(positions=..., raw=..., values=...) without the frozen keyword __init__
-            put(ch, "positions", pos[a:b])
-            put(ch, "raw", rawf[a:b])
-            put(ch, "values", vals[a:b])
-            result[i] = ch
-    if failures:
-        i, code, detail = min(failures)
-        raise _ans_error(code, detail, rows[i][6], rows[i][7])
-    return result
-
 
 def patch_chunk(words: np.ndarray, changes, word_size: int):
     """:func:`patch_words` in one pass (the compiled kernel ``patch_chunk``): (old words, fingerprint change
@@ -616,43 +490,6 @@ def scatter_words(words: np.ndarray, positions: np.ndarray, src: np.ndarray) -> 
 
 _warmed = False
 _warm_lock = threading.Lock()
-
-
-def _load_cached(cache, sig, target_context):
-    """``FunctionCache.load_overload`` without its ``target_context.refresh()``.
-
-    numba refreshes the CPU target before every cache lookup, and the first refresh of a process fills every
-    registry numba has (~70 modules: its typed containers, random, linalg, polynomial, datetime, cffi... and,
-    through ``numba.np.arraymath``'s BLAS probe, ``scipy.linalg``): ~0.2 s of a cold command, under the GIL and
-    numba's compile lock, that loading a kernel's cached machine code does not use (that needs the runtime (NRT)
-    and the code generator only; the modules its environment names are imported by the unpickling itself). A
-    lookup that misses falls through to numba's compiler, which refreshes everything first, as before."""
-    from numba.core.runtime import rtsys
-
-    rtsys.initialize(target_context)  # idempotent; what the cached code calls into (allocation, refcounts)
-    with cache._guard_against_spurious_io_errors():
-        return cache._load_overload(sig, target_context)
-
-
-def load_cached_directly(namespace: dict) -> int:
-    """Make the cached njit dispatchers among ``namespace``'s values (a kernel module's ``globals()``) load their
-    machine code with :func:`_load_cached`; returns how many. Called by the modules that define kernels
-    (:mod:`deltasync.kernels.cpu` when selected, :mod:`deltasync.rans`); dispatchers of other code are left
-    alone. Where numba's cache objects lack the two private methods it calls (another numba), nothing changes."""
-    try:
-        from numba.core.caching import FunctionCache
-        from numba.core.dispatcher import Dispatcher
-    except ImportError:
-        return 0
-    if not all(hasattr(FunctionCache, n) for n in ("_guard_against_spurious_io_errors", "_load_overload")):
-        return 0
-    n = 0
-    for obj in list(namespace.values()):
-        cache = getattr(obj, "_cache", None) if isinstance(obj, Dispatcher) else None
-        if isinstance(cache, FunctionCache) and "load_overload" not in vars(cache):
-            cache.load_overload = types.MethodType(_load_cached, cache)
-            n += 1
-    return n
 
 
 def warm_up() -> str:

@@ -26,7 +26,7 @@ from numba import carray, njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from ..errors import FormatError
+from . import rans as _rans  # the rANS coding's constants, frozen into the kernels below
 
 
 def _jit(fn):
@@ -831,7 +831,6 @@ def diff_jobs(jobs, like, lane_like, table, per, want_lanes, update_old, cap):
 # The ``ans`` chunk mode (docs/FORMAT.md §4.3) decoded straight into Changes, chunk after chunk in
 # one call; the patch of a chunk in one pass over its positions; the journal's old words gathered.
 
-from .. import rans as _rans  # noqa: E402  (constants of the ans coding; frozen into the kernels)
 
 _A_PREC = _rans.PREC
 _A_SLOTS = (1 << _rans.PREC) - 1

@@ -146,7 +146,7 @@ def lane_block_sums(lanes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 def self_check(device: str | torch.device = "cuda", n: int = 300_007) -> None:
     """Each kernel against the torch reference on random words; raises AssertionError on a mismatch."""
-    from ..fingerprint import _block_keys, _table, lanes_sum
+    from .fpkeys import block_keys, lanes_sum_torch, table_on
 
     g = torch.Generator().manual_seed(1)
     for dt in (torch.int8, torch.int16, torch.int32, torch.int64):
@@ -169,7 +169,7 @@ def self_check(device: str | torch.device = "cuda", n: int = 300_007) -> None:
     for lane_dt in (torch.int8, torch.int16):
         lanes = torch.randint(-128 if lane_dt == torch.int8 else -32768, 127 if lane_dt == torch.int8 else 32767,
                               (3 * LANE_BLOCK + 5,), dtype=lane_dt, generator=g).to(device)
-        sums = lane_block_sums(lanes, _table(lanes.device))
-        keys = _block_keys(torch.arange(sums.numel(), dtype=torch.int64, device=lanes.device))
+        sums = lane_block_sums(lanes, table_on(lanes.device))
+        keys = block_keys(torch.arange(sums.numel(), dtype=torch.int64, device=lanes.device))
         mine = int((sums * keys).sum().item()) & ((1 << 64) - 1)
-        assert mine == lanes_sum(lanes.cpu(), 0), f"lane_block_sums differs for {lane_dt}"
+        assert mine == lanes_sum_torch(lanes.cpu(), 0), f"lane_block_sums differs for {lane_dt}"

@@ -28,6 +28,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from .cache import load_cached_directly
+
 PREC = 12
 M = 1 << PREC
 L = 1 << 16
@@ -530,6 +532,4 @@ def encode_chunk_pos(positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc):
     return out[at:].copy()
 
 
-from .kernels import load_cached_directly  # noqa: E402  (the kernels above load their cached code directly)
-
-load_cached_directly(globals())
+load_cached_directly(globals())  # the kernels above load their cached code directly
