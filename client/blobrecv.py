@@ -232,8 +232,8 @@ async def receive(url: str, path: str, sink: BlobSink, offset: int, *, size: int
     loop = asyncio.get_running_loop()
     deadline = loop.time() + total
     try:
-        _, conn = await asyncio.wait_for(loop.create_connection(lambda: _Conn(sink, offset, size, url + path), host, port),
-                                         connect)
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(lambda: _Conn(sink, offset, size, url + path), host, port), connect)
     except asyncio.TimeoutError:
         raise UpstreamTimeout(f"could not connect to {url} within {connect:g} s") from None
     try:

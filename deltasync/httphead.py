@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from .errors import UpstreamError
 
 __all__ = ["ContentRange", "HeadError", "Headers", "MAX_FIELDS", "MAX_HEAD", "ResponseHead", "check_range",
-           "read_head"]
+           "parse_head", "read_head"]
 
 #: the most bytes an answer's status line and header fields may take (the empty line included)
 MAX_HEAD = 64 << 10

@@ -125,7 +125,7 @@ def test_garbage_any_chunking_is_the_same_as_one_shot(data, cuts):
     def outcome(f):
         try:
             return f()
-        except HeadError as e:
+        except HeadError:
             return "error"
 
     one = outcome(lambda: _one_shot(data))
@@ -159,8 +159,8 @@ REFUSED = {
     "no length on a 200": (b"HTTP/1.1 200 OK\r\nContent-Type: x\r\n\r\n", "no Content-Length"),
     "both framings": (b"HTTP/1.1 404 x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", "both"),
     "gzip coding": (b"HTTP/1.1 404 x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", "Transfer-Encoding"),
-    "repeated Transfer-Encoding": (b"HTTP/1.1 404 x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
-                                   "Transfer-Encoding"),
+    "repeated Transfer-Encoding": (b"HTTP/1.1 404 x\r\nTransfer-Encoding: chunked\r\n"
+                                   b"Transfer-Encoding: chunked\r\n\r\n", "Transfer-Encoding"),
     "obs-fold": (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: a\r\n b\r\n\r\n", "obs-fold"),
     "space before colon": (b"HTTP/1.1 200 OK\r\nContent-Length : 5\r\n\r\n", "malformed header"),
     "no colon": (b"HTTP/1.1 200 OK\r\nContent-Length 5\r\n\r\n", "malformed header"),
@@ -178,8 +178,10 @@ REFUSED = {
     "206 without Content-Range": (b"HTTP/1.1 206 OK\r\nContent-Length: 5\r\n\r\n", "Content-Range"),
     "206 range past its total": (b"HTTP/1.1 206 OK\r\nContent-Length: 5\r\nContent-Range: bytes 0-4/4\r\n\r\n",
                                  "impossible"),
-    "206 range backwards": (b"HTTP/1.1 206 OK\r\nContent-Length: 5\r\nContent-Range: bytes 4-0/9\r\n\r\n", "impossible"),
-    "206 unknown total": (b"HTTP/1.1 206 OK\r\nContent-Length: 5\r\nContent-Range: bytes 0-4/*\r\n\r\n", "Content-Range"),
+    "206 range backwards": (b"HTTP/1.1 206 OK\r\nContent-Length: 5\r\nContent-Range: bytes 4-0/9\r\n\r\n",
+                            "impossible"),
+    "206 unknown total": (b"HTTP/1.1 206 OK\r\nContent-Length: 5\r\nContent-Range: bytes 0-4/*\r\n\r\n",
+                          "Content-Range"),
     "206 range and length disagree": (b"HTTP/1.1 206 OK\r\nContent-Length: 4\r\nContent-Range: bytes 0-4/9\r\n\r\n",
                                       "Content-Length 4"),
     "206 two ranges": (b"HTTP/1.1 206 OK\r\nContent-Length: 5\r\nContent-Range: bytes 0-4/9\r\n"
@@ -325,8 +327,9 @@ async def test_blobrecv_refuses_two_content_lengths(answer):
 
 
 @pytest.mark.parametrize("answer", [*TWO_LENGTHS.values(),
-                                    b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-4/5\r\nContent-Length: 5\r\n"
-                                    b"\r\nhello"], ids=[*TWO_LENGTHS.keys(), "206 not from the offset asked"])
+                                    b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-4/5\r\n"
+                                    b"Content-Length: 5\r\n\r\nhello"],
+                         ids=[*TWO_LENGTHS.keys(), "206 not from the offset asked"])
 async def test_blobget_refuses_two_content_lengths_and_a_range_not_asked(answer):
     from deltasync.server.blobget import BlobGetter
 
