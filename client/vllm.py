@@ -79,6 +79,8 @@ import torch
 
 from deltasync.errors import ApplyError, UnsupportedError
 
+from . import vllm_quant as _quant
+
 log = logging.getLogger("deltasync.client.vllm")
 
 EXTENSION = "deltasync.client.vllm.DeltaSyncWorkerExtension"
@@ -178,18 +180,22 @@ def vllm_layout(model: torch.nn.Module, *, stacked_experts: bool = False) -> dic
                 continue  # a tied parameter is placed once, under its first name
             seen.add(id(param))
             quant = getattr(mod, "quant_method", None)
+            qshape = None
             if quant is not None and type(quant).__name__ not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod",
                                                                    "UnquantizedFusedMoEMethod"):
-                raise UnsupportedError(
-                    f"{full_name}: quantized ({type(quant).__name__}); deltasync patches unquantized weights only — "
-                    "publish the stream in the engine's serving format or serve unquantized")
+                # FP8 block / INT4 layers: placed as their bf16 weight; the serving map derives the rest (vllm_quant.py)
+                view = _quant.bf16_view(mod, pname)
+                if view is None:
+                    continue
+                pname, qshape = view
+                full_name = f"{mname}.{pname}" if mname else pname
             if RoutedExperts and isinstance(mod, RoutedExperts):
                 for p in _expert_pieces(mod, mname, pname, stacked=stacked_experts):
                     add(p)
                 continue
             if pname not in ("weight", "bias"):
                 raise UnsupportedError(f"{full_name}: a parameter the vLLM layout map does not know; refusing to guess")
-            shape = _unpacked_shape(mod, pname, param)
+            shape = qshape or _unpacked_shape(mod, pname, param)
             if isinstance(mod, QKVParallelLinear):
                 hd, vhd = mod.head_size, mod.v_head_size
                 kv_rank = mod.tp_rank // mod.num_kv_head_replicas
@@ -412,6 +418,7 @@ def request_amx() -> bool:
 install_cpu_pack_hook()
 install_cpu_moe_hook()
 request_amx()
+_quant.install_quant_hooks()  # FP8 block / INT4 layers: their loaded tensors kept (client/vllm_quant.py)
 
 
 # -- the rank's live tensors ---------------------------------------------------------------------------------
@@ -427,6 +434,10 @@ def _live_tensors(model: torch.nn.Module) -> dict[str, _Live]:
     weight of a packed layer."""
     out: dict[str, _Live] = {}
     for mname, mod in model.named_modules():
+        quantized = _quant.live_tensors(mod, mname)  # FP8 block / INT4: the kept loaded tensors
+        if quantized is not None:
+            out.update({n: _Live(tensor=t, layer=mod) for n, t in quantized.items()})
+            continue
         for pname, param in mod.named_parameters(recurse=False):
             name = f"{mname}.{pname}" if mname else pname
             if name in out:
@@ -602,6 +613,13 @@ class _RankSync:
         self.layout = _rank_layout(model, hf_config, dtype, rank, world, tied_copy=tied_copy,
                                    stacked_experts=self.stacked_experts)
         params = {n: l.tensor for n, l in self.live.items()}
+        self.serving_format = _quant.serving_format(hf_config, model)
+        if self.serving_format is not None:  # the stream is the engine's serving format (deltasync.quantlayout)
+            from deltasync.quantlayout import serving_layout
+
+            self.layout = serving_layout(self.layout, self.serving_format,
+                                         quantized_params=_quant.quantized_weights(model))
+            params.update(_quant.constants(self.layout))
         self.applier = ShardedApplier(self.layout, params, group=group if world > 1 else None)
         self.map_build_s = time.perf_counter() - t0  # the layout map, its cross-check and its offset tables, once
         self.mode = "sharded"
@@ -653,12 +671,13 @@ class _RankSync:
 
     def _repack_changed(self) -> int:
         """Pack again (CPU) every layer one of whose kept tensors changed since it was last packed."""
-        if not self.on_cpu:
-            return 0
         changed = {id(l.layer): l.layer for l in self.live.values()
-                   if l.layer is not None and l.tensor._version != self._packed_seen.get(id(l.tensor))}
+                   if l.layer is not None and l.tensor._version != self._packed_seen.get(id(l.tensor))
+                   and (self.on_cpu or hasattr(l.layer, "_deltasync_quant"))}
         for layer in changed.values():
-            if hasattr(layer, "_deltasync_moe_isa"):
+            if hasattr(layer, "_deltasync_quant"):  # vLLM's own processing of the patched loaded tensors
+                _quant.reprocess(layer)
+            elif hasattr(layer, "_deltasync_moe_isa"):
                 repack_experts(layer)
             else:
                 repack(layer)

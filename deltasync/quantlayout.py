@@ -62,8 +62,12 @@ def _divided(shape, factors) -> tuple[int, ...]:
     return tuple(shape[:lead]) + tuple(-(-d // f) for d, f in zip(shape[lead:], factors))
 
 
-def serving_layout(layout: RankLayout, fmt: ServingFormat) -> RankLayout:
-    """``layout`` (a rank's map of the bf16 stream) for the stream in serving format ``fmt``."""
+def serving_layout(layout: RankLayout, fmt: ServingFormat, *, quantized_params=None) -> RankLayout:
+    """``layout`` (a rank's map of the bf16 stream) for the stream in serving format ``fmt``.
+
+    ``quantized_params``: the engine parameters (bf16 names) the engine actually holds quantized (an engine
+    knows; vLLM skips layers its quantization config leaves out); by default those whose stream tensors
+    ``fmt`` quantizes. The stream tensors feeding them are the quantized ones."""
     if fmt.name == "fp8-block":
         parts = (("", "float8_e4m3fn", (1, 1)), ("_scale_inv", "float32", fmt.block))
     else:
@@ -71,7 +75,14 @@ def serving_layout(layout: RankLayout, fmt: ServingFormat) -> RankLayout:
     by_param: dict[str, list[Region]] = {}
     for r in layout.regions:
         by_param.setdefault(r.param, []).append(r)
-    quantized = {n for n, (_, shape) in layout.stream.items() if fmt.quantizes(n, shape)}
+    if quantized_params is None:
+        quantized = {n for n, (_, shape) in layout.stream.items() if fmt.quantizes(n, shape)}
+    else:
+        quantized = {r.source for r in layout.regions if r.param in quantized_params}
+        bad = sorted(n for n in quantized if not (n.endswith(".weight") and len(layout.stream[n][1]) == 2))
+        if bad:
+            raise UnsupportedError(f"{bad[0]}: the engine holds it quantized, but only 2-D weights have a "
+                                   f"{fmt.name} layout")
     stream: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, (dt, shape) in layout.stream.items():
         if name not in quantized:
