@@ -176,16 +176,7 @@ def _encode(order, grp, gaps, bkt, vsym, bigneg, bigmag, bigidx, cnt, gf, gc, vf
             oc[nops] = gc[e, b]
             op[nops] = rans.PREC
             nops += 1
-            r = b - 1
-            low = gaps[t]
-            while r > 0:
-                kk = r if r < rans.PREC else rans.PREC
-                of[nops] = 1
-                oc[nops] = low & ((np.int64(1) << kk) - 1)
-                op[nops] = kk
-                nops += 1
-                low >>= kk
-                r -= kk
+            nops = rans.push_bits(of, oc, op, nops, np.uint64(gaps[t]), b - 1)
             s = vsym[j]
             of[nops] = vf[e, s]
             oc[nops] = vc[e, s]
@@ -193,26 +184,7 @@ def _encode(order, grp, gaps, bkt, vsym, bigneg, bigmag, bigidx, cnt, gf, gc, vf
             nops += 1
             if s == rans.BIG:
                 ib = bigidx[j]
-                m = bigmag[ib]
-                q = 0
-                t2 = m
-                while t2:
-                    q += 1
-                    t2 >>= np.uint64(1)
-                of[nops] = 1
-                oc[nops] = (q << 1) | (1 if bigneg[ib] else 0)
-                op[nops] = 8
-                nops += 1
-                r = q - 1
-                lowm = m
-                while r > 0:
-                    kk = r if r < rans.PREC else rans.PREC
-                    of[nops] = 1
-                    oc[nops] = np.int64(lowm & np.uint64((1 << kk) - 1))
-                    op[nops] = kk
-                    nops += 1
-                    lowm >>= np.uint64(kk)
-                    r -= kk
+                nops = rans.push_big(of, oc, op, nops, bigmag[ib], bigneg[ib])
             t -= 1
     at -= 2
     out[at] = x & 0xFFFF

@@ -109,6 +109,38 @@ def _put_bits(x, v, k, out, at):
     return x, at
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def push_bits(of, oc, op, k, v, r):
+    """Append to the ops ``(of, oc, op)`` from index ``k`` the ``r`` low bits of ``v`` (a uint64) as raw symbols
+    (``f = 1``) of at most ``PREC`` bits, low piece first (the order the decoder reads them); -> the next index.
+    The escape coding of a gap's low bits and of a BIG step's magnitude, for every encoder that gathers ops
+    (:func:`encode_chunk`, :mod:`deltasync.conditioned`)."""
+    while r > 0:
+        kk = r if r < PREC else PREC
+        of[k] = 1
+        oc[k] = np.int64(v & np.uint64((1 << kk) - 1))
+        op[k] = kk
+        k += 1
+        v >>= np.uint64(kk)
+        r -= kk
+    return k
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def push_big(of, oc, op, k, m, neg):
+    """Append a BIG step's escape: 8 raw bits ``neg | q << 1`` (``q`` the bit length of the magnitude ``m``, a
+    uint64), then the ``q - 1`` bits of ``m`` below its top bit (:func:`push_bits`); -> the next index."""
+    q = 0
+    t2 = m
+    while t2:
+        q += 1
+        t2 >>= np.uint64(1)
+    of[k] = 1
+    oc[k] = (q << 1) | (1 if neg else 0)
+    op[k] = 8
+    return push_bits(of, oc, op, k + 1, m, q - 1)
+
+
 @numba.njit(cache=True, nogil=True)
 def encode_chunk(gaps, vsym, bigneg, bigmag, gf, gc, vf, vc):
     """gaps int64[n], value symbols uint8[n], BIG signs/magnitudes (|d| - 1 - SMALL) in order -> uint16 words.
@@ -135,16 +167,7 @@ def encode_chunk(gaps, vsym, bigneg, bigmag, gf, gc, vf, vc):
         oc[k] = gc[b]
         op[k] = PREC
         k += 1
-        r = b - 1
-        low = g
-        while r > 0:
-            kk = r if r < PREC else PREC
-            of[k] = 1
-            oc[k] = low & ((np.int64(1) << kk) - 1)
-            op[k] = kk
-            k += 1
-            low >>= kk
-            r -= kk
+        k = push_bits(of, oc, op, k, np.uint64(g), b - 1)
         s = vsym[i]
         of[k] = vf[s]
         oc[k] = vc[s]
@@ -152,26 +175,7 @@ def encode_chunk(gaps, vsym, bigneg, bigmag, gf, gc, vf, vc):
         k += 1
         if s == BIG:
             nb -= 1
-            m = bigmag[nb]
-            q = 0
-            t2 = m
-            while t2:
-                q += 1
-                t2 >>= np.uint64(1)
-            of[k] = 1
-            oc[k] = (q << 1) | (1 if bigneg[nb] else 0)
-            op[k] = 8
-            k += 1
-            r = q - 1
-            lowm = m
-            while r > 0:
-                kk = r if r < PREC else PREC
-                of[k] = 1
-                oc[k] = np.int64(lowm & np.uint64((1 << kk) - 1))
-                op[k] = kk
-                k += 1
-                lowm >>= np.uint64(kk)
-                r -= kk
+            k = push_big(of, oc, op, k, bigmag[nb], bigneg[nb])
         for j in range(k - 1, -1, -1):
             f = of[j]
             x_max = ((L >> op[j]) << 16) * f
