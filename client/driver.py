@@ -43,7 +43,7 @@ from deltasync.keyframe import load_keyframe
 from deltasync.manifest import Manifest, parse_manifest
 from deltasync.planner import walk_parents
 
-from .http import HttpClient
+from .http import MAX_MANIFEST, HttpClient
 from .livestate import LiveState
 from .ready import ReadyQueue, ReadyStep
 
@@ -239,12 +239,21 @@ class SyncDriver:
                 continue
             try:
                 async with asyncio.timeout(t.ttfb + t.read):
-                    r = await self.client._open("GET", f"{url}/v1/models/{quote(stream)}/head")
+                    path = f"{url}/v1/models/{quote(stream)}/head"
+                    r = await self.client._open("GET", path)
                     async with r:
-                        shown = r.headers.get("X-Deltasync-Version", "") if r.status == 200 else ""
+                        if r.status != 200:
+                            continue
+                        body = await self.client._body(r, path, limit=MAX_MANIFEST)
+                # what the other source can prove, not what its header claims (a mirror claiming a head far
+                # ahead would otherwise put an honest source down: TUF's fast-forward)
+                m = self._check_body(body)
+                if m.model != stream:
+                    continue
+                shown = str(m.version)
             except (DeltaSyncError, OSError, asyncio.TimeoutError, aiohttp.ClientError):
                 continue
-            if shown.isdigit() and int(shown) > have:
+            if int(shown) > have:
                 why = f"behind: v{have} for {current:.0f} s while {url} has v{shown}"
                 log.warning("%s is %s; reading from the next source", quiet, why)
                 self.client.failover.failed(quiet, time.monotonic(), why)

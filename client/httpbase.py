@@ -84,6 +84,9 @@ class HeadInfo:
         version = obj.get("version") if isinstance(obj, dict) else None
         if not _count(version):
             raise UpstreamError(f"{url}: head answer {body[:200]!r} has no non-negative integer 'version'")
+        if "model" in obj and obj["model"] != model:  # another chain's manifest, however well signed (TUF's
+            raise UpstreamError(f"{url + ': ' if url else ''}asked for the head of {model!r}, the answer is "  # fast-forward,
+                                f"{str(obj['model'])[:100]!r} v{version}")  # wrong installation)
         blobs = obj.get("blobs")
         size = None
         if isinstance(blobs, list):

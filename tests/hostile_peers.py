@@ -6,9 +6,15 @@ says how it is answered:
 * ``DripBody(interval)``: the upstream's whole answer is fetched, its head sent at once, then its body one
   byte per ``interval`` seconds (TUF's slow retrieval);
 * ``DripHead(interval)``: the same answer, head included, one byte per ``interval``;
-* ``Fixed(status, headers, body)``: this answer at once, the upstream never asked (a replayed head).
+* ``Fixed(status, headers, body)``: this answer at once, the upstream never asked (a replayed head);
+* ``Swap(target)``: the upstream's answer to another target (mix-and-match: another blob under this id);
+* ``Tamper()``: the upstream's answer with one body byte flipped (arbitrary installation);
+* ``Endless(status, headers, chunk, after_upstream)``: a head, then ``chunk`` again and again until the client
+  hangs up (endless data); ``after_upstream``: the upstream's whole answer first (a body longer than declared).
 
-``requests`` records (monotonic time, method, target) of every request, for rate checks.
+``requests`` records (monotonic time, method, target) of every request, for rate checks. The same peer serves
+the tests of issue 27 and the fault campaign's hostile-mirror scenarios (tests/faults/hostile.py); byte-level
+faults on a kept-alive stream (bit flips, cuts, stalls) are tests/faults/proxy.py's.
 """
 
 from __future__ import annotations
@@ -43,6 +49,25 @@ class Fixed:
     status: int
     headers: dict
     body: bytes
+
+
+@dataclass(frozen=True)
+class Swap:
+    target: str
+
+
+@dataclass(frozen=True)
+class Tamper:
+    at: float = 0.5  # where in the body, as a fraction of its length
+
+
+@dataclass(frozen=True)
+class Endless:
+    status: int = 200
+    headers: tuple = (("Content-Type", "application/octet-stream"),)
+    chunk: bytes = b"\0" * 65536
+    after_upstream: bool = False
+    pause: float = 0.005  # between chunks: ~12 MB/s at the default chunk, not a CPU burner
 
 
 class HostilePeer:
@@ -107,11 +132,15 @@ class HostilePeer:
                           + "\r\n").encode("latin-1") + plan.body)
             await writer.drain()
             return
+        if isinstance(plan, Endless) and not plan.after_upstream:
+            await self._endless(writer, plan)
+            return
+        first = f"{method} {plan.target} HTTP/1.1" if isinstance(plan, Swap) else lines[0]
         up_r, up_w = await asyncio.open_connection(self.up_host, self.up_port)
         try:
-            up_w.write(("\r\n".join([lines[0], *headers, "Connection: close"]) + "\r\n\r\n").encode("latin-1") + body)
+            up_w.write(("\r\n".join([first, *headers, "Connection: close"]) + "\r\n\r\n").encode("latin-1") + body)
             await up_w.drain()
-            if plan is PROXY:
+            if plan is PROXY or isinstance(plan, Swap):
                 while piece := await up_r.read(1 << 16):
                     writer.write(piece)
                     await writer.drain()
@@ -120,6 +149,17 @@ class HostilePeer:
         finally:
             up_w.close()
         split = answer.find(b"\r\n\r\n") + 4
+        if isinstance(plan, Tamper):
+            if len(answer) > split:
+                i = split + min(int((len(answer) - split) * plan.at), len(answer) - split - 1)
+                answer = answer[:i] + bytes([answer[i] ^ 0x01]) + answer[i + 1:]
+            writer.write(answer)
+            await writer.drain()
+            return
+        if isinstance(plan, Endless):
+            writer.write(answer)
+            await self._endless(writer, plan, head=False)
+            return
         if isinstance(plan, DripBody):
             writer.write(answer[:split])
             await writer.drain()
@@ -130,6 +170,17 @@ class HostilePeer:
             writer.write(rest[i:i + 1])
             await writer.drain()
             await asyncio.sleep(plan.interval)
+
+
+    @staticmethod
+    async def _endless(writer: asyncio.StreamWriter, plan: Endless, *, head: bool = True) -> None:
+        if head:
+            writer.write((f"HTTP/1.1 {plan.status} X\r\n" + "".join(f"{k}: {v}\r\n" for k, v in plan.headers)
+                          + "Connection: close\r\n\r\n").encode("latin-1"))
+        while not writer.is_closing():
+            writer.write(plan.chunk)
+            await writer.drain()
+            await asyncio.sleep(plan.pause)
 
 
 def drip_blobs(kind: type = DripBody, interval: float = 1.0) -> Callable[[str, str], object]:

@@ -316,9 +316,10 @@ def exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
                                     and torch.equal(words(a[n]), words(b[n])) for n in a)
 
 
-def http_get(url: str, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+def http_get(url: str, timeout: float = 10.0, token: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, dict(r.headers), r.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()
@@ -342,6 +343,8 @@ class Env:
         self.publish_hangs = 0
         self.notes: list[str] = []
         self.setup_verdicts: list[Verdict] = []
+        self.read_token: str | None = None  # what the harness's own reads send (a scenario whose servers want one)
+        self.refused = 0  # reads of a file caught mid-apply, refused by read_state_file (check_file)
         self._n = 0
 
     # -- processes ---------------------------------------------------------------------------------
@@ -394,12 +397,14 @@ class Env:
 
     def subscribe(self, model: str, sources: list[str], *, until: int | None = None, once: bool = False,
                   timeout: float = 60.0, name: str | None = None, out: Path | None = None,
-                  poll: float = 2.0) -> Proc:
-        """``deltasync subscribe`` (started, not waited for); checked by :meth:`verdict`."""
+                  poll: float = 2.0, goal: int | None = None, extra: list[str] | None = None,
+                  watch: bool = True) -> Proc:
+        """``deltasync subscribe`` (started, not waited for); checked by :meth:`verdict` (``watch=False``: by the
+        scenario itself). ``goal``: the version a ``--once`` run must end at or past (default: ``until``, else any)."""
         name = name or f"sub{len(self.subs)}-{model}"
         out = out or self.root / f"{name}.safetensors"
         args = ["subscribe", "--model", model, "--out", str(out), "--timeout", str(timeout), "--poll", str(poll),
-                *CLIENT_LIMITS, *self.signing_args()]
+                *CLIENT_LIMITS, *self.signing_args(), *(extra or [])]
         for s in sources:
             args += ["--from", s]
         if once:
@@ -407,16 +412,18 @@ class Env:
         elif until is not None:
             args += ["--until", str(until)]
         p = self._proc(name, args, bound=timeout + GRACE).start()
-        self.subs.append((p, model, out, -1 if until is None else until))
+        goal = goal if goal is not None else until
+        if watch:
+            self.subs.append((p, model, out, -1 if goal is None else goal))
         return p
 
     def follow(self, model: str, sources: list[str], *, name: str | None = None, out: Path | None = None,
-               poll: float = 2.0) -> Follower:
+               poll: float = 2.0, extra: list[str] | None = None) -> Follower:
         """``deltasync subscribe`` in follow mode (no goal): started now, checked by :meth:`expect`."""
         name = name or f"follower{len(self.procs)}-{model}"
         out = out or self.root / f"{name}.safetensors"
         args = ["subscribe", "--model", model, "--out", str(out), "--timeout", "3600", "--poll", str(poll),
-                *CLIENT_LIMITS, *self.signing_args()]
+                *CLIENT_LIMITS, *self.signing_args(), *(extra or [])]
         for s in sources:
             args += ["--from", s]
         f = Follower(name=name, model=model, out=out, proc=self._proc(name, args).start())
@@ -485,22 +492,26 @@ class Env:
         if not acked:
             return 0
         lost = 0
-        status, headers, _ = http_get(f"{origin}/v1/models/{model}/head")
+        status, headers, _ = http_get(f"{origin}/v1/models/{model}/head", token=self.read_token)
         head = int(headers.get("X-Deltasync-Version", -1)) if status == 200 else -1
         if head < max(acked):
             self.notes.append(f"{model}: origin head v{head} is older than acknowledged v{max(acked)}")
             lost += 1
         for v in sorted(acked)[-RETENTION:]:
-            status, _, body = http_get(f"{origin}/v1/models/{model}/versions/{v}")
+            status, _, body = http_get(f"{origin}/v1/models/{model}/versions/{v}", token=self.read_token)
             if status != 200 or json.loads(body).get("state_fp") != acked[v]:
                 self.notes.append(f"{model}: acknowledged v{v} not served by the origin (HTTP {status})")
                 lost += 1
         return lost
 
     def check_file(self, model: str, out: Path) -> tuple[int | None, bool]:
-        """(version in the file, whether it is bit-exactly a state offered for that version)."""
+        """(version in the file, whether it is bit-exactly a state offered for that version). Read as deltasync's
+        documented readers read it (``read_state_file``): a file whose header says a delta is being written into
+        it (a subscriber caught or killed mid-apply) is refused, which counts as no version (None) and not wrong
+        (``refused`` counts them)."""
         import safetensors
 
+        from deltasync.errors import IntegrityError
         from deltasync.tensorfile import read_state_file
 
         if not out.exists():
@@ -508,7 +519,13 @@ class Env:
         with safetensors.safe_open(str(out), framework="pt") as f:
             meta = f.metadata() or {}
         v = int(meta.get("deltasync.version", -1))
-        got = read_state_file(out)
+        try:
+            got = read_state_file(out)
+        except IntegrityError as e:
+            if "patching" not in str(e):
+                raise
+            self.refused += 1
+            return None, True
         return v, any(exact(got, s) for s in self.ledger.offered.get(model, {}).get(v, []))
 
     def verdict(self, *, origin: str | None, fault_cleared: float | None = None,

@@ -745,6 +745,9 @@ ALL: list[type[Scenario]] = [
     RelayManifestCorrupt, RelayHeadBadSignature, OriginKilledBeforeCommit, OriginKilledMidWrite,
     SubscriberKilled, FiftyBehind, RelayDiskFull, OriginDiskFull, DuplicatePublishes, IdleConnections,
 ]
+from .hostile import HOSTILE  # noqa: E402  (issue 27: TUF's attack list and the hostile peers it found)
+
+ALL += HOSTILE
 BY_NAME = {s.name: s for s in ALL}
 # the short form inside `make test`: one repetition of each, chosen to cover a kill, a lying wire,
 # a corrupt disk, a cut-short publish and a killed subscriber
