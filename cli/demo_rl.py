@@ -7,7 +7,8 @@ else of ours. Every step:
 
 1. rollouts: ``/v1/completions`` with ``GROUPS`` prompts ``<bos> a + b =`` (token ids; digit d is token
    ``10 + d``), ``n = SAMPLES`` samples each, one answer token drawn at temperature 1 from the ten digits
-   (``allowed_token_ids``), a per-request ``seed`` (vLLM gives sample i the seed ``seed + i``);
+   (``allowed_token_ids``); a request per prompt, one after another, each with its own ``seed`` (vLLM gives
+   sample i the seed ``seed + i``);
 2. rewards, by a program: 1 if the digit is ``a + b``, else 0;
 3. the trainer (fp32 masters, AdamW): advantages normalised within each prompt's group of samples, loss
    ``-mean(advantage * log p(answer))`` over the digits' distribution, one optimizer step;
@@ -92,8 +93,10 @@ def reward(a: int, b: int, answer: list[int]) -> float:
     return 1.0 if answer == [DIGIT0 + (a + b) % 10] else 0.0
 
 
-def sampling_seed(cfg: RLConfig, step: int) -> int:
-    return cfg.seed * 7919 + step * cfg.samples
+def sampling_seed(cfg: RLConfig, step: int, prompt: int) -> int:
+    """The request seed of a step's prompt; vLLM seeds its sample i with ``seed + i``, so every sample of every
+    prompt of every step draws its own random numbers."""
+    return ((cfg.seed * 1_000_003 + step) * cfg.groups + prompt) * cfg.samples
 
 
 # -- the policy and its trainer -----------------------------------------------------------------------------------
@@ -210,6 +213,7 @@ class VLLMServer:
             self.proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         self._read = 0
+        self._http = None
         self.rank_updates: dict[int, dict[str, tuple[float, float]]] = {}  # version -> rank -> (update_s, wait_s)
 
     def read_rank_updates(self) -> dict[int, dict[str, tuple[float, float]]]:
@@ -244,14 +248,18 @@ class VLLMServer:
             time.sleep(0.5)
 
     def post(self, route: str, body: dict | None = None, *, params: dict | None = None):
-        import requests
+        if self._http is None:
+            import requests
 
-        r = requests.post(f"{self.url}/{route}", json=body, params=params, timeout=HTTP_TIMEOUT)
+            self._http = requests.Session()  # kept alive: a step's rollouts are one request per prompt
+        r = self._http.post(f"{self.url}/{route}", json=body, params=params, timeout=HTTP_TIMEOUT)
         if r.status_code != 200:
             raise RuntimeError(f"vllm serve POST /{route} answered {r.status_code}: {r.text[:2000]}")
         return r.json() if r.content else None
 
     def stop(self) -> None:
+        if self._http is not None:
+            self._http.close()
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -280,20 +288,23 @@ class Rollouts:
         return sum(self.rewards) / len(self.rewards)
 
 
-def rollout(server: VLLMServer, cfg: RLConfig, step: int, *, probs: list[tuple[int, int]] | None = None) -> Rollouts:
-    """One request for the whole step (every prompt enters the engine at once, so the batch is the same on
-    every run), ``n`` seeded samples per prompt."""
-    probs = problems(cfg, step) if probs is None else probs
-    body = server.post("v1/completions", {
-        "model": SERVED, "prompt": [prompt_ids(a, b) for a, b in probs], "n": cfg.samples,
-        "seed": sampling_seed(cfg, step), "max_tokens": 1, "temperature": 1.0, "top_p": 1.0,
-        "allowed_token_ids": DIGITS, "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True,
-        "detokenize": False})
-    choices = sorted(body["choices"], key=lambda c: c["index"])
-    if len(choices) != len(probs) * cfg.samples:
-        raise RuntimeError(f"vllm serve returned {len(choices)} choices for {len(probs)} prompts x n={cfg.samples}")
-    tokens = [[int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]] for c in choices]
-    logprobs = [[float(x) for x in c["logprobs"]["token_logprobs"]] for c in choices]
+def rollout(server: VLLMServer, cfg: RLConfig, step: int) -> Rollouts:
+    """A request per prompt (``n`` samples, its own seed), one after another: each runs alone in the engine, so
+    its batch is the same on every run (a seed covers one request, and one request for the whole step would
+    give every prompt the same random numbers)."""
+    probs = problems(cfg, step)
+    tokens: list[list[int]] = []
+    logprobs: list[list[float]] = []
+    for p, (a, b) in enumerate(probs):
+        body = server.post("v1/completions", {
+            "model": SERVED, "prompt": prompt_ids(a, b), "n": cfg.samples, "seed": sampling_seed(cfg, step, p),
+            "max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "allowed_token_ids": DIGITS, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True, "detokenize": False})
+        choices = sorted(body["choices"], key=lambda c: c["index"])
+        if len(choices) != cfg.samples:
+            raise RuntimeError(f"vllm serve returned {len(choices)} choices for n={cfg.samples}")
+        tokens += [[int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]] for c in choices]
+        logprobs += [[float(x) for x in c["logprobs"]["token_logprobs"]] for c in choices]
     rewards = [reward(*probs[i // cfg.samples], t) for i, t in enumerate(tokens)]
     return Rollouts(step=step, problems=probs, tokens=tokens, logprobs=logprobs, rewards=rewards)
 
@@ -339,6 +350,7 @@ class StepReport:
     version: int  # the version trained here (the rollouts were sampled from version - 1)
     mean_reward: float
     loss: float
+    rollout_s: float  # the step's /v1/completions requests
     trainer_s: float  # the GRPO step
     publish_s: float  # deltasync: publish() until committed on the origin; reference: the checkpoint saved
     pause_s: float  # start_weight_update .. finish_weight_update over HTTP (reference: the reload call)
@@ -403,7 +415,9 @@ def run_deltasync(server: VLLMServer, cfg: RLConfig, cluster, key_hex: str,
         engine.send_weights(policy.model)  # v0: the servers were loaded from it (checked, not fetched)
         tiers.take()
         for step in range(cfg.steps):
+            t0 = time.perf_counter()
             ro = rollout(server, cfg, step)
+            rollout_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             loss = policy.train_step(ro)
             trainer_s = time.perf_counter() - t0
@@ -412,8 +426,9 @@ def run_deltasync(server: VLLMServer, cfg: RLConfig, cluster, key_hex: str,
                 raise RuntimeError(f"published v{rep.version}, expected v{step + 1}")
             ranks = server.read_rank_updates().get(rep.version, {})
             rank_s, rank_wait_s = max(ranks.values(), default=(0.0, 0.0))
-            sr = StepReport(step=step, version=rep.version, mean_reward=ro.mean_reward, loss=loss, trainer_s=trainer_s,
-                            publish_s=rep.publish_s, pause_s=client.session_s, paused_s=rep.pause_s,
+            sr = StepReport(step=step, version=rep.version, mean_reward=ro.mean_reward, loss=loss, rollout_s=rollout_s,
+                            trainer_s=trainer_s, publish_s=rep.publish_s, pause_s=client.session_s,
+                            paused_s=rep.pause_s,
                             tier_bytes=tiers.take(), rank_s=rank_s, rank_wait_s=rank_wait_s)
             out.rollouts.append(ro)
             out.steps.append(sr)
@@ -445,7 +460,9 @@ def run_reference(server: VLLMServer, cfg: RLConfig, workdir: Path, ckpt0: Path,
 
     reload(ckpt0)
     for step in range(cfg.steps):
+        t0 = time.perf_counter()
         ro = rollout(server, cfg, step)
+        rollout_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         loss = policy.train_step(ro)
         trainer_s = time.perf_counter() - t0
@@ -454,8 +471,9 @@ def run_reference(server: VLLMServer, cfg: RLConfig, workdir: Path, ckpt0: Path,
         size = policy.save(ckpt)
         save_s = time.perf_counter() - t0
         pause_s, paused_s = reload(ckpt)
-        sr = StepReport(step=step, version=step + 1, mean_reward=ro.mean_reward, loss=loss, trainer_s=trainer_s,
-                        publish_s=save_s, pause_s=pause_s, paused_s=paused_s, checkpoint_bytes=size)
+        sr = StepReport(step=step, version=step + 1, mean_reward=ro.mean_reward, loss=loss, rollout_s=rollout_s,
+                        trainer_s=trainer_s, publish_s=save_s, pause_s=pause_s, paused_s=paused_s,
+                        checkpoint_bytes=size)
         out.rollouts.append(ro)
         out.steps.append(sr)
         on_step(sr, ro)
@@ -494,19 +512,22 @@ def step_line(sr: StepReport, path: str) -> str:
         tail = f"{sr.rank_s:7.3f} {_kb(o)} {_kb(r)} {_kb(v)}"
     else:
         tail = f"{'':7s} {sr.checkpoint_bytes / 1e3:10.1f}"
-    return (f"  {sr.step:4d} v{sr.version:<3d} {sr.mean_reward:6.3f} {bar:<20s} {sr.trainer_s:7.3f} "
+    return (f"  {sr.step:4d} v{sr.version:<3d} {sr.mean_reward:6.3f} {bar:<20s} {sr.rollout_s:7.3f} "
+            f"{sr.trainer_s:7.3f} "
             f"{sr.publish_s:7.3f} {sr.pause_s:7.3f} {sr.paused_s:7.3f} {tail}")
 
 
 def header(path: str) -> str:
-    cols = ["train", "publish", "pause", "paused"] + (["ranks", "origin", "relay", "ranks"] if path == "deltasync"
-                                                      else ["", "checkpoint"])
-    widths = [7, 7, 7, 7] + ([7, 8, 8, 8] if path == "deltasync" else [7, 10])
-    legend = ("  seconds: train = the GRPO step, publish = until committed on the origin, pause = start_weight_update"
-              " .. finish_weight_update over HTTP,\n  paused = /pause .. /resume, ranks = inside the slowest rank's "
-              "update_weights; kB: blob bytes into the origin, the relay, the vLLM ranks" if path == "deltasync" else
-              "  seconds: train, publish = the checkpoint saved, pause = the reload_weights call, paused = /pause .. "
-              "/resume; kB: the checkpoint")
+    ds = path == "deltasync"
+    cols = ["rollout", "train", "publish", "pause", "paused"] + (["ranks", "origin", "relay", "ranks"] if ds
+                                                                 else ["", "checkpoint"])
+    widths = [7, 7, 7, 7, 7] + ([7, 8, 8, 8] if ds else [7, 10])
+    legend = ("  seconds: rollout = the step's requests to vLLM, train = the GRPO step, publish = until committed on "
+              "the origin,\n  pause = start_weight_update .. finish_weight_update over HTTP, paused = /pause .. "
+              "/resume, ranks = inside the slowest rank's update_weights;\n  kB: blob bytes into the origin, the "
+              "relay, the vLLM ranks" if ds else
+              "  seconds: rollout, train, publish = the checkpoint saved, pause = the reload_weights call, paused = "
+              "/pause .. /resume; kB: the checkpoint")
     return legend + "\n" + f"  {'step':>4s} {'ver':<4s} {'reward':>6s} {'':20s} " + " ".join(
         f"{c:>{w}s}" for c, w in zip(cols, widths))
 
@@ -538,7 +559,8 @@ def summary(ds: PathResult, ref: PathResult, diff: str | None, changed: int, tot
     per_step = sum(s.tier_bytes[0] for s in d) / len(d) / 1e3
     lines += [
         "",
-        f"deltasync:  trainer {med(d, 'trainer_s')}, publish {med(d, 'publish_s')}, pause (start..finish) "
+        f"deltasync:  rollout {med(d, 'rollout_s')}, trainer {med(d, 'trainer_s')}, publish {med(d, 'publish_s')}, "
+        f"pause (start..finish) "
         f"{med(d, 'pause_s')} [max {max(s.pause_s for s in d):.3f} s], /pause../resume {med(d, 'paused_s')} "
         f"(medians per step); inside the ranks' update_weights {med(d, 'rank_s')} (of which waiting "
         f"{med(d, 'rank_wait_s')}); {per_step:.1f} kB per step trainer->origin",
