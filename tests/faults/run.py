@@ -3,7 +3,9 @@
 Every scenario of :mod:`faults.scenarios` (or ``--only a,b``) runs ``--reps`` times; the table
 (reps, data lost, wrong weights applied, hangs, subscribers stopped with / without a clear error,
 time to converge after the fault clears p50 / max) is printed and, with ``--out``, written
-between the campaign markers of that file (a rerun replaces it). Exit status 1 when any
+between the campaign markers of that file (a rerun replaces it; with ``--merge`` only this run's
+rows and descriptions are replaced or added, the other rows and the text around them kept, and a
+line saying what was merged when is added under the first paragraph). Exit status 1 when any
 repetition lost data, applied wrong weights, hung, stopped without a clear error or broke the
 harness.
 """
@@ -178,11 +180,61 @@ def write_between_markers(path: Path, text: str, begin: str = BEGIN, end: str = 
     path.write_text(new)
 
 
+def merge_report(old: str, rows: list[Row], reps: int, wall: float, loads: list[float] | None = None) -> str:
+    """``old`` (the text between the markers) with ``rows``' table lines and descriptions replaced or added."""
+    lines = old.strip("\n").splitlines()
+    fresh = {r.name: r for r in rows}
+    table_rows = table(rows).splitlines()[2:]
+    by_name = {r.name: ln for r, ln in zip(rows, table_rows)}
+    out, seen_rows, seen_what, last_row, last_what = [], set(), set(), None, None
+    for ln in lines:
+        cells = [c.strip() for c in ln.split("|")]
+        if ln.startswith("| ") and len(cells) > 2 and cells[1] in fresh:
+            ln = by_name[cells[1]]
+            seen_rows.add(cells[1])
+        elif ln.startswith("- **") and "**:" in ln and ln[4:ln.index("**:")] in fresh:
+            name = ln[4:ln.index("**:")]
+            ln = f"- **{name}**: {fresh[name].what}"
+            seen_what.add(name)
+        out.append(ln)
+        if ln.startswith("| ") or ln.startswith("|---"):
+            last_row = len(out)
+        elif ln.startswith("- **"):
+            last_what = len(out)
+    add_what = [f"- **{r.name}**: {r.what}" for r in rows if r.name not in seen_what]
+    if last_what is not None:
+        out[last_what:last_what] = add_what
+    add_rows = [by_name[r.name] for r in rows if r.name not in seen_rows]
+    if last_row is None:
+        out += ["", *table(rows).splitlines()[:2]]
+        last_row = len(out)
+    out[last_row:last_row] = add_rows
+    if last_what is None:
+        out += ["", *add_what]
+    bad = [r.name for r in rows if not r.ok]
+    load = f", 1-minute load average {min(loads):.1f}–{max(loads):.1f}" if loads else ""
+    note = (f"Merged into this table: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `--reps {reps}`, "
+            f"{len(rows)} scenarios ({', '.join(r.name for r in rows)}), {sum(r.reps for r in rows)} repetitions in "
+            f"{wall:.0f} s{load}: " + ("0 lost, 0 wrong, 0 hangs." if not bad else f"failing: {', '.join(bad)}."))
+    first_break = next((i for i, ln in enumerate(out) if not ln.strip()), len(out))
+    out[first_break:first_break] = ["", note]
+    return "\n".join(out)
+
+
+def read_between_markers(path: Path, begin: str = BEGIN, end: str = END) -> str:
+    old = path.read_text() if path.exists() else ""
+    if begin in old and end in old:
+        return old[old.index(begin) + len(begin):old.index(end)]
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", default="", help="comma-separated scenario names (default: all); 'short' = the short form")
     ap.add_argument("--out", type=Path, help="markdown file to write the table into (between markers)")
+    ap.add_argument("--merge", action="store_true",
+                    help="with --out: replace or add only this run's rows, keep the rest of the table")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON")
     ap.add_argument("--workdir", type=Path, help="where scenarios keep their files (default: a temp dir)")
     ap.add_argument("--list", action="store_true")
@@ -202,17 +254,24 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     rows = []
     loads = [os.getloadavg()[0]]
+    before = read_between_markers(args.out) if args.out and args.merge else ""
     for cls in chosen:
         print(f"== {cls.name} ({args.reps} reps; load average {os.getloadavg()[0]:.1f})", flush=True)
         rows.append(run_scenario(cls, args.reps, workdir))
         loads.append(os.getloadavg()[0])
         if args.out and len(rows) < len(chosen):  # a run cut short still leaves the scenarios it finished
-            write_between_markers(args.out, f"**In progress: {len(rows)} of {len(chosen)} scenarios done.**\n\n"
-                                  + report(rows, args.reps, time.monotonic() - t0, loads))
+            if args.merge:
+                write_between_markers(args.out, merge_report(before, rows, args.reps, time.monotonic() - t0, loads)
+                                      .replace("Merged into this table:", f"**In progress ({len(rows)} of "
+                                               f"{len(chosen)} scenarios done).** Merged into this table:", 1))
+            else:
+                write_between_markers(args.out, f"**In progress: {len(rows)} of {len(chosen)} scenarios done.**\n\n"
+                                      + report(rows, args.reps, time.monotonic() - t0, loads))
     wall = time.monotonic() - t0
     print(table(rows))
     if args.out:
-        write_between_markers(args.out, report(rows, args.reps, wall, loads))
+        write_between_markers(args.out, merge_report(before, rows, args.reps, wall, loads) if args.merge
+                              else report(rows, args.reps, wall, loads))
     if args.json:
         args.json.write_text(json.dumps([{k: getattr(r, k) for k in Row.__slots__} for r in rows], indent=1))
     for r in rows:

@@ -750,5 +750,7 @@ from .hostile import HOSTILE  # noqa: E402  (issue 27: TUF's attack list and the
 ALL += HOSTILE
 BY_NAME = {s.name: s for s in ALL}
 # the short form inside `make test`: one repetition of each, chosen to cover a kill, a lying wire,
-# a corrupt disk, a cut-short publish and a killed subscriber
-SHORT = ["relay-sigkill-restart", "bit-flips-in-transit", "relay-disk-blob-corrupt", "subscriber-killed-mid-apply"]
+# a corrupt disk, a cut-short publish and a killed subscriber, and two hostile mirrors (a forged future head,
+# a 1-byte/s first source: ~10 s together)
+SHORT = ["relay-sigkill-restart", "bit-flips-in-transit", "relay-disk-blob-corrupt", "subscriber-killed-mid-apply",
+         "hostile-fast-forward", "hostile-slow-first-source"]
