@@ -18,6 +18,7 @@ builds a record, and raises FormatError for anything malformed (the manifest par
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,7 +90,17 @@ _F_SPANS = 1  # delta chunks carry their word spans
 _F_KEYS = 2  # keyframe chunk keys are listed (else each key is its tensor's name)
 MAX_TABLE_BYTES = 1 << 30  # decompressed
 
-_ZC = zstandard.ZstdCompressor(level=3)  # thread-safe for one-shot compress(): no shared stream state
+# one compressor per thread: python-zstandard's ZstdCompressor is not safe to use from two threads at once (two
+# publishers in one process committing side by side, e.g. a bf16 stream and its serving-format streams, got
+# corrupt tables from a shared one)
+_ZC_LOCAL = threading.local()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    zc = getattr(_ZC_LOCAL, "zc", None)
+    if zc is None:
+        zc = _ZC_LOCAL.zc = zstandard.ZstdCompressor(level=3)
+    return zc
 
 
 def _text(items: list[str], what: str) -> bytes:
@@ -158,7 +169,7 @@ def pack_table(records, kind: str, blob_ids: list[str]) -> bytes:
             parts.append((sp[:, 1] - sp[:, 0]).astype("<u8").tobytes())
     elif flags & _F_KEYS:
         parts.append(_lp(_text(keys, "a shard key")))
-    return _ZC.compress(b"".join(parts))
+    return _compressor().compress(b"".join(parts))
 
 
 def _lp(data: bytes) -> bytes:
