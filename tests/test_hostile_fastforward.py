@@ -31,6 +31,17 @@ SHAPE = ModelShape(vocab=256, hidden=32, layers=1, ffn=64)
 AHEAD = 10
 
 
+def test_a_head_answer_naming_another_model_is_that_sources_fault():
+    """Pure: the head summary refuses another model's manifest before anything trusts its version."""
+    from deltasync.client.httpbase import HeadInfo
+    from deltasync.errors import UpstreamError
+
+    body = json.dumps({"model": "ff-other", "version": 13, "blobs": []}).encode()
+    with pytest.raises(UpstreamError, match="asked for the head of 'ff', the answer is 'ff-other' v13"):
+        HeadInfo.from_body(body, model="ff", url="http://mirror")
+    assert HeadInfo.from_body(body, model="ff-other").version == 13
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with origin_only(tmp_path_factory.mktemp("ff"), KEY) as c:
