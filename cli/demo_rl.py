@@ -70,7 +70,7 @@ class RLConfig:
     groups: int = 32  # prompts per step
     samples: int = 8  # samples per prompt (a GRPO group)
     operands: int = 5  # a, b in 0 .. operands-1 (sums stay one digit)
-    lr: float = 3e-3
+    lr: float = 1e-3
     seed: int = 0
     tp: int = 2
     start_timeout: float = 600.0  # vllm serve until healthy
@@ -201,12 +201,13 @@ class VLLMServer:
         self.log = log
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        batch = cfg.groups * cfg.samples
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
                "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(self.port),
                "--tensor-parallel-size", str(cfg.tp), "--enforce-eager", "--skip-tokenizer-init", "--dtype", "bfloat16",
-               "--max-model-len", "32", "--max-num-seqs", str(max(batch, 8)),
-               "--max-num-batched-tokens", str(max(2048, 8 * batch)), "--seed", str(cfg.seed),
+               # one sequence a forward pass: a request's n samples reach the scheduler one by one, so how they
+               # were batched depended on timing, and CPU kernels are not batch-invariant (1 logprob in ~10^4
+               # differed in its last bits between runs); alone, every sample is computed the same way every run
+               "--max-model-len", "32", "--max-num-seqs", "1", "--seed", str(cfg.seed),
                "--gpu-memory-utilization", "0.05", "--weight-transfer-config", json.dumps({"backend": "deltasync"})]
         env = {**os.environ, **engine_env(cfg.tp), "VLLM_LOGGING_CONFIG_PATH": str(_logging_config(log.parent))}
         with open(log, "wb") as f:
@@ -289,9 +290,9 @@ class Rollouts:
 
 
 def rollout(server: VLLMServer, cfg: RLConfig, step: int) -> Rollouts:
-    """A request per prompt (``n`` samples, its own seed), one after another: each runs alone in the engine, so
-    its batch is the same on every run (a seed covers one request, and one request for the whole step would
-    give every prompt the same random numbers)."""
+    """A request per prompt (``n`` samples, its own seed: a seed covers one request, and one request for the whole
+    step would give every prompt the same random numbers), one after another; the server computes one sequence
+    a forward pass (``--max-num-seqs 1``), so every sample is computed alike on every run."""
     probs = problems(cfg, step)
     tokens: list[list[int]] = []
     logprobs: list[list[float]] = []
