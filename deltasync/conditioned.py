@@ -121,11 +121,7 @@ def _group_major(grp, rank, cnt, vsym):
             prev_e = e
         g = rank[j] - prev - 1
         prev = rank[j]
-        b = 0
-        v = g
-        while v:
-            b += 1
-            v >>= 1
+        b = rans.bit_length(np.uint64(g))
         gaps[t] = g
         bkt[t] = b
         gcount[e, b] += 1
@@ -254,20 +250,8 @@ def _decode(words, base, count, shift, mask, gf, gc, glut, vf, vc, vlut):
                 break
             g = np.int64(0)
             if b >= 1:
-                k = b - 1
-                sh = 0
-                while k > 0:
-                    kk = k if k < rans.PREC else rans.PREC
-                    g |= (x & ((np.int64(1) << kk) - 1)) << sh
-                    x >>= kk
-                    if x < rans.L:
-                        x <<= 16
-                        if at < nw:
-                            x |= np.int64(words[at])
-                        at += 1
-                    sh += kk
-                    k -= kk
-                g |= np.int64(1) << (b - 1)
+                bits, x, at = rans.read_bits(x, at, words, nw, b - 1)
+                g = np.int64(bits) | (np.int64(1) << (b - 1))
             rank += g + 1
             if rank >= cnt[e] or kk_ >= count:
                 return pos, vsym_n, bneg_n, bmag_n, rans.E_GAP
@@ -296,19 +280,7 @@ def _decode(words, base, count, shift, mask, gf, gc, glut, vf, vc, vlut):
                     return pos, vsym_n, bneg_n, bmag_n, rans.E_SYMBOL
                 m = np.uint64(0)
                 if q8 >= 1:
-                    k = q8 - 1
-                    sh = 0
-                    while k > 0:
-                        kk = k if k < rans.PREC else rans.PREC
-                        m |= np.uint64(x & ((np.int64(1) << kk) - 1)) << np.uint64(sh)
-                        x >>= kk
-                        if x < rans.L:
-                            x <<= 16
-                            if at < nw:
-                                x |= np.int64(words[at])
-                            at += 1
-                        sh += kk
-                        k -= kk
+                    m, x, at = rans.read_bits(x, at, words, nw, q8 - 1)
                     m |= np.uint64(1) << np.uint64(q8 - 1)
                 bneg[kk_] = (v8 & 1) == 1
                 bmag[kk_] = m

@@ -99,7 +99,7 @@ def _put(x, f, c, p, out, at):
 
 
 @numba.njit(cache=True, nogil=True)
-def _put_bits(x, v, k, out, at):
+def _putbit_length(x, v, k, out, at):
     # pieces of at most PREC bits; the decoder reads the low piece first, so encode the high piece first
     n = (k + PREC - 1) // PREC
     for j in range(n - 1, -1, -1):
@@ -130,11 +130,7 @@ def push_bits(of, oc, op, k, v, r):
 def push_big(of, oc, op, k, m, neg):
     """Append a BIG step's escape: 8 raw bits ``neg | q << 1`` (``q`` the bit length of the magnitude ``m``, a
     uint64), then the ``q - 1`` bits of ``m`` below its top bit (:func:`push_bits`); -> the next index."""
-    q = 0
-    t2 = m
-    while t2:
-        q += 1
-        t2 >>= np.uint64(1)
+    q = bit_length(m)
     of[k] = 1
     oc[k] = (q << 1) | (1 if neg else 0)
     op[k] = 8
@@ -158,11 +154,7 @@ def encode_chunk(gaps, vsym, bigneg, bigmag, gf, gc, vf, vc):
     for i in range(n - 1, -1, -1):
         k = 0  # ops of change i, in decoding order
         g = gaps[i]
-        b = 0
-        t = g
-        while t:
-            b += 1
-            t >>= 1
+        b = bit_length(np.uint64(g))
         of[k] = gf[b]
         oc[k] = gc[b]
         op[k] = PREC
@@ -191,6 +183,28 @@ def encode_chunk(gaps, vsym, bigneg, bigmag, gf, gc, vf, vc):
     out[at] = x & 0xFFFF
     out[at + 1] = (x >> 16) & 0xFFFF
     return out[at:].copy()
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def read_bits(x, at, words, nw, k):
+    """Read ``k`` raw bits (pieces of at most ``PREC``, low piece first, renormalising after each) from the
+    state ``x`` at word ``at`` of ``words`` (``nw`` of them; a read past the end feeds zeros, caught by the
+    caller's final check); -> (the bits as a uint64, x, at). The decoding side of :func:`push_bits`, for every
+    decoder that reads escapes (:func:`decode_chunk`, :mod:`deltasync.conditioned`)."""
+    v = np.uint64(0)
+    sh = 0
+    while k > 0:
+        kk = k if k < PREC else PREC
+        v |= np.uint64(x & ((np.int64(1) << kk) - 1)) << np.uint64(sh)
+        x >>= kk
+        if x < L:
+            x <<= 16
+            if at < nw:
+                x |= np.int64(words[at])
+            at += 1
+        sh += kk
+        k -= kk
+    return v, x, at
 
 
 @numba.njit(cache=True, nogil=True)
@@ -223,20 +237,8 @@ def decode_chunk(words, count, length, gf, gc, glut, vf, vc, vlut):
             at += 1
         g = np.int64(0)
         if b >= 1:
-            k = b - 1
-            sh = 0
-            while k > 0:
-                kk = k if k < PREC else PREC
-                g |= (x & ((np.int64(1) << kk) - 1)) << sh
-                x >>= kk
-                if x < L:
-                    x <<= 16
-                    if at < nw:
-                        x |= np.int64(words[at])
-                    at += 1
-                sh += kk
-                k -= kk
-            g |= np.int64(1) << (b - 1)
+            bits, x, at = read_bits(x, at, words, nw, b - 1)
+            g = np.int64(bits) | (np.int64(1) << (b - 1))
         p += g + 1
         if p >= length or b > 48:
             return pos, vsym, bneg, bmag, kb, E_GAP
@@ -265,19 +267,7 @@ def decode_chunk(words, count, length, gf, gc, glut, vf, vc, vlut):
                 return pos, vsym, bneg, bmag, kb, E_SYMBOL
             m = np.uint64(0)
             if q >= 1:
-                k = q - 1
-                sh = 0
-                while k > 0:
-                    kk = k if k < PREC else PREC
-                    m |= np.uint64(x & ((np.int64(1) << kk) - 1)) << np.uint64(sh)
-                    x >>= kk
-                    if x < L:
-                        x <<= 16
-                        if at < nw:
-                            x |= np.int64(words[at])
-                        at += 1
-                    sh += kk
-                    k -= kk
+                m, x, at = read_bits(x, at, words, nw, q - 1)
                 m |= np.uint64(1) << np.uint64(q - 1)
             bneg[kb] = sign == 1
             bmag[kb] = m
@@ -339,7 +329,7 @@ _U = np.uint64
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _bits(v):
+def bit_length(v):
     """Bit length of a uint64 (0 for 0)."""
     return np.int64(64 - _clz(v)) if v else 0
 
@@ -365,7 +355,7 @@ def chunk_symbols(positions, start, raw, values, gcount, vcount):
     prev = start - 1
     for i in range(n):
         p = positions[i]
-        gl[_bits(_U(p - prev - 1))] += 1
+        gl[bit_length(_U(p - prev - 1))] += 1
         prev = p
         if raw[i]:
             s = RAW
@@ -417,7 +407,7 @@ def word_symbols(positions, start, old, new, raw_limit, is_float, gcount, vcount
     prev = start - 1
     for i in range(n):
         p = positions[i]
-        gl[_bits(_U(p - prev - 1))] += 1
+        gl[bit_length(_U(p - prev - 1))] += 1
         prev = p
         a = _U(old[i])
         b = _U(new[i])
@@ -483,7 +473,7 @@ def encode_chunk_pos(positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc):
         if s == BIG:  # last in decoding order: the magnitude's low bits, then the 8-bit sign | q << 1
             nb -= 1
             m = bigmag[nb]
-            q = _bits(m)
+            q = bit_length(m)
             r = q - 1
             if r > 0:
                 for j in range((r + PREC - 1) // PREC - 1, -1, -1):
@@ -510,7 +500,7 @@ def encode_chunk_pos(positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc):
             x = x + _U(vc[s]) + _mulhi(x, vrc[s]) * vcm[s]
         g = positions[i] - (positions[i - 1] if i > 0 else start - 1) - 1
         ug = _U(g)
-        b = _bits(ug)
+        b = bit_length(ug)
         r = b - 1
         if r > 0:
             for j in range((r + PREC - 1) // PREC - 1, -1, -1):
