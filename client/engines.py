@@ -335,8 +335,9 @@ def check_engine_params(layout, params: Mapping[str, torch.Tensor]) -> None:
             stream = want[0] if want else next(iter(layout.stream.values()))[0]
             raise UnsupportedError(
                 f"engine parameter {name!r} is {have}: this engine serves FP8 weights and the stream is {stream}; "
-                "an in-place update needs the stream in the engine's serving format (FP8 with its scales), "
-                "or serve the model unquantized")
+                "an in-place update needs the stream in the engine's serving format (FP8 with its scales: "
+                "Publisher(serve=['fp8-block']) publishes one, which vLLM's worker extension follows; this engine's "
+                "glue maps bf16 streams only), or serve the model unquantized")
     for name, t in params.items():
         if name in layout.tied_params:
             continue
