@@ -67,7 +67,7 @@ class RLConfig:
     """One run's settings (both paths use the same)."""
 
     steps: int = 40
-    groups: int = 32  # prompts per step
+    groups: int = 24  # prompts per step
     samples: int = 8  # samples per prompt (a GRPO group)
     operands: int = 5  # a, b in 0 .. operands-1 (sums stay one digit)
     lr: float = 1e-3
