@@ -26,6 +26,7 @@ from numba import carray, njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from .intrinsics import cttz as _cttz
 from . import rans as _rans  # the rANS coding's constants, frozen into the kernels below
 
 
@@ -147,19 +148,6 @@ def fingerprint_delta(positions, old, new, per, table):
 
 
 # -- compare and compaction ----------------------------------------------------------------------
-
-@intrinsic
-def _cttz(typingctx, x):
-    """Count of trailing zero bits of a non-zero uint64 (llvm.cttz)."""
-    sig = types.uint64(types.uint64)
-
-    def codegen(context, builder, signature, args):
-        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(1)])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.cttz.i64")
-        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
-
-    return sig, codegen
-
 
 @_jit
 def compare_words(o, n, out, first):

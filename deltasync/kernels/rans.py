@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba.core import cgutils, types
-from numba.extending import intrinsic
 
 from .cache import load_cached_directly
+from .intrinsics import clz as _clz, mulhi as _mulhi
 
 PREC = 12
 M = 1 << PREC
@@ -298,32 +296,6 @@ def encode_ops(freq, start, prec):
 # Same bytes as values.step_symbols + entropy._buckets + np.bincount + encode_chunk (tests/test_kernels_encode.py
 # checks it): one pass per chunk for the symbols and the model counts, one pass for the message. Written out by
 # hand, like decode_chunk: inlined helper calls returning tuples cost ~3x here.
-
-@intrinsic
-def _clz(typingctx, x):
-    """Count of leading zero bits of a non-zero uint64 (llvm.ctlz)."""
-    sig = types.uint64(types.uint64)
-
-    def codegen(context, builder, signature, args):
-        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(1)])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.ctlz.i64")
-        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
-
-    return sig, codegen
-
-
-@intrinsic
-def _mulhi(typingctx, a, b):
-    """High 64 bits of the 128-bit product of two uint64 (one ``mul`` instruction)."""
-    sig = types.uint64(types.uint64, types.uint64)
-
-    def codegen(context, builder, signature, args):
-        i128 = ir.IntType(128)
-        p = builder.mul(builder.zext(args[0], i128), builder.zext(args[1], i128))
-        return builder.trunc(builder.lshr(p, ir.Constant(i128, 64)), ir.IntType(64))
-
-    return sig, codegen
-
 
 _U = np.uint64
 
