@@ -30,6 +30,11 @@ each checkpoint ships what of its residual fits the budget (docs/CLIENT.md, "Bud
 streams"). The residual drains as later checkpoints arrive (a trainer that stopped
 changing may keep writing the same weights). A failed upload, or a served view file that
 does not match the origin's head on restart, makes the next checkpoint a keyframe.
+
+With ``serve`` (e.g. ``["fp8-block", "int4"]``) each published checkpoint is also published in those serving
+formats, as the streams ``M.fp8`` / ``M.int4`` (client/serving.py, docs/FORMAT.md §11): quantized from the mapped
+file (only the tensors that changed are requantized), each an in-process publisher of its own. They keep no
+resume state: after a restart each goes on with a keyframe at the next checkpoint.
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ STATE_NAME = ".deltasync-sidecar.json"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SidecarEvent:
-    """One thing the sidecar did: ``kind`` is published, skipped, adopted, deleted or error."""
+    """One thing the sidecar did: ``kind`` is published, served (the serving-format streams of a published
+    checkpoint), skipped, adopted, deleted or error."""
 
     kind: str
     step: int | None
@@ -85,7 +91,8 @@ class Sidecar:
                  keyframe_every: int = 20, delete_published: bool = False, marker: str | None = None,
                  poll: float = 1.0, state_file: str | os.PathLike | None = None,
                  on_event: Callable[[SidecarEvent], None] | None = None,
-                 budget: int | BudgetPolicy | None = None, ssl=None, coding: str = "base-free") -> None:
+                 budget: int | BudgetPolicy | None = None, ssl=None, coding: str = "base-free",
+                 serve: tuple[str, ...] | list[str] = ()) -> None:
         if coding != "base-free" and budget is not None:
             raise ValueError(f"the {coding} coding and a budget exclude each other (use coding base-free)")
         self.dir = Path(watch_dir)
@@ -114,6 +121,16 @@ class Sidecar:
         self.served_fps: dict[str, int] | None = None
         self.served_path = self.state_path.with_suffix(".served.safetensors")  # one per state file
         self._pending = None  # (plan or None, keyframe state or None) of the version being uploaded
+        # serving-format streams (client/serving.py): each published checkpoint, quantized, as M.fp8 / M.int4. They
+        # keep no resume state: after a restart each starts again with a keyframe at the next checkpoint.
+        self.serving = None
+        if serve:
+            from .publisher import Publisher
+            from .serving import ServingStreams
+
+            self.serving = ServingStreams(model, serve, lambda name: Publisher(
+                origin, name, token, self.signer, keyframe_every=keyframe_every, budget=budget, ssl=ssl,
+                options=EncodeOptions(coding=coding)))
 
     # -- state file ----------------------------------------------------------------------------
     def _save_state(self) -> None:
@@ -206,12 +223,24 @@ class Sidecar:
                 note(SidecarEvent(kind="skipped", step=ck.step, path=str(ck.path), detail=str(e)))
                 continue
             note(ev)
+            if self.serving is not None and ev.kind == "published":
+                note(await asyncio.to_thread(self._publish_serving, ck))
             if self.delete_published:
                 for old in find_checkpoints(self.dir, marker=self.marker):
                     if old.step < ck.step and old.path.name not in self.skipped:
                         self._delete(old)
                         note(SidecarEvent(kind="deleted", step=old.step, path=str(old.path)))
         return events
+
+    def _publish_serving(self, ck: Checkpoint) -> SidecarEvent:
+        """The checkpoint in every serving format, published and committed (its tensors read from the mapped file:
+        the deriver keeps what it quantized, the serving publishers their own reference copies)."""
+        with MappedCheckpoint(ck.path) as new:
+            pending = self.serving.publish(ck.step, new.tensors, keyframe=False, meta={"source": ck.path.name})
+            done = {name: p.result(self.client.timeouts.request * 4) for name, p in pending.items()}
+        detail = ", ".join(f"{n} {r.kind} {r.blob_bytes} bytes" for n, r in done.items())
+        return SidecarEvent(kind="served", step=ck.step, path=str(ck.path), detail=detail,
+                            bytes=sum(r.blob_bytes for r in done.values()), raw_bytes=sum(r.raw_bytes for r in done.values()))
 
     def _delete(self, ck: Checkpoint) -> None:
         for p in (ck.path, Path(str(ck.path) + self.marker) if self.marker else None):
@@ -377,6 +406,8 @@ class Sidecar:
 
     async def close(self) -> None:
         await self.client.close()
+        if self.serving is not None:
+            await asyncio.to_thread(self.serving.close, self.client.timeouts.request * 4)
 
     # -- the daemon -------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None, *, once: bool = False) -> None:
@@ -400,7 +431,7 @@ class Sidecar:
                 if stop.is_set():
                     return
         finally:
-            await self.client.close()
+            await self.close()
 
 
 #: ``_encode``'s mark for a side keyframe streamed from the checkpoint's file at upload

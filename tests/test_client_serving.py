@@ -44,7 +44,7 @@ def test_serving_streams_follow_the_trainer_bit_for_bit(cluster):
     tr = RLTrace(SHAPE, lr=LR, seed=21)
     first = tr.state()
     targets = {f: _empty(f, first) for f in FORMATS}
-    subs = [ThreadedSubscriber(cluster.url("relay"), serving_model("s1", f), targets[f], key=KEY) for f in FORMATS]
+    subs = [ThreadedSubscriber(cluster.url("relay"), serving_model("s1", f), targets[f], verifier=KEY) for f in FORMATS]
     try:
         with Publisher(cluster.origin, "s1", cluster.token, KEY, keyframe_every=2, serve=FORMATS) as pub:
             for s in subs:
@@ -83,7 +83,7 @@ def test_a_budget_caps_serving_deltas_and_subscribers_hold_the_served_view(clust
     target = _empty("fp8-block", first)
     name = serving_model("s2", "fp8-block")
     with Publisher(cluster.origin, "s2", cluster.token, KEY, keyframe_every=0, budget=budget,
-                   serve=["fp8-block"]) as pub, ThreadedSubscriber(cluster.url("relay"), name, target, key=KEY) as sub:
+                   serve=["fp8-block"]) as pub, ThreadedSubscriber(cluster.url("relay"), name, target, verifier=KEY) as sub:
         child = pub.serving.publishers[name]
         pub.publish(0, first).serving[name].result(60)
         owed = 0
