@@ -743,7 +743,7 @@ def cmd_sidecar(args) -> int:
     car = Sidecar(args.watch, args.origin, args.model, token, signer, keyframe_every=args.keyframe_every,
                   delete_published=args.delete_published, marker=args.marker, poll=args.poll,
                   state_file=args.state_file, on_event=on_event, budget=_policy(args), ssl=_ssl(args),
-                  coding=args.coding)
+                  coding=args.coding, serve=tuple(args.serve_format or ()))
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -861,6 +861,9 @@ def register(subparsers) -> None:
     c.add_argument("--poll", type=float, default=1.0, metavar="S", help="scan the folder every S seconds")
     c.add_argument("--state-file", metavar="F", help="where to keep resume state (default DIR/.deltasync-sidecar.json)")
     c.add_argument("--once", action="store_true", help="publish what is there now, then exit")
+    c.add_argument("--serve-format", action="append", choices=("fp8-block", "int4"), metavar="FMT",
+                   help="also publish each checkpoint in this serving format, as the stream MODEL.fp8 (fp8-block: "
+                        "DeepSeek/vLLM FP8 blocks) or MODEL.int4 (compressed-tensors INT4 pack-quantized); repeatable")
     _budget_options(c)
     _coding_option(c)
     c.set_defaults(func=cmd_sidecar)

@@ -68,3 +68,28 @@ def test_sidecar_publishes_each_checkpoint_in_serving_formats(cluster, tmp_path)
     assert "delta v3" in events[0].detail and "car.int4 keyframe" in events[1].detail
     want = quant.serving_state(states[3], quant.ServingFormat(name="int4"))
     assert _same(_follow(cluster, "car.int4", want, 3), want)
+
+
+def test_sidecar_command_with_serve_format(tmp_path_factory, tmp_path):
+    import subprocess
+    import sys
+
+    c = LocalCluster(tmp_path_factory.mktemp("sidecar-serving-cli"))
+    try:
+        c.start_origin()
+        st = RLTrace(SHAPE, lr=2e-5, seed=32).step()
+        write_state_file(tmp_path / "step-5.safetensors", st)
+        token = tmp_path / "token"
+        token.write_text(c.token)
+        r = subprocess.run([sys.executable, "-m", "deltasync.client.cli", "sidecar", "--watch", str(tmp_path),
+                            "--origin", c.origin, "--model", "cli", "--token-file", str(token), "--once",
+                            "--serve-format", "fp8-block"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "served step-5.safetensors: cli.fp8 keyframe" in r.stdout, r.stdout
+        want = quant.serving_state(st, quant.ServingFormat(name="fp8-block"))
+        target = {n: torch.zeros_like(t) for n, t in want.items()}
+        with ThreadedSubscriber(c.origin, "cli.fp8", target) as sub:
+            assert sub.wait_version(5, 60) == 5
+        assert _same(target, want)
+    finally:
+        c.close()
