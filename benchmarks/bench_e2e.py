@@ -62,7 +62,7 @@ def _measure(name: str, steps: Iterator[tuple[dict[str, torch.Tensor], float]], 
                     with lock:
                         applied.setdefault(v, {})[i] = time.perf_counter()
 
-                s = ThreadedSubscriber(urls, name, target, key=KEY, auto=True, on_applied=on_applied)
+                s = ThreadedSubscriber(urls, name, target, verifier=KEY, auto=True, on_applied=on_applied)
                 s.start()
                 subs.append(s)
             pub = Publisher(cluster.origin, name, cluster.token, KEY, keyframe_every=keyframe_every)

@@ -330,7 +330,7 @@ def _inproc_rows(r: dict, cluster: LocalCluster, base: dict[str, torch.Tensor], 
         pending.result(timeout)
         r["ip_keyframe_commit_s"] = time.perf_counter() - t0
         target = {n: torch.zeros_like(t) for n, t in base.items()}
-        sub = ThreadedSubscriber([cluster.url("relay")], INPROC_MODEL, target, key=KEY, auto=True,
+        sub = ThreadedSubscriber([cluster.url("relay")], INPROC_MODEL, target, verifier=KEY, auto=True,
                                  on_applied=on_applied)
         t1 = time.perf_counter()
         sub.start(timeout)

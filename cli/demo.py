@@ -338,7 +338,7 @@ def run(*, steps: int = 40, subscribers: int = 4, late_step: int | None = None, 
             s.started_at = time.perf_counter()
             if pub is not None and pub.results:
                 s.join_head = pub.results[-1].version
-            s.sub = ThreadedSubscriber(urls, MODEL, local, key=key, scrub_every=10, on_event=on_event)
+            s.sub = ThreadedSubscriber(urls, MODEL, local, verifier=key, scrub_every=10, on_event=on_event)
             s.sub.start()
 
             def serve(s=s, local=local) -> None:  # the "inference engine": apply between batches, generate

@@ -123,7 +123,7 @@ async def _head_state(url: str, model: str, verifier: Verifier | None, like: dic
     if head is None:
         return None
     target = {n: torch.empty_like(t) for n, t in like.items()}
-    sub = Subscriber([url], model, target, key=verifier, use_squash=True, ssl=ssl, read_token=token)
+    sub = Subscriber([url], model, target, verifier=verifier, use_squash=True, ssl=ssl, read_token=token)
     await sub.start()
     try:
         v = await sub.sync(timeout)
@@ -547,7 +547,7 @@ async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int]
         if ev.kind in ("rollback", "refetch", "resync", "scrub", "error"):
             _say(args, f"{ev.kind} v{ev.version}: {ev.detail}")
 
-    sub = Subscriber(args.sources, args.model, target, key=verifier, version=version, timeouts=timeouts,
+    sub = Subscriber(args.sources, args.model, target, verifier=verifier, version=version, timeouts=timeouts,
                      scrub_every=args.scrub_every, on_event=on_event, ssl=_ssl(args),
                      read_token=_read_token_of(args))
     stop = asyncio.Event()

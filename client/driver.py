@@ -42,6 +42,7 @@ from deltasync.errors import DeltaSyncError, IntegrityError, NotFoundError, Sign
 from deltasync.keyframe import load_keyframe
 from deltasync.manifest import Manifest, parse_manifest
 from deltasync.planner import walk_parents
+from deltasync.signing import Verifier
 
 from .http import MAX_MANIFEST, HttpClient
 from .livestate import LiveState
@@ -69,14 +70,14 @@ class SyncDriver:
     """Runs one machine for one model stream. Create, ``await start()``, ``await close()``; all on one loop."""
 
     def __init__(self, machine: sm.SyncMachine, client: HttpClient, live: LiveState, queue: ReadyQueue, *,
-                 key: bytes | None, notify: Callable[[str, int | None, str, BaseException | None], None],
+                 verifier: Verifier | bytes | None, notify: Callable[[str, int | None, str, BaseException | None], None],
                  download_concurrency: int = 4, squash_timeout: float = 15.0, behind_after: float | None = None) -> None:
         self.machine, self.client, self.live, self.queue = machine, client, live, queue
         # a source that answers "nothing newer" this long (default: two long-polls) while another
         # listed source has a newer head is put down like a failed one (a lagging relay is not an error)
         self.behind_after = 2 * client.timeouts.poll if behind_after is None else behind_after
         self._quiet_since: float | None = None  # when the source last had something newer
-        self.key = key
+        self.verifier = verifier  # what manifests must verify with; None: not verified (digests not checked)
         self.notify = notify  # tells on_event (refetch, resync, error); runs on the loop thread, no lock held
         self.download_concurrency = max(1, download_concurrency)
         self.squash_timeout = squash_timeout
@@ -180,10 +181,10 @@ class SyncDriver:
 
     # -- actions -----------------------------------------------------------------------------------------------
     def _check_body(self, body: bytes) -> Manifest:
-        return parse_manifest(body, key=self.key)
+        return parse_manifest(body, verifier=self.verifier)
 
     def parse(self, body: bytes, stream: str, version: int) -> Manifest:
-        m = parse_manifest(body, key=self.key)
+        m = parse_manifest(body, verifier=self.verifier)
         if m.model != stream or m.version != version:
             raise IntegrityError(f"asked for {stream} v{version}, the server sent {m.model} v{m.version}")
         return m
@@ -290,7 +291,7 @@ class SyncDriver:
         try:
             body = await asyncio.wait_for(self.client.get_squashed(model, a.start, a.end, timeout=self.squash_timeout),
                                           budget)
-            m = parse_manifest(body, key=self.key)
+            m = parse_manifest(body, verifier=self.verifier)
         except asyncio.TimeoutError:
             log.info("%s: squashed delta v%d→v%d not ready within %.1f s; walking the chain", model, a.start, a.end,
                      budget)
@@ -313,7 +314,7 @@ class SyncDriver:
         async def one(ref) -> tuple[str, bytes]:
             async with sem:
                 # a verified manifest's digests are checked inside the failover loop (a crafted blob: next source)
-                digest = ref.digest if self.key is not None else None
+                digest = ref.digest if self.verifier is not None else None
                 return ref.id, await self.client.get_blob(ref.id, ref.size, digest=digest)
 
         timeline.debug("mono=%.6f blobs-start %s v%d cpu=%.3f", time.monotonic(), m.model, m.version, time.process_time())

@@ -8,7 +8,7 @@ and the shared memory is patched once through the primary; pass ``stream=`` (the
 names, e.g. from its first manifest) when the stream carries the copy too, then it is an alias
 whose changes must equal the primary's.
 
-    sub = ThreadedSubscriber(urls, "policy", hf_applier(model), key=key)
+    sub = ThreadedSubscriber(urls, "policy", hf_applier(model), verifier=key)
 
 Patch between ``generate`` calls (``sub.apply_pending()``); the module's memory changes in place.
 """

@@ -102,7 +102,7 @@ class SGLangRank:
         key = bytes.fromhex(args["key_hex"]) if args.get("key_hex") else None
         opts = dict(args.get("options", {}))
         opts["use_squash"] = False  # ranks must see the same steps one to one
-        self.sub = ThreadedSubscriber(args["urls"], args["model"], self.applier, key=key, **opts)
+        self.sub = ThreadedSubscriber(args["urls"], args["model"], self.applier, verifier=key, **opts)
         self.sub.start(float(args.get("start_timeout", 60.0)))
 
     def apply(self) -> int | None:

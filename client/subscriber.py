@@ -2,7 +2,7 @@
 
 ::
 
-    sub = ThreadedSubscriber(["http://relay-a:8701", "http://relay-b:8701"], "policy", model, key=key)
+    sub = ThreadedSubscriber(["http://relay-a:8701", "http://relay-b:8701"], "policy", model, verifier=key)
     sub.start()
     while serving:
         run_batch(model)
@@ -52,6 +52,7 @@ import logging
 import ssl as ssl_module
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -115,19 +116,23 @@ class Subscriber:
     """Asyncio subscriber. ``apply_pending`` and ``hold`` are synchronous and thread-safe; the event loop
     never waits for them (see the module docstring)."""
 
-    def __init__(self, urls: str | Sequence[str], model: str, target, *, key: Verifier | bytes | None = None,
+    def __init__(self, urls: str | Sequence[str], model: str, target, *, verifier: Verifier | bytes | None = None,
                  auto: bool = False,
                  verify: str = "incremental", scrub_every: int = 0, version: int | None = None,
                  timeouts: Timeouts | None = None, max_ready: int = 8, download_concurrency: int = 4,
                  use_squash: bool = True, squash_min_chain: int = 3, squash_timeout: float = 15.0, max_refetch: int = 1,
                  on_event: Callable[[SyncEvent], None] | None = None,
-                 on_applied: Callable[[int], None] | None = None, verifier: Verifier | None = None,
-                 ssl: ssl_module.SSLContext | None = None, read_token: str | None = None) -> None:
-        # ``verifier``: the publisher's public key(s) (``Ed25519Verifier`` / ``KeySet``; ``key=`` takes the same,
-        # or a raw HMAC secret); ``ssl``: TLS context for https sources; ``read_token``: a scoped read token
-        if verifier is not None and key is not None:
-            raise TypeError("Subscriber: pass verifier= or key=, not both")
-        key = verifier if verifier is not None else key
+                 on_applied: Callable[[int], None] | None = None,
+                 ssl: ssl_module.SSLContext | None = None, read_token: str | None = None,
+                 key: Verifier | bytes | None = None) -> None:
+        # ``verifier``: what manifests must verify with: the publisher's public key(s) (``Ed25519Verifier`` /
+        # ``KeySet``) or a raw HMAC secret; ``ssl``: TLS context for https sources; ``read_token``: a scoped read
+        # token. ``key``: the old name of ``verifier`` (deprecated)
+        if key is not None:
+            if verifier is not None:
+                raise TypeError("Subscriber: pass verifier= (key= is its old name), not both")
+            warnings.warn("Subscriber(key=...) is deprecated: pass verifier=", DeprecationWarning, stacklevel=2)
+            verifier = key
         self.model = model
         self.target = target
         self.auto = auto
@@ -140,7 +145,7 @@ class Subscriber:
         self.machine = sm.SyncMachine(sm.SyncConfig(
             model=model, side_model=keyframe_stream(model), use_squash=use_squash, squash_min_chain=squash_min_chain,
             max_refetch=max_refetch, max_ready=max(1, max_ready)))
-        self.driver = SyncDriver(self.machine, self.client, self.live, self.queue, key=key, notify=self._tell,
+        self.driver = SyncDriver(self.machine, self.client, self.live, self.queue, verifier=verifier, notify=self._tell,
                                  download_concurrency=download_concurrency, squash_timeout=squash_timeout)
         self._trusted = version
         self._lock = threading.RLock()  # the engine's lock: hold() and apply_pending(); never taken by the loop

@@ -195,7 +195,7 @@ class DeltaSyncCheckpointEngine(CheckpointEngine):
         finally:
             io.close()
         self.mirror = {n: torch.zeros(shape, dtype=dtype_info(dt).torch_dtype) for n, (dt, shape) in shapes.items()}
-        self.sub = ThreadedSubscriber(self.urls, self.model, self.mirror, key=key, **self.subscriber_options)
+        self.sub = ThreadedSubscriber(self.urls, self.model, self.mirror, verifier=key, **self.subscriber_options)
         self.sub.start()
 
     def _wait(self, global_steps: int | None) -> int:

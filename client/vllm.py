@@ -626,7 +626,7 @@ class _RankSync:
         options.setdefault("use_squash", world == 1)  # the ranks' steps must match one to one
         # kept tensor -> its version when its layer was last packed
         self._packed_seen = {id(l.tensor): l.tensor._version for l in self.live.values() if l.layer is not None}
-        self.sub = ThreadedSubscriber(urls, stream, self.applier, **options)
+        self.sub = ThreadedSubscriber(urls, stream, self.applier, verifier=key, **options)
         self.version = options.get("version")
         self.last_apply_s = self.last_repack_s = 0.0
         self.applies = 0

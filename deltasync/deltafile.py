@@ -53,9 +53,8 @@ def pack_delta_file(manifest: Manifest, blobs: Mapping[str, bytes]) -> bytes:
     return b"".join(parts)
 
 
-def unpack_delta_file(data: bytes | memoryview, *, verifier: Verifier | bytes | None = None,
-                      key: bytes | None = None) -> DeltaFile:
-    """A delta file's manifest and blobs, everything checked; ``key`` is the older spelling of ``verifier``."""
+def unpack_delta_file(data: bytes | memoryview, *, verifier: Verifier | bytes | None = None) -> DeltaFile:
+    """A delta file's manifest and blobs, everything checked (the signature too, with ``verifier``)."""
     view = memoryview(data)
     if len(view) < _PREFIX.size:
         raise FormatError(f"file of {len(view)} bytes is too short to be a delta file")
@@ -68,7 +67,7 @@ def unpack_delta_file(data: bytes | memoryview, *, verifier: Verifier | bytes | 
         raise FormatError(f"delta file: reserved field is {reserved}, must be 0")
     if _PREFIX.size + mlen > len(view):
         raise FormatError("delta file is truncated inside its manifest")
-    manifest = parse_manifest(bytes(view[_PREFIX.size : _PREFIX.size + mlen]), verifier=verifier, key=key)
+    manifest = parse_manifest(bytes(view[_PREFIX.size : _PREFIX.size + mlen]), verifier=verifier)
     at = _PREFIX.size + mlen
     blobs = {}
     for ref in manifest.blobs:
@@ -86,9 +85,8 @@ def unpack_delta_file(data: bytes | memoryview, *, verifier: Verifier | bytes | 
     return DeltaFile(manifest=manifest, blobs=blobs)
 
 
-def read_delta_file(path: str | os.PathLike, *, verifier: Verifier | bytes | None = None,
-                    key: bytes | None = None) -> DeltaFile:
-    return unpack_delta_file(Path(path).read_bytes(), verifier=verifier, key=key)
+def read_delta_file(path: str | os.PathLike, *, verifier: Verifier | bytes | None = None) -> DeltaFile:
+    return unpack_delta_file(Path(path).read_bytes(), verifier=verifier)
 
 
 def write_delta_file(path: str | os.PathLike, manifest: Manifest, blobs: Mapping[str, bytes]) -> int:

@@ -284,14 +284,9 @@ def _numel(shape) -> int:
 
 # -- parsing ------------------------------------------------------------------------
 
-def parse_manifest(data: bytes | str | dict, *, verifier: Verifier | bytes | None = None,
-                   key: bytes | None = None) -> Manifest:
-    """Parse and validate a manifest; with ``verifier``, also verify its signature (SignatureError).
-    ``key`` is the older spelling of ``verifier`` for a raw HMAC key."""
-    if key is not None:
-        if verifier is not None:
-            raise TypeError("parse_manifest: pass verifier= or key=, not both")
-        verifier = key
+def parse_manifest(data: bytes | str | dict, *, verifier: Verifier | bytes | None = None) -> Manifest:
+    """Parse and validate a manifest; with ``verifier`` (public key(s), or a raw HMAC secret), also verify its
+    signature (SignatureError)."""
     if isinstance(data, dict):
         obj = data
     else:

@@ -72,12 +72,12 @@ def _die_with_parent(parent_pid: int) -> None:
 
 class CatchupBuilder:
     def __init__(self, *, store: BlobStore, catalog: Catalog, fetcher: BlobFetcher | None, metrics: Metrics,
-                 key: bytes | None, max_chain: int, fetch_timeout: float, budget=None) -> None:
+                 signer: bytes | None, max_chain: int, fetch_timeout: float, budget=None) -> None:
         self.store = store
         self.catalog = catalog
         self.fetcher = fetcher
         self.metrics = metrics
-        self.key = key
+        self.signer = signer  # the HMAC secret that signs the squashes (ServerConfig.squash_signer); None: unsigned
         self.max_chain = max_chain
         self.fetch_timeout = fetch_timeout
         self.budget = budget  # a deltasync.squash.SquashBudget; None: its defaults
@@ -209,8 +209,8 @@ class CatchupBuilder:
         for bid, data in out_blobs.items():
             await self.store.put_blob_bytes(bid, data)
         m = parse_manifest(manifest_json)
-        if self.key is not None:
-            m = m.sign(self.key)
+        if self.signer is not None:
+            m = m.sign(self.signer)
         data = m.to_json()
         await self.store.put_squash(model, start, end, data)
         self.metrics.inc("squash_builds")

@@ -221,7 +221,10 @@ def _key(args) -> bytes | None:
 
 def _trust(args) -> dict:
     """The verify key(s), the HMAC key and the TLS files of a server's options, as ServerConfig fields."""
-    return {"key": _key(args), "verifier": verifier_from_options(args.verify_key) if args.verify_key else None,
+    hmac = _key(args)
+    if hmac is not None and args.verify_key:
+        raise ValueError("give --verify-key (public keys) or --key-file (HMAC), not both")
+    return {"verifier": verifier_from_options(args.verify_key) if args.verify_key else hmac,
             "tls_cert": args.tls_cert, "tls_key": args.tls_key}
 
 

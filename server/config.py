@@ -58,8 +58,9 @@ class ServerConfig:
     port: int
     store_dir: Path | None  # the disk store's directory (unused by the memory store)
     token: str | None = None  # origin: bearer token for writes
-    key: bytes | None = None  # HMAC key (closed deployments): when set, manifests must verify; squashes are signed
-    verifier: Verifier | None = None  # the publisher's public key(s) (--verify-key): manifests and digests must verify
+    # what manifests (and blob digests) must verify with: the publisher's public key(s) (--verify-key), or the HMAC
+    # secret of a closed deployment (--key-file, raw bytes), which also signs the squashes; None: nothing is verified
+    verifier: Verifier | bytes | None = None
     tokens: TokenTable | None = None  # scoped tokens (--token-file); origin default: TokenTable.single(token)
     read_token: str | None = None  # relay: sent to its parents (--read-token-file)
     tls_cert: Path | None = None  # serve https with this certificate chain (PEM) ...
@@ -97,15 +98,14 @@ class ServerConfig:
             raise ValueError("the disk store needs a directory (--store)")
         if self.retention < 1:
             raise ValueError("retention must be at least 1 version")
-        if self.key is not None and self.verifier is not None:
-            raise ValueError("give --verify-key (public keys) or --key-file (HMAC), not both")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
 
     @property
-    def verify_with(self) -> Verifier | bytes | None:
-        """What manifests are verified with: the public key(s), else the HMAC key, else None."""
-        return self.verifier if self.verifier is not None else self.key
+    def squash_signer(self) -> bytes | None:
+        """The HMAC secret a closed deployment's squashes are signed with; None with public keys (a relay cannot
+        sign: subscribers then take squashes only where a state fingerprint proves them) or no key."""
+        return self.verifier if isinstance(self.verifier, bytes) else None
 
     @property
     def token_table(self) -> TokenTable | None:

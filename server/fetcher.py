@@ -98,7 +98,7 @@ class BlobFetcher:
         #: blob id -> the digest of the copy stored, for blobs no signed manifest had named when they were fetched
         self._unchecked: OrderedDict[str, str] = OrderedDict()
         #: digests are checked only when manifests were verified (the relay holds a key)
-        self.check_digests = upstream.key is not None
+        self.check_digests = upstream.verifier is not None
         #: why the last fetch could not be stored (our disk full), until a blob is stored again; /healthz shows it
         self.storage_error: str | None = None
         #: the hinted fetches running (blob id -> its fetch and task): unsigned, so a signed version's blob that

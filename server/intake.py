@@ -62,12 +62,12 @@ class Intake:
     #: uploads at least this long (with a declared size) are hinted to relays and servable while they arrive
     HINT_MIN = 1 << 20
 
-    def __init__(self, *, store: BlobStore, hub: EventHub, metrics: Metrics, key: Verifier | bytes | None,
+    def __init__(self, *, store: BlobStore, hub: EventHub, metrics: Metrics, verifier: Verifier | bytes | None,
                  max_blob_size: int) -> None:
         self.store = store
         self.hub = hub
         self.metrics = metrics
-        self.key = key  # a Verifier (public keys) or a raw HMAC secret; None: manifests are not verified
+        self.verifier = verifier  # a Verifier (public keys) or a raw HMAC secret; None: manifests are not verified
         self.max_blob_size = max_blob_size
         self._locks: dict[str, asyncio.Lock] = {}
         self._digests: dict[str, str] = {}  # blob id -> DEFAULT_DIGEST of its uploaded bytes (insertion order)
@@ -123,7 +123,7 @@ class Intake:
 
     async def commit(self, model: str, version: int, body: bytes) -> tuple[VersionInfo, bool]:
         """Commit a version; returns (info, created). Re-sending a committed manifest is a no-op."""
-        m = parse_manifest(body, key=self.key)
+        m = parse_manifest(body, verifier=self.verifier)
         if m.model != model or m.version != version:
             raise FormatError(f"manifest is for {m.model} v{m.version} but was sent to {model} v{version}")
         lock = self._locks.setdefault(model, asyncio.Lock())
@@ -138,7 +138,7 @@ class Intake:
                 raise ChainError(f"{model} v{version} is already committed with different content; "
                                  "publish a new version instead")
             self._check(m)
-            if self.key is not None:
+            if self.verifier is not None:
                 await self._check_digests(m)
             info = await self.store.put_manifest(m, announce=True)
         self.metrics.inc("versions")
@@ -196,7 +196,7 @@ class Upload:
         self.blob_id = blob_id
         self.part = part
         self.declared = declared
-        self.hasher = DigestHasher(DEFAULT_DIGEST) if intake.key is not None else None
+        self.hasher = DigestHasher(DEFAULT_DIGEST) if intake.verifier is not None else None
         self.blob: InflightBlob | None = None  # readers follow it while it arrives (``Intake.HINT_MIN``)
         self.stored = False
 

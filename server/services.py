@@ -57,10 +57,10 @@ async def open_services(config: ServerConfig) -> Services:
     t = config.timeouts
     upstream = fetcher = prefetcher = intake = None
     if config.is_origin:
-        intake = Intake(store=store, hub=hub, metrics=metrics, key=config.verify_with,
+        intake = Intake(store=store, hub=hub, metrics=metrics, verifier=config.verifier,
                         max_blob_size=config.max_blob_size)
     else:
-        upstream = Upstream(config.parents, timeouts=t, metrics=metrics, key=config.verify_with,
+        upstream = Upstream(config.parents, timeouts=t, metrics=metrics, verifier=config.verifier,
                             max_manifest_size=config.max_manifest_size, read_token=config.read_token,
                             ssl=_client_ssl(config))
         await upstream.start()
@@ -70,8 +70,8 @@ async def open_services(config: ServerConfig) -> Services:
         prefetcher = Prefetcher(store=store, catalog=catalog, upstream=upstream, fetcher=fetcher, hub=hub,
                                 metrics=metrics, timeouts=t, retention=config.retention,
                                 hinted_fetch=config.hinted_fetch)
-    catchup = CatchupBuilder(store=store, catalog=catalog, fetcher=fetcher, metrics=metrics, key=config.key,
-                             max_chain=config.max_squash_chain, fetch_timeout=t.read * 4,
+    catchup = CatchupBuilder(store=store, catalog=catalog, fetcher=fetcher, metrics=metrics,
+                             signer=config.squash_signer,                             max_chain=config.max_squash_chain, fetch_timeout=t.read * 4,
                              budget=_squash_budget(config))
     svc = Services(config=config, metrics=metrics, store=store, hub=hub, catalog=catalog, catchup=catchup,
                    streams=streams, intake=intake, upstream=upstream, fetcher=fetcher, prefetcher=prefetcher)

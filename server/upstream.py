@@ -36,6 +36,7 @@ from deltasync.errors import (
     UpstreamTimeout,
 )
 from deltasync.failover import Backoff, Failover
+from deltasync.signing import Verifier
 from deltasync.manifest import Manifest, parse_manifest
 from deltasync.retry import answering, describe, first_source
 
@@ -61,14 +62,14 @@ def is_outage(e: BaseException) -> bool:
 
 class Upstream:
     def __init__(self, parents: tuple[str, ...], *, timeouts: Timeouts, metrics: Metrics,
-                 key: bytes | None = None, max_manifest_size: int = 64 << 20, ssl=None,
+                 verifier: Verifier | bytes | None = None, max_manifest_size: int = 64 << 20, ssl=None,
                  read_token: str | None = None) -> None:
         if not parents:
             raise ValueError("a relay needs at least one parent")
         self.parents = tuple(dict.fromkeys(p.rstrip("/") for p in parents))  # one source per parent
         self.timeouts = timeouts
         self.metrics = metrics
-        self.key = key
+        self.verifier = verifier  # what manifests must verify with (ServerConfig.verifier); None: nothing
         self.max_manifest_size = max_manifest_size
         self.ssl = ssl  # an ssl.SSLContext for https parents (--ca-file); None: the system's trust store
         self.read_token = read_token  # sent to parents that require read tokens; never logged
@@ -203,7 +204,7 @@ class Upstream:
                     raise UpstreamError(f"{parent} sent a {resp.content_length}-byte manifest for {what}")
                 body = await self.read_body(resp, f"{parent}: {what}", limit=self.max_manifest_size)
             try:
-                m = parse_manifest(body, key=self.key)
+                m = parse_manifest(body, verifier=self.verifier)
             except SignatureError as e:
                 log.error("parent %s sent %s with a bad signature: %s", parent, what, e)
                 raise

@@ -20,14 +20,14 @@ FAST = Timeouts(read=5.0, heartbeat=1.0, parent_cooldown=1.0)
 
 def origin_config(*, store_kind: str = "disk", store_dir: Path | None = None, **kw) -> ServerConfig:
     return ServerConfig(role="origin", host="127.0.0.1", port=0, store_kind=store_kind, store_dir=store_dir, token=TOKEN,
-                        key=KEY, fsync=False, timeouts=FAST, **kw)
+                        verifier=KEY, fsync=False, timeouts=FAST, **kw)
 
 
 def relay_config(parents: list[str], *, store_kind: str = "disk", store_dir: Path | None = None,
                  hinted_fetch: bool = False, **kw) -> ServerConfig:
     """A relay's config; ``hinted_fetch`` off unless asked for (see server_fixtures.relay)."""
     return ServerConfig(role="relay", host="127.0.0.1", port=0, store_kind=store_kind, store_dir=store_dir,
-                        parents=tuple(parents), key=KEY, fsync=False, timeouts=FAST, hinted_fetch=hinted_fetch, **kw)
+                        parents=tuple(parents), verifier=KEY, fsync=False, timeouts=FAST, hinted_fetch=hinted_fetch, **kw)
 
 
 @contextlib.asynccontextmanager

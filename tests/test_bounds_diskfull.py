@@ -66,7 +66,7 @@ def test_a_follower_behind_a_full_relay_moves_on_to_the_origin(tmp_path, tiny_di
         with Publisher(o.url, "m", TOKEN, KEY, keyframe_every=0) as p:
             p.publish(0, states[0]).result(90)
             target = {k: torch.zeros_like(t) for k, t in states[0].items()}
-            sub = ThreadedSubscriber([r.url, o.url], "m", target, key=KEY, auto=True)
+            sub = ThreadedSubscriber([r.url, o.url], "m", target, verifier=KEY, auto=True)
             sub.start()
             assert sub.wait_version(0, 60) == 0
             for v in range(1, len(states)):

@@ -128,7 +128,7 @@ def test_subscriber_converges_from_the_origin_behind_a_bad_relay(cluster, publis
     bad = BadRelay(cluster.origin, mode)
     target = {n: torch.zeros_like(t) for n, t in published[-1].items()}
     try:
-        sub = ThreadedSubscriber([bad.url, cluster.origin], "bf", target, key=KEY)
+        sub = ThreadedSubscriber([bad.url, cluster.origin], "bf", target, verifier=KEY)
         try:
             sub.start()
             t0 = time.monotonic()
@@ -147,17 +147,17 @@ def test_a_bad_body_on_every_source_is_still_a_clear_error(cluster, published):
 
     async def go():
         from deltasync.manifest import parse_manifest
-        async with HttpClient([bad.url], check_manifest=lambda b: parse_manifest(b, key=KEY)) as c:
+        async with HttpClient([bad.url], check_manifest=lambda b: parse_manifest(b, verifier=KEY)) as c:
             with pytest.raises(SignatureError):
                 await c.get_head("bf")
             with pytest.raises(SignatureError):
                 await c.get_manifest("bf", 1)
         before = bad.hits
-        async with HttpClient([bad.url, cluster.origin], check_manifest=lambda b: parse_manifest(b, key=KEY)) as c:
+        async with HttpClient([bad.url, cluster.origin], check_manifest=lambda b: parse_manifest(b, verifier=KEY)) as c:
             head = await c.get_head("bf")
             assert head.version == 2 and c.last_url == cluster.origin
             assert c.failover.failures(bad.url) == 1  # marked down: the next read starts at the origin
-            parse_manifest(await c.get_manifest("bf", 1), key=KEY)
+            parse_manifest(await c.get_manifest("bf", 1), verifier=KEY)
             assert c.last_url == cluster.origin and bad.hits == before + 1
         garbage = BadRelay(cluster.origin, "garbage")
         try:

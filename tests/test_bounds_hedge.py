@@ -173,7 +173,7 @@ def test_without_hedging_the_ttfb_limit_bounds_each_stall(cluster, published, st
 
 def test_a_following_subscriber_gets_new_versions_promptly_behind_a_stall(cluster, published, stalled):
     target = {n: torch.zeros_like(t) for n, t in published[-1].items()}
-    sub = ThreadedSubscriber([stalled, cluster.origin], "hd", target, key=KEY,
+    sub = ThreadedSubscriber([stalled, cluster.origin], "hd", target, verifier=KEY,
                              timeouts=Timeouts(poll=5, ttfb=3, hedge_after=0.5, cooldown=2))
     try:
         sub.start()
@@ -186,7 +186,7 @@ def test_a_following_subscriber_gets_new_versions_promptly_behind_a_stall(cluste
             pub.flush(60)
         # a second stream through the same URL list: the shared policy already knows the stall
         t2 = {n: torch.zeros_like(t) for n, t in nxt[0].items()}
-        sub2 = ThreadedSubscriber([stalled, cluster.origin], "hd2", t2, key=KEY,
+        sub2 = ThreadedSubscriber([stalled, cluster.origin], "hd2", t2, verifier=KEY,
                                   timeouts=Timeouts(poll=5, ttfb=3, hedge_after=0.5, cooldown=2))
         try:
             t0 = time.monotonic()

@@ -153,7 +153,7 @@ def test_tree_with_a_tiny_budget_stays_within_it_and_late_joiners_converge(tmp_p
                 if v in (25, 47):  # late joiners, one per relay
                     pub.flush(60)
                     t = {n: torch.zeros_like(x) for n, x in states[v].items()}
-                    s = ThreadedSubscriber([(a if v == 25 else b).url, o.url], "bud", t, key=KEY, auto=True)
+                    s = ThreadedSubscriber([(a if v == 25 else b).url, o.url], "bud", t, verifier=KEY, auto=True)
                     s.start()
                     subs.append((s, t))
             pub.flush(60)

@@ -55,7 +55,7 @@ def test_sidecar_publishes_a_real_minilm_trace_within_the_budget(tmp_path):
                 for step, st in enumerate(states):
                     write_state_file(ckpts / f"step-{step}.safetensors", st)
                     await car.scan()
-                    m = parse_manifest(await h.get_manifest("minilm", step), key=KEY)
+                    m = parse_manifest(await h.get_manifest("minilm", step), verifier=KEY)
                     if step:
                         assert m.kind == "delta" and wire_bytes(m) <= budget, (wire_bytes(m), budget)
                         assert residual_of(m)["owed"] > 0
@@ -66,5 +66,5 @@ def test_sidecar_publishes_a_real_minilm_trace_within_the_budget(tmp_path):
                 await h.close()
                 await car.close()
 
-        with ThreadedSubscriber(c.origin, "minilm", target, key=KEY) as sub:
+        with ThreadedSubscriber(c.origin, "minilm", target, verifier=KEY) as sub:
             asyncio.run(main(sub))

@@ -59,7 +59,7 @@ def test_publisher_with_a_budget_stays_within_it_and_subscribers_hold_the_served
     target = {n: torch.zeros_like(t) for n, t in tr.state().items()}
     late = {n: torch.zeros_like(t) for n, t in tr.state().items()}
     with Publisher(cluster.origin, "b1", cluster.token, KEY, keyframe_every=3, budget=budget) as pub, \
-            ThreadedSubscriber(cluster.url("relay"), "b1", target, key=KEY) as sub:
+            ThreadedSubscriber(cluster.url("relay"), "b1", target, verifier=KEY) as sub:
         pub.publish(0, tr.state())
         for step in range(1, 6):
             trainer = tr.step()
@@ -85,7 +85,7 @@ def test_publisher_with_a_budget_stays_within_it_and_subscribers_hold_the_served
         assert sub.wait_version(step, 60) == step
         assert _same(target, trainer)  # the fleet holds the trainer's weights, bit for bit
     # a late joiner starts from a side keyframe of the served view (same signed state fingerprint)
-    with ThreadedSubscriber(cluster.url("relay"), "b1", late, key=KEY) as sub2:
+    with ThreadedSubscriber(cluster.url("relay"), "b1", late, verifier=KEY) as sub2:
         assert sub2.wait_version(step, 60) == step
     assert _same(late, trainer)
 
@@ -126,7 +126,7 @@ def test_sidecar_with_a_budget_publishes_a_trace_within_it_and_converges(cluster
                 write_state_file(tmp_path / f"step-{step}.safetensors", trainer)
                 events = await car.scan()
                 assert [e.kind for e in events] == (["published", "published"] if step == 1 else ["published"])
-                m = parse_manifest(await h.get_manifest("b3", step), key=KEY)
+                m = parse_manifest(await h.get_manifest("b3", step), verifier=KEY)
                 assert m.kind == "delta" and wire_bytes(m) <= budget, (wire_bytes(m), budget)
                 assert await asyncio.to_thread(sub.wait_version, step, 60) == step
                 assert _same(target, car.served)
@@ -138,7 +138,7 @@ def test_sidecar_with_a_budget_publishes_a_trace_within_it_and_converges(cluster
             await h.close()
             await car.close()
 
-    with ThreadedSubscriber(cluster.url("relay"), "b3", target, key=KEY) as sub:
+    with ThreadedSubscriber(cluster.url("relay"), "b3", target, verifier=KEY) as sub:
         trainer, served_path = asyncio.run(main(sub))
     assert _same(target, trainer)
     assert served_path.exists() and served_path.with_name(served_path.name + ".owed").exists()
@@ -192,7 +192,7 @@ def test_publish_command_with_a_budget_keeps_the_served_view_in_its_state_dir(cl
     for v in (1, 2):
         async def get():
             async with HttpClient(cluster.origin) as h:
-                return parse_manifest(await h.get_manifest("b4", v), key=KEY)
+                return parse_manifest(await h.get_manifest("b4", v), verifier=KEY)
         m = asyncio.run(get())
         assert wire_bytes(m) <= budget and residual_of(m)["max_owed_steps"] == 4
     assert (tmp_path / "served" / "served.safetensors.owed").exists()

@@ -32,7 +32,7 @@ def cluster(tmp_path_factory):
 
 def _sync(url: str, model: str, like, version: int):
     target = {n: torch.zeros_like(t) for n, t in like.items()}
-    with ThreadedSubscriber(url, model, target, key=KEY) as sub:
+    with ThreadedSubscriber(url, model, target, verifier=KEY) as sub:
         assert sub.wait_version(version, 60) == version
     return target
 

@@ -147,7 +147,7 @@ def test_sidecar_streams_signed_keyframes_from_the_file_and_subscribers_verify_t
     assert "side keyframe" in events[1].detail
     for model in ("scs", "scs.kf"):  # the main stream and its side keyframe stream
         target = {n: torch.zeros_like(t) for n, t in s2.items()}
-        with ThreadedSubscriber(origin.origin, model, target, key=key) as sub:
+        with ThreadedSubscriber(origin.origin, model, target, verifier=key) as sub:
             sub.sync(60)
         assert _same(target, s2)
 

@@ -53,7 +53,7 @@ def test_full_verification_failure_rolls_back_refetches_then_resyncs(cluster):
         pub.publish(1, s1)
         pub.flush(60)
         target = _zeros(s1)
-        sub = ThreadedSubscriber(cluster.url("relay"), "rb", target, key=KEY, verify="full", on_event=events.append)
+        sub = ThreadedSubscriber(cluster.url("relay"), "rb", target, verifier=KEY, verify="full", on_event=events.append)
         try:
             sub.start()
             assert sub.wait_version(1, 60) == 1
@@ -82,7 +82,7 @@ def test_scrub_finds_a_scribbled_weight_and_resyncs(cluster):
         pub.publish(0, s0)
         pub.flush(60)
         target = _zeros(s0)
-        with ThreadedSubscriber(cluster.url("relay"), "scrub", target, key=KEY, scrub_every=1,
+        with ThreadedSubscriber(cluster.url("relay"), "scrub", target, verifier=KEY, scrub_every=1,
                                 on_event=events.append) as sub:
             assert sub.wait_version(0, 60) == 0
             with torch.no_grad():
@@ -105,7 +105,7 @@ def test_a_wrong_key_is_refused_and_nothing_is_applied(cluster):
         s0 = trace.step()
         pub.publish(0, s0)
     target = _zeros(s0)
-    with ThreadedSubscriber(cluster.url("relay"), "keyed", target, key=bytes(32)) as sub:
+    with ThreadedSubscriber(cluster.url("relay"), "keyed", target, verifier=bytes(32)) as sub:
         with pytest.raises(SyncTimeout, match="SignatureError"):
             sub.wait_version(0, 3)
         assert sub.version is None
@@ -119,7 +119,7 @@ def test_failover_past_a_dead_server_with_bounded_waits(cluster):
         pub.publish(0, s0)
     target = _zeros(s0)
     t0 = time.monotonic()
-    with ThreadedSubscriber([_dead_url(), cluster.url("relay")], "fo", target, key=KEY,
+    with ThreadedSubscriber([_dead_url(), cluster.url("relay")], "fo", target, verifier=KEY,
                             timeouts=Timeouts(connect=1.0, read=5.0, poll=2.0)) as sub:
         assert sub.wait_version(0, 30) == 0
         assert sub.status.server == cluster.url("relay")
@@ -135,7 +135,7 @@ def test_nn_module_target_in_auto_mode_with_the_asyncio_api(cluster):
     applied: list[int] = []
 
     async def main():
-        sub = Subscriber([cluster.url("relay"), cluster.origin], "mod", engine, key=KEY, auto=True,
+        sub = Subscriber([cluster.url("relay"), cluster.origin], "mod", engine, verifier=KEY, auto=True,
                          on_applied=applied.append)
         await sub.start()
         try:
@@ -194,7 +194,7 @@ def test_a_version_published_during_hold_is_downloaded_meanwhile_and_applied_at_
         pub.publish(0, s0)
         pub.flush(60)
         target = _zeros(s0)
-        with ThreadedSubscriber(cluster.url("relay"), "hold", target, key=KEY) as sub:
+        with ThreadedSubscriber(cluster.url("relay"), "hold", target, verifier=KEY) as sub:
             assert sub.wait_version(0, 60) == 0
             seen: dict = {}
             engine = _engine_holding(sub, 4.0, seen)
@@ -221,7 +221,7 @@ def test_auto_mode_never_patches_inside_hold_and_applies_when_it_ends(cluster):
         pub.publish(0, s0)
         pub.flush(60)
         target = _zeros(s0)
-        with ThreadedSubscriber(cluster.url("relay"), "holda", target, key=KEY, auto=True) as sub:
+        with ThreadedSubscriber(cluster.url("relay"), "holda", target, verifier=KEY, auto=True) as sub:
             assert sub.wait_version(0, 60) == 0
             seen: dict = {}
             engine = _engine_holding(sub, 3.0, seen)
@@ -258,7 +258,7 @@ def test_on_event_runs_with_no_lock_held(cluster):
         pub.publish(1, s1)
         pub.flush(60)
         target = _zeros(s1)
-        sub = ThreadedSubscriber(cluster.url("relay"), "cb", target, key=KEY, scrub_every=1, on_event=on_event)
+        sub = ThreadedSubscriber(cluster.url("relay"), "cb", target, verifier=KEY, scrub_every=1, on_event=on_event)
         with sub:
             assert sub.wait_version(1, 60) == 1
     assert results and not [r for r in results if r.startswith("deadlock")], results
@@ -302,7 +302,7 @@ def test_an_applier_object_plugs_in_and_group_glue_can_apply_up_to_a_version(clu
         pub.flush(60)
         target = _zeros(states[0])
         applier = _RecordingApplier(target)
-        with ThreadedSubscriber(cluster.url("relay"), "grp", applier, key=KEY, use_squash=False) as sub:
+        with ThreadedSubscriber(cluster.url("relay"), "grp", applier, verifier=KEY, use_squash=False) as sub:
             deadline = time.monotonic() + 60
             while len(sub.ready_steps()) < 4:
                 assert time.monotonic() < deadline, sub.status
@@ -324,7 +324,7 @@ def test_a_trusted_initial_version_is_scanned_and_used(cluster):
         pub.flush(60)
         target = {n: t.clone() for n, t in s0.items()}
         applier = _RecordingApplier(target)
-        with ThreadedSubscriber(cluster.url("relay"), "trust", applier, key=KEY, version=0) as sub:
+        with ThreadedSubscriber(cluster.url("relay"), "trust", applier, verifier=KEY, version=0) as sub:
             assert sub.version == 0 and sub.status.verify == "ok" and applier.calls == ["scan"]
             pub.publish(1, s1)
             pub.flush(60)

@@ -1,4 +1,4 @@
-"""Tied weights (issue 24): the README's ``ThreadedSubscriber(urls, "policy", model, key=key)`` on an ``nn.Module``
+"""Tied weights (issue 24): the README's ``ThreadedSubscriber(urls, "policy", model, verifier=key)`` on an ``nn.Module``
 whose ``lm_head.weight`` IS ``model.embed_tokens.weight`` (shared storage), against a real origin on loopback.
 
 The stream is published both ways: the whole ``state_dict()`` (both names), and without the tied copy, as
@@ -79,7 +79,7 @@ def test_a_tied_module_follows_the_stream_published_with_or_without_the_tied_cop
     live = TinyLM(tie=True).to(torch.bfloat16)  # random: everything comes from the stream
     assert live.lm_head.weight.data_ptr() == live.model.embed_tokens.weight.data_ptr()
     with Publisher(cluster.origin, model, cluster.token, KEY, keyframe_every=0) as pub:
-        with ThreadedSubscriber(cluster.origin, model, live, key=KEY, use_squash=False) as sub:  # the README's call
+        with ThreadedSubscriber(cluster.origin, model, live, verifier=KEY, use_squash=False) as sub:  # the README's call
             for step in range(4):  # v0 a keyframe, then deltas
                 _train(trainer, opt, step)
                 pub.publish(step, _published(trainer, leave_out))
@@ -91,7 +91,7 @@ def test_a_tied_module_follows_the_stream_published_with_or_without_the_tied_cop
             assert sub.status.verify == "ok" and sub.status.rollbacks == 0
         assert live.lm_head.weight.data_ptr() == live.model.embed_tokens.weight.data_ptr()  # still one tensor
         # a restart that trusts the live state: adopted by a scan (no keyframe), then it follows on
-        with ThreadedSubscriber(cluster.origin, model, live, key=KEY, version=3) as sub:
+        with ThreadedSubscriber(cluster.origin, model, live, verifier=KEY, version=3) as sub:
             assert sub.version == 3 and sub.status.verify == "ok"
             _train(trainer, opt, 4)
             pub.publish(4, _published(trainer, leave_out))
@@ -111,7 +111,7 @@ def test_an_untied_target_the_stream_lacks_a_name_of_is_refused_naming_the_fix(c
     with Publisher(cluster.origin, "untied", cluster.token, KEY) as pub:
         pub.publish(0, _published(trainer, "lm_head.weight"))
         pub.flush(60)
-        with ThreadedSubscriber(cluster.origin, "untied", live, key=KEY) as sub:
+        with ThreadedSubscriber(cluster.origin, "untied", live, verifier=KEY) as sub:
             with pytest.raises(BaseMismatchError) as e:
                 sub.sync(60)
     msg = str(e.value)
@@ -130,7 +130,7 @@ def test_a_target_lacking_a_stream_tensor_is_refused_naming_engine_appliers(clus
     with Publisher(cluster.origin, "extra", cluster.token, KEY) as pub:
         pub.publish(0, state)
         pub.flush(60)
-        with ThreadedSubscriber(cluster.origin, "extra", live, key=KEY) as sub:
+        with ThreadedSubscriber(cluster.origin, "extra", live, verifier=KEY) as sub:
             with pytest.raises(BaseMismatchError) as e:
                 sub.sync(60)
     assert "['model.extra.weight'] the target lacks" in str(e.value) and "hf_applier" in str(e.value)

@@ -55,7 +55,7 @@ def test_a_late_subscriber_walks_a_base_conditioned_chain_the_relay_will_not_squ
     assert e.value.code == 400 and b"cannot be squashed without the model" in e.value.read()
     events: list[SyncEvent] = []
     target = {n: torch.zeros_like(t) for n, t in states[-1].items()}
-    sub = ThreadedSubscriber(cluster.url("relay"), "cond", target, key=KEY, on_event=events.append,
+    sub = ThreadedSubscriber(cluster.url("relay"), "cond", target, verifier=KEY, on_event=events.append,
                              use_squash=True, squash_min_chain=2)
     try:
         sub.start()

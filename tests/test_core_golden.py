@@ -163,7 +163,7 @@ def test_golden_signature():
     m = parse_manifest("".join(GOLDEN_MANIFEST))
     signed = m.sign(KEY)
     assert signed.signature == GOLDEN_SIGNATURE
-    assert parse_manifest(signed.to_json(), key=KEY) == signed
+    assert parse_manifest(signed.to_json(), verifier=KEY) == signed
 
 
 def test_golden_delta_file():

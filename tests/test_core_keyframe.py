@@ -65,7 +65,7 @@ def assert_same(got, want):
 def test_round_trip_every_dtype(dt, shard_bytes):
     state = state_for(dt)
     enc = encode_keyframe(state, model="policy", version=3, shard_bytes=shard_bytes, meta={"why": "test"})
-    m = parse_manifest(enc.manifest.sign(b"k" * 16).to_json(), key=b"k" * 16)
+    m = parse_manifest(enc.manifest.sign(b"k" * 16).to_json(), verifier=b"k" * 16)
     assert m.kind == "keyframe" and m.parent is None and m.state_fp_before is None
     assert m.state_fp == state_fingerprint_of(state)
     if shard_bytes == 1:

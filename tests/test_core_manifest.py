@@ -54,7 +54,7 @@ def test_json_round_trip_is_stable(m):
 def test_canonical_form_ignores_input_key_order_and_whitespace():
     obj = obj_of(DELTA.sign(KEY))
     shuffled = json.dumps(dict(reversed(list(obj.items()))), indent=3, sort_keys=False)
-    m = parse_manifest(shuffled, key=KEY)
+    m = parse_manifest(shuffled, verifier=KEY)
     assert m.to_json() == DELTA.sign(KEY).to_json()
 
 
@@ -89,7 +89,7 @@ def test_sign_verify_round_trip():
     s = DELTA.sign(KEY)
     assert s.signature.startswith("hmac-sha256:") and len(s.signature) == len("hmac-sha256:") + 64
     s.verify_signature(KEY)
-    assert parse_manifest(s.to_json(), key=KEY) == s
+    assert parse_manifest(s.to_json(), verifier=KEY) == s
     assert s.sign(KEY) == s  # re-signing is idempotent (the signature does not cover itself)
 
 
@@ -98,9 +98,9 @@ def test_wrong_key_and_unsigned_are_refused():
     with pytest.raises(SignatureError):
         s.verify_signature(OTHER_KEY)
     with pytest.raises(SignatureError):
-        parse_manifest(s.to_json(), key=OTHER_KEY)
+        parse_manifest(s.to_json(), verifier=OTHER_KEY)
     with pytest.raises(SignatureError):
-        parse_manifest(DELTA.to_json(), key=KEY)
+        parse_manifest(DELTA.to_json(), verifier=KEY)
     with pytest.raises(SignatureError):
         DELTA.verify_signature(KEY)
     # a signature over another manifest does not transfer
@@ -151,7 +151,7 @@ def test_every_tampered_field_breaks_the_signature(name):
         forged.verify_signature(KEY)
     # on the wire: refused by parse (FormatError where the forgery is also malformed)
     with pytest.raises((SignatureError, FormatError)):
-        parse_manifest(forged.to_json(), key=KEY)
+        parse_manifest(forged.to_json(), verifier=KEY)
 
 
 def test_kind_swap_breaks_the_signature():
@@ -340,7 +340,7 @@ def test_empty_state_manifests_are_valid():
     assert parse_manifest(m.to_json()) == m
     d = Manifest(model="m", version=2, parent=1, kind="delta", tensors=(), blobs=(), state_fp="0" * 16,
                  state_fp_before="0" * 16)
-    assert parse_manifest(d.sign(KEY).to_json(), key=KEY) == d.sign(KEY)
+    assert parse_manifest(d.sign(KEY).to_json(), verifier=KEY) == d.sign(KEY)
 
 
 def test_record_types_are_frozen_value_types():

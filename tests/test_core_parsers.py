@@ -161,8 +161,8 @@ def test_valid_inputs_parse():
     check_patches(decode_blob(BLOB))
     for data in ENC_MULTI.blobs.values():
         check_patches(decode_blob(data))
-    assert parse_manifest(MANIFEST_JSON, key=KEY) == SIGNED
-    assert unpack_delta_file(DELTA_FILE, key=KEY).manifest == SIGNED
+    assert parse_manifest(MANIFEST_JSON, verifier=KEY) == SIGNED
+    assert unpack_delta_file(DELTA_FILE, verifier=KEY).manifest == SIGNED
     assert set(load_shard(SHARD)) == {"a", "e", "x", "y"}
 
 
@@ -397,7 +397,7 @@ def test_manifest_every_bit_flip_is_refused_with_a_key():
     parsed_unkeyed = 0
     for i, bit, bad in flips(MANIFEST_JSON):
         with pytest.raises((FormatError, SignatureError)):
-            parse_manifest(bad, key=KEY)
+            parse_manifest(bad, verifier=KEY)
         r = only_our_errors(parse_manifest, bad)
         if isinstance(r, Manifest):
             parsed_unkeyed += 1
@@ -448,7 +448,7 @@ def test_manifest_non_ascii_signature_is_a_signature_error(sig):
     obj = json.loads(MANIFEST_JSON)
     obj["signature"] = sig
     with pytest.raises((SignatureError, FormatError)):
-        parse_manifest(json.dumps(obj).encode(), key=KEY)
+        parse_manifest(json.dumps(obj).encode(), verifier=KEY)
 
 
 def test_manifest_deeply_nested_and_huge():
@@ -464,7 +464,7 @@ def test_delta_file_every_prefix_is_a_format_error():
     for n in range(len(DELTA_FILE)):
         with pytest.raises(FormatError):
             unpack_delta_file(DELTA_FILE[:n])
-    assert unpack_delta_file(DELTA_FILE, key=KEY).blobs == ENC.blobs
+    assert unpack_delta_file(DELTA_FILE, verifier=KEY).blobs == ENC.blobs
 
 
 def test_delta_file_every_bit_flip_is_refused_with_a_key():
@@ -474,7 +474,7 @@ def test_delta_file_every_bit_flip_is_refused_with_a_key():
         if i in reserved:
             continue
         with pytest.raises((FormatError, IntegrityError)):
-            unpack_delta_file(bad, key=KEY)
+            unpack_delta_file(bad, verifier=KEY)
 
 
 def test_delta_file_flips_without_key_raise_ours_or_parse():
@@ -495,7 +495,7 @@ def test_delta_file_trailing_bytes_and_wrong_key():
     with pytest.raises(FormatError):
         unpack_delta_file(DELTA_FILE + b"\0")
     with pytest.raises(SignatureError):
-        unpack_delta_file(DELTA_FILE, key=b"k" * 32)
+        unpack_delta_file(DELTA_FILE, verifier=b"k" * 32)
     with pytest.raises(FormatError):
         unpack_delta_file(struct.pack("<8sIIQ", b"DSYNCDLT", 2, 0, 0))
     with pytest.raises(FormatError):
@@ -692,7 +692,7 @@ def test_write_and_read_delta_file(tmp_path):
     path = tmp_path / "v7.dsd"
     n = write_delta_file(path, SIGNED, ENC.blobs)
     assert n == path.stat().st_size == len(DELTA_FILE)
-    df = read_delta_file(path, key=KEY)
+    df = read_delta_file(path, verifier=KEY)
     assert df.manifest == SIGNED and df.blobs == ENC.blobs
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v7.dsd"]  # no temp file left behind
     write_delta_file(path, SIGNED, ENC.blobs)  # replacing is atomic and fine

@@ -61,7 +61,7 @@ def make_states(seed=0, dtypes=("bfloat16", "float32", "int8", "float8_e5m2"), n
 
 def resign(manifest):
     """Re-sign and round-trip through JSON, as a publisher that made a mistake would ship it."""
-    return parse_manifest(manifest.sign(KEY).to_json(), key=KEY)
+    return parse_manifest(manifest.sign(KEY).to_json(), verifier=KEY)
 
 
 def with_fp_after(manifest, name, fp):
@@ -293,7 +293,7 @@ def test_signed_manifest_with_changed_fp_after_is_refused_without_resigning():
     signed = enc.manifest.sign(KEY)
     forged = with_fp_after(signed, "b", flip_fp(signed.tensor("b").fp_after))
     with pytest.raises(SignatureError):
-        parse_manifest(forged.to_json(), key=KEY)
+        parse_manifest(forged.to_json(), verifier=KEY)
 
 
 # -- bit-flipped blobs: the fingerprints catch what the decoder lets through --------------------------

@@ -63,7 +63,7 @@ def test_a_late_joiner_does_not_stall_the_others(tmp_path, caplog):
         for name, relay, fallback in (("s1", "eu-a", "us"), ("s2", "us-a", "eu")):
             target = {k: torch.zeros_like(v) for k, v in state.items()}
             subs[name] = ThreadedSubscriber([cluster.url(relay), cluster.url(fallback), cluster.origin], "m", target,
-                                            key=KEY, auto=True)
+                                            verifier=KEY, auto=True)
             subs[name].start()
         pub = Publisher(cluster.origin, "m", cluster.token, KEY, keyframe_every=0)
 
@@ -96,7 +96,7 @@ def test_a_late_joiner_does_not_stall_the_others(tmp_path, caplog):
                 joined_at["late"] = pub.results[-1].version
                 target = {k: torch.zeros_like(v) for k, v in state.items()}
                 subs["late"] = ThreadedSubscriber([cluster.url("eu"), cluster.url("us"), cluster.origin], "m",
-                                                  target, key=KEY, auto=True)
+                                                  target, verifier=KEY, auto=True)
                 subs["late"].start()
                 late_started.set()
             time.sleep(max(0.0, PERIOD - (time.monotonic() - t0)))

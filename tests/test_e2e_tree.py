@@ -59,7 +59,7 @@ def test_tree_eight_subscribers_twenty_steps_bit_exact(cluster):
         for i, t in enumerate(targets):
             leaf = leaves[i % 2]
             other = leaves[1 - i % 2]
-            subs.append(ThreadedSubscriber([cluster.url(leaf), cluster.url(other), cluster.origin], "tree", t, key=KEY))
+            subs.append(ThreadedSubscriber([cluster.url(leaf), cluster.url(other), cluster.origin], "tree", t, verifier=KEY))
             subs[-1].start()
         with Publisher(cluster.origin, "tree", cluster.token, KEY, keyframe_every=8) as pub:
             for step in range(20):
@@ -100,7 +100,7 @@ def test_subscriber_joining_at_step_15_catches_up_from_a_recent_keyframe(cluster
     trace = RLTrace(SHAPE, lr=3e-4, seed=2)
     events: list[SyncEvent] = []
     target = blank(trace.state())
-    sub = ThreadedSubscriber([cluster.url("eu-a"), cluster.origin], "join", target, key=KEY, on_event=events.append)
+    sub = ThreadedSubscriber([cluster.url("eu-a"), cluster.origin], "join", target, verifier=KEY, on_event=events.append)
     with Publisher(cluster.origin, "join", cluster.token, KEY, keyframe_every=10) as pub:
         for step in range(20):
             state = trace.step()
@@ -195,8 +195,8 @@ def test_corrupted_blob_at_a_relay_never_reaches_a_model(cluster):
         data[len(data) // 2] ^= 0x40
         f.write_bytes(bytes(data))
     # both hold v0; b fails over to the origin and is exact; a has no other server: it stays at v0, untouched
-    a = ThreadedSubscriber([cluster.url("eu")], "corrupt", only_eu, key=KEY, version=0)
-    b = ThreadedSubscriber([cluster.url("eu"), cluster.origin], "corrupt", with_fallback, key=KEY, version=0)
+    a = ThreadedSubscriber([cluster.url("eu")], "corrupt", only_eu, verifier=KEY, version=0)
+    b = ThreadedSubscriber([cluster.url("eu"), cluster.origin], "corrupt", with_fallback, verifier=KEY, version=0)
     try:
         a.start()
         b.start()

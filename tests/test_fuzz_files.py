@@ -75,7 +75,7 @@ def _ours(fn, *args, **kw):
 
 
 def test_real_inputs_parse():
-    assert unpack_delta_file(DELTA, key=KEY).manifest == SIGNED
+    assert unpack_delta_file(DELTA, verifier=KEY).manifest == SIGNED
     assert set(load_shard(SHARD)) == set(NEW)
     for b in BLOBS:
         decode_blob(b)
@@ -84,7 +84,7 @@ def test_real_inputs_parse():
 @FUZZ
 @given(mutated(DELTA), st.booleans())
 def test_delta_file_mutations(data, with_key):
-    r = _ours(unpack_delta_file, data, key=KEY if with_key else None)
+    r = _ours(unpack_delta_file, data, verifier=KEY if with_key else None)
     if not isinstance(r, DeltaSyncError):
         # accepted: every blob hashes to its id (checked inside), and with the key it is the signed original
         assert {ref.id for ref in r.manifest.blobs} == set(r.blobs)

@@ -80,7 +80,7 @@ def _only_ours(fn, *args, **kw):
 
 
 def test_the_real_manifest_parses():
-    assert parse_manifest(SIGNED.to_json(), key=KEY) == SIGNED
+    assert parse_manifest(SIGNED.to_json(), verifier=KEY) == SIGNED
     assert len(PATHS) > 20
 
 
@@ -89,7 +89,7 @@ def test_the_real_manifest_parses():
 @example(path=("key_id",), value=None, verify=True)  # the unsigned key-id hint dropped: still the signed manifest
 def test_manifest_with_one_hostile_field(path, value, verify):
     data = json.dumps(_set(OBJ, path, value)).encode()
-    r = _only_ours(parse_manifest, data, key=KEY if verify else None)
+    r = _only_ours(parse_manifest, data, verifier=KEY if verify else None)
     if isinstance(r, Manifest):
         # accepted: it must be self-consistent, and with a key it must be the signed original
         assert r.to_obj() == json.loads(r.to_json())
@@ -108,14 +108,14 @@ def test_manifest_re_signed_with_hostile_field(path, value):
     r = _only_ours(parse_manifest, json.dumps(obj).encode())
     if isinstance(r, Manifest):
         re_signed = r.sign(KEY)
-        assert parse_manifest(re_signed.to_json(), key=KEY) == re_signed
+        assert parse_manifest(re_signed.to_json(), verifier=KEY) == re_signed
         assert r.total_bytes >= 0 and r.raw_bytes >= 0
 
 
 @FUZZ
 @given(st.binary(max_size=400))
 def test_manifest_garbage_bytes(data):
-    r = _only_ours(parse_manifest, data, key=KEY)
+    r = _only_ours(parse_manifest, data, verifier=KEY)
     assert isinstance(r, FormatError | SignatureError), type(r)
 
 
@@ -124,7 +124,7 @@ def test_manifest_garbage_bytes(data):
 def test_manifest_every_bit_flip_is_refused_with_the_key(i, bit):
     data = bytearray(SIGNED.to_json())
     data[i] ^= 1 << bit
-    r = _only_ours(parse_manifest, bytes(data), key=KEY)
+    r = _only_ours(parse_manifest, bytes(data), verifier=KEY)
     if isinstance(r, Manifest):  # a flip JSON cannot see (e.g. in insignificant case of an escape)
         assert r == SIGNED
     else:

@@ -129,7 +129,7 @@ def test_subscribers_converge_bit_exact_through_nginx_and_blobs_are_cached(tier,
     trace = RLTrace(SHAPE, lr=3e-4, seed=5)
     states = [trace.step() for _ in range(6)]
     targets = [{n: torch.zeros_like(t) for n, t in states[0].items()} for _ in range(3)]
-    subs = [ThreadedSubscriber([ngx.url], "ngx", t, key=KEY) for t in targets]
+    subs = [ThreadedSubscriber([ngx.url], "ngx", t, verifier=KEY) for t in targets]
     with Publisher(cluster.origin, "ngx", cluster.token, KEY, keyframe_every=0) as pub:
         res = pub.publish(0, states[0]).result(60)
         for s in subs:

@@ -99,7 +99,7 @@ async def test_relay_with_key_checks_the_signed_digest(tmp_path):
     the key never hands them on as a complete blob nor caches them; a relay without a key relays them (its
     children, holding the key, check the digest themselves)."""
     origin = ServerConfig(role="origin", host="127.0.0.1", port=0, store_kind="disk", store_dir=tmp_path / "o",
-                          token=TOKEN, key=None, fsync=False, timeouts=FAST)  # no key: cannot check digests
+                          token=TOKEN, verifier=None, fsync=False, timeouts=FAST)  # no key: cannot check digests
     async with serving(origin) as (o_url, _):
         bid, data = make_blob(1 << 20, 21)
         m = keyframe(MODEL, 1, [(bid, data)], key=None)
@@ -108,7 +108,7 @@ async def test_relay_with_key_checks_the_signed_digest(tmp_path):
         async with session() as s:
             await publish(s, o_url, m, [(bid, data)])
             async with serving(relay_config([o_url], store_dir=tmp_path / "k")) as (k_url, k_svc), \
-                    serving(dataclasses.replace(relay_config([o_url], store_dir=tmp_path / "n"), key=None)) as (n_url, _):
+                    serving(dataclasses.replace(relay_config([o_url], store_dir=tmp_path / "n"), verifier=None)) as (n_url, _):
                 await wait_head(s, n_url, MODEL, 1)
                 await _child_gets(s, n_url, bid, data, within=CONVERGE)  # no key: relayed on xxh3
                 clean = 0

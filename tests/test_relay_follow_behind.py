@@ -37,7 +37,7 @@ def test_a_source_that_stays_behind_is_left_for_one_that_is_ahead(tmp_path):
             pub.publish(0, s0)
             pub.flush(60)
             target = {n: torch.zeros_like(t) for n, t in s0.items()}
-            with ThreadedSubscriber([stale, c.origin], "lag", target, key=KEY,
+            with ThreadedSubscriber([stale, c.origin], "lag", target, verifier=KEY,
                                     timeouts=Timeouts(connect=1.0, read=5.0, poll=1.0)) as sub:
                 assert sub.wait_version(0, 30) == 0
                 assert sub.status.server == stale

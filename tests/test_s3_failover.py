@@ -101,7 +101,7 @@ def test_relay_on_a_plain_url_bucket_serves_bit_exact(rclone_s3, tmp_path, monke
     sub = None
     try:
         relay.start().wait_ready()
-        sub = ThreadedSubscriber([relay.url], "pub", target, key=KEY)
+        sub = ThreadedSubscriber([relay.url], "pub", target, verifier=KEY)
         sub.start()
         with Publisher(origin.url, "pub", TOKEN, KEY, keyframe_every=0) as pub:
             for step in range(3):

@@ -126,7 +126,7 @@ def test_publish_s3_origin_relay_subscriber_bit_exact(rclone_s3, tmp_path, monke
     relay = relay_proc(tmp_path, "relay", [origin.url]).start().wait_ready()
     trace = RLTrace(SHAPE, lr=3e-4, seed=11)
     target = blank(trace.state())
-    sub = ThreadedSubscriber([relay.url], "s3m", target, key=KEY)
+    sub = ThreadedSubscriber([relay.url], "s3m", target, verifier=KEY)
     try:
         sub.start()
         with Publisher(origin.url, "s3m", TOKEN, KEY, keyframe_every=3) as pub:
@@ -151,7 +151,7 @@ def test_sigkill_mid_publish_then_a_new_origin_on_the_bucket(rclone_s3, tmp_path
     relay = relay_proc(tmp_path, "relay", [a.url]).start().wait_ready()
     trace = RLTrace(SHAPE, lr=3e-4, seed=12)
     targets = [blank(trace.state()) for _ in range(2)]
-    subs = [ThreadedSubscriber([relay.url], "crash", t, key=KEY) for t in targets]
+    subs = [ThreadedSubscriber([relay.url], "crash", t, verifier=KEY) for t in targets]
     try:
         for s in subs:
             s.start()
@@ -231,7 +231,7 @@ def test_relay_with_only_the_bucket_as_parent_serves_bit_exact(rclone_s3, tmp_pa
                        "--bucket-poll", "0.2").start().wait_ready()
     trace = RLTrace(SHAPE, lr=3e-4, seed=13)
     target = blank(trace.state())
-    sub = ThreadedSubscriber([relay.url], "solo", target, key=KEY)
+    sub = ThreadedSubscriber([relay.url], "solo", target, verifier=KEY)
     try:
         with Publisher(origin.url, "solo", TOKEN, KEY, keyframe_every=2) as pub:
             for step in range(2):
@@ -248,7 +248,7 @@ def test_relay_with_only_the_bucket_as_parent_serves_bit_exact(rclone_s3, tmp_pa
         pub.close(30)
         origin.stop()  # the origin is gone: the relay still serves what is in the bucket
         target2 = blank(trace.state())
-        late = ThreadedSubscriber([relay.url], "solo", target2, key=KEY)
+        late = ThreadedSubscriber([relay.url], "solo", target2, verifier=KEY)
         try:
             late.start()
             assert late.wait_version(4, 60) == 4 and exact(target2, state)
@@ -369,7 +369,7 @@ def test_publishers_on_two_origins_one_gets_a_conflict(moto_s3, tmp_path, monkey
         assert "ChainError" in str(err.value) and "dup v0 is already committed" in str(err.value), err.value
         # and origin b serves the version a committed, without any copy to its disk
         target = blank(ta.state())
-        sub = ThreadedSubscriber([b.url], "dup", target, key=KEY)
+        sub = ThreadedSubscriber([b.url], "dup", target, verifier=KEY)
         try:
             sub.start()
             assert sub.wait_version(0, 60) == 0

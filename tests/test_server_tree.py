@@ -175,7 +175,7 @@ async def test_squashed_catch_up_delta_from_origin_and_leaf(tree):
             async with s.get(f"{url}/v1/models/{model}/delta", params={"from": "2", "to": "5"}) as r:
                 assert r.status == 200, await r.text()
                 assert r.headers["X-Deltasync-Squashed"] == "2-5"
-                m = parse_manifest(await r.read(), key=KEY)  # both hold the key: signed
+                m = parse_manifest(await r.read(), verifier=KEY)  # both hold the key: signed
             assert (m.parent, m.version, m.kind) == (2, 5, "delta")
             blobs = {}
             for ref in m.blobs:

@@ -88,7 +88,7 @@ def test_digests_are_signed_and_required_with_public_keys():
     # HMAC (closed deployments) and unsigned format-1 manifests still read
     hm = dataclasses.replace(ENC.manifest, format=1).sign(b"k" * 32)
     assert hm.key_id is None and b"key_id" not in hm.to_json() and b"digest" not in hm.to_json()
-    assert parse_manifest(hm.to_json(), key=b"k" * 32) == hm
+    assert parse_manifest(hm.to_json(), verifier=b"k" * 32) == hm
 
 
 def test_with_digests_drops_a_stale_signature_and_keeps_existing_digests():

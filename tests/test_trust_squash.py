@@ -61,7 +61,7 @@ def _run(tmp_path, *, public: bool) -> tuple[list[str], bool]:
         assert (m.signature is None) == public, "the relay signs its squash only with a key it holds"
         events = []
         target = {k: torch.zeros_like(t) for k, t in state.items()}
-        sub = ThreadedSubscriber([r.url], "sq", target, key=verifier, auto=True, on_event=events.append,
+        sub = ThreadedSubscriber([r.url], "sq", target, verifier=verifier, auto=True, on_event=events.append,
                                  squash_timeout=60.0)
         subs.append(sub)
         sub.start()

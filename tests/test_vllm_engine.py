@@ -141,6 +141,34 @@ def test_layout_map_is_the_engines_sharding(engine):
         assert set(pieces) == {t.name for t in run.results[0].manifest.tensors}  # every stream tensor placed
 
 
+def test_a_stream_signed_with_another_key_is_never_applied(engine):
+    """``deltasync_start(key_hex=...)`` is what every manifest must verify with: restarted with another key, the
+    extension applies none of the stream's steps and says why (it once passed no key to its subscriber at all,
+    so any manifest was taken); restarted with the right key, it catches up."""
+    import time
+
+    tp, run, llm, _ = engine
+    live = {s["engine_version"] for s in dsv.status(llm)}
+    assert len(live) == 1, live
+    live_v = live.pop()
+    llm.collective_rpc("deltasync_stop")
+    try:
+        dsv.start(llm, [run.url], run.model_name, key_hex="ab" * 32, version=live_v)
+        v = run.publish_step()
+        deadline = time.monotonic() + 60
+        while True:
+            assert dsv.apply_update(llm) == live_v, "a step signed with another key was applied"
+            st = dsv.status(llm)
+            if all(s["last_error"] and "signature" in s["last_error"].lower() for s in st):
+                break
+            assert time.monotonic() < deadline, f"v{v} was neither applied nor refused for its signature: {st}"
+            time.sleep(0.5)
+    finally:
+        llm.collective_rpc("deltasync_stop")
+        dsv.start(llm, [run.url], run.model_name, key_hex=KEY_HEX, version=live_v)
+    assert dsv.wait_update(llm, v, timeout=120) == v
+
+
 def test_one_rank_failing_rolls_every_rank_back(engine, tmp_path):
     """Rank 1's shard of lm_head is made to differ from what the stream says it holds (vLLM's own loader
     writes a tampered copy of the live checkpoint): the next delta fails verification on rank 1 only, and
@@ -171,6 +199,7 @@ def test_one_rank_failing_rolls_every_rank_back(engine, tmp_path):
     assert all(s["engine_version"] == live_v for s in st), st
     after = llm.collective_rpc("deltasync_fingerprints")
     assert after == before, "a rank kept words of the failed version"
+
 
 
 # -- a speculative draft model with weights of its own: two streams, applied together --------------------------

@@ -187,7 +187,7 @@ class _FollowingClient:
         # starts empty and fetches v0's keyframe (a server loaded from v0 would be checked against it instead)
         self.target = {n: torch.zeros_like(t) for n, t in self.full.items()}
         self.sub = ThreadedSubscriber(init_info["urls"], init_info["model"], self.target,
-                                      key=load_key(init_info["key_hex"]))
+                                      verifier=load_key(init_info["key_hex"]))
         self.sub.start()
 
     def start_weight_update(self) -> None:

@@ -65,12 +65,12 @@ async def _worker(url: str, model: str, n: int, last: int, out: Path, ready: Pat
 
     async with HttpClient([url]) as h:
         head = await h.get_head(model)
-    m = parse_manifest(head.body, key=KEY)
+    m = parse_manifest(head.body, verifier=KEY)
     seen: list[dict[int, float]] = [dict() for _ in range(n)]
     subs = []
     for i in range(n):
         target = {t.name: torch.zeros(t.shape, dtype=dtype_info(t.dtype).torch_dtype) for t in m.tensors}
-        s = Subscriber([url], model, target, key=KEY, download_concurrency=1)
+        s = Subscriber([url], model, target, verifier=KEY, download_concurrency=1)
         subs.append(s)
         await s.start()
     ready.write_text("ok")
@@ -212,7 +212,7 @@ def run_soak(env: Env, versions: int, join_every: int, cache_size: str) -> dict:
         # every state is kept (40 KB each): a subscriber may hold a version far behind (found: 173 behind)
         if v % join_every == join_every - 1:
             target = {n: torch.zeros_like(t) for n, t in states[v].items()}
-            s = ThreadedSubscriber([(b if joined % 2 else a).url, o.url], "soak", target, key=KEY, auto=True)
+            s = ThreadedSubscriber([(b if joined % 2 else a).url, o.url], "soak", target, verifier=KEY, auto=True)
             s.start()
             live.append((s, target))
             joined += 1

@@ -108,8 +108,8 @@ def run_target(target: str) -> None:
 
     fns = {
         "blob": decode_blob,
-        "deltafile": lambda d: unpack_delta_file(d, key=key),
-        "manifest": lambda d: parse_manifest(d, key=key),
+        "deltafile": lambda d: unpack_delta_file(d, verifier=key),
+        "manifest": lambda d: parse_manifest(d, verifier=key),
         "safetensors": load_shard,
         "sse": sse,
         "httphead": httphead,
