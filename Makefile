@@ -124,10 +124,12 @@ test-engines: $(VLLM_STAMP)
 # Issue 24's RL loop (cli/demo_rl.py): GRPO on a+b= with rollouts from a real vllm serve (CPU, TP=2) that follows
 # the trainer through vLLM's weight-transfer HTTP API, backend deltasync, via a relay; then the same loop, same seeds,
 # reloading each step's checkpoint (vLLM's reload_weights). Exit 1 unless rollouts and rewards are identical at every
-# step. ~2 min on 2 cores; the reward curve goes to $(DEMO_RL_PLOT) (the README's figure).
+# step. ~3.5 min on 2 busy cores; the reward curve goes to $(DEMO_RL_PLOT) (the README's figure). The kernels are
+# compiled into the engines venv's numba cache first (~4 s when cached; cold, ~45 s that stalled the first steps).
 DEMO_RL_PLOT ?= docs/demo_rl_rewards.png
 DEMO_RL_FLAGS ?=
 demo-rl: $(VLLM_STAMP)
+	NUMBA_CACHE_DIR=$(CURDIR)/$(VLLM_VENV)/numba-cache $(VLLM_BIN)/deltasync compile-kernels
 	OMP_NUM_THREADS=1 NUMBA_CACHE_DIR=$(CURDIR)/$(VLLM_VENV)/numba-cache $(VLLM_BIN)/python -m deltasync.cli.demo_rl --plot $(DEMO_RL_PLOT) $(DEMO_RL_FLAGS)
 
 # shardcast 0.3.2, the peer benchmarks/bench_shardcast.py runs side by side (its own venv; the
