@@ -15,17 +15,9 @@ all deltas together).
 
 from __future__ import annotations
 
-from deltasync.manifest import MODEL_RE
+from deltasync.manifest import keyframe_stream
 
-SIDE_SUFFIX = ".kf"
-
-
-def keyframe_stream(model: str) -> str:
-    """The side stream holding ``model``'s periodic keyframes."""
-    name = model + SIDE_SUFFIX
-    if not MODEL_RE.match(name):
-        raise ValueError(f"model name {model!r} is too long for a keyframe side stream ({name!r})")
-    return name
+__all__ = ["MAX_LAYOUT_WALK", "keyframe_stream", "stream_layout"]
 
 
 #: how far back ``stream_layout`` walks a stream's parents looking for a keyframe

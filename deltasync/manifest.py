@@ -42,6 +42,28 @@ READ_FORMATS = (1, 2, 3)
 KINDS = ("keyframe", "delta")
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FP_RE = re.compile(r"^[0-9a-f]{16}$")
+
+#: a model ``M``'s periodic keyframes go to the side stream ``M.kf`` under the same version numbers
+#: (docs/PROTOCOL.md); the rule lives here, for the publishers, the subscribers and the servers' token scopes
+SIDE_SUFFIX = ".kf"
+
+
+def keyframe_stream(model: str) -> str:
+    """The side stream holding ``model``'s periodic keyframes."""
+    name = model + SIDE_SUFFIX
+    if not MODEL_RE.match(name):
+        raise ValueError(f"model name {model!r} is too long for a keyframe side stream ({name!r})")
+    return name
+
+
+def main_stream(name: str) -> str:
+    """The stream ``name`` belongs to: ``M`` for its side keyframe stream ``M.kf``, else ``name`` itself."""
+    return name[: -len(SIDE_SUFFIX)] if name.endswith(SIDE_SUFFIX) else name
+
+
+def is_side_stream(name: str) -> bool:
+    return name.endswith(SIDE_SUFFIX)
+
 _SIG_RE = re.compile(r"^[a-z0-9-]{1,32}:[0-9a-f]{16,256}$")
 _KEY_ID_RE = re.compile(r"^[A-Za-z0-9._:,-]{1,256}$")
 CODING_META = "deltasync.coding"  # meta key naming a delta's coding (deltasync.conditioned)

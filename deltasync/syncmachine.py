@@ -38,7 +38,7 @@ from typing import Any
 
 from .errors import DeltaSyncError, IntegrityError, NotFoundError
 from .fingerprint import state_fingerprint
-from .manifest import Manifest
+from .manifest import Manifest, keyframe_stream
 from .planner import Plan, plan_catchup
 
 MAX_CHAIN = 256  # manifests walked back from the head when planning a catch-up
@@ -47,7 +47,7 @@ MAX_CHAIN = 256  # manifests walked back from the head when planning a catch-up
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SyncConfig:
     model: str
-    side_model: str | None = None  # the side keyframe stream (``M.kf``); None: model + ".kf"
+    side_model: str | None = None  # the side keyframe stream (``M.kf``); None: manifest.keyframe_stream(model)
     use_squash: bool = True
     squash_min_chain: int = 3
     max_refetch: int = 1
@@ -60,7 +60,7 @@ class SyncConfig:
 
     @property
     def side(self) -> str:
-        return self.side_model or f"{self.model}.kf"
+        return self.side_model or keyframe_stream(self.model)
 
 
 # -- events (what happened) --------------------------------------------------------------------------------------

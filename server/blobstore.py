@@ -15,10 +15,10 @@ manifests, squashed deltas, growing blobs) is a coroutine. ``BlobFiles`` is the
 byte layer alone: every call that reads or writes is ``async``, so a store whose
 calls are network requests (the S3 store a later issue adds as the origin's durable
 store) implements ``BlobFiles`` and gets the index, pinning and budget for free:
-``scan`` lists what exists once at start (LIST), ``read_*`` are GETs (``BlobReader.read``
+``scan`` lists what exists once at start (LIST), ``read_*`` are GETs (``StoredBlob.read``
 a ranged GET), ``adopt``/``write_*`` PUTs, and ``discard`` (called from the
 synchronous eviction path) schedules a DELETE and returns. Nothing above this
-layer opens a file: routes get a ``BlobReader`` and send it.
+layer opens a file: routes get a ``StoredBlob`` and send it.
 
 ``sendfile`` stays a disk optimisation behind the seam: a reader (or a growing
 blob) that also has ``fileno()`` (the ``FileBacked`` capability) is sent with
@@ -42,7 +42,7 @@ from deltasync.manifest import BlobRef, Manifest
 from .versions import ModelIndex, VersionInfo
 
 
-class BlobReader(Protocol):
+class StoredBlob(Protocol):
     """An open, stable view of one stored blob: evicting the blob meanwhile does not change what it reads."""
 
     size: int
@@ -144,7 +144,7 @@ class BlobFiles(Protocol):
     async def adopt(self, part: GrowingBlob) -> None:
         """Make a verified growing blob a stored blob, durably."""
 
-    async def open_blob(self, blob_id: str) -> BlobReader | None:
+    async def open_blob(self, blob_id: str) -> StoredBlob | None:
         """A reader of a stored blob, or None if it is not there."""
 
     async def read_blob(self, blob_id: str) -> bytes:
@@ -212,7 +212,7 @@ class BlobStore(Protocol):
     async def load(self, *, trust_head: bool = True) -> None:
         """Index what is stored (once, before serving)."""
 
-    async def open_blob(self, blob_id: str) -> BlobReader | None:
+    async def open_blob(self, blob_id: str) -> StoredBlob | None:
         """A reader of a complete blob (marked recently used), or None if it is not stored."""
 
     async def get_blob(self, blob_id: str) -> bytes: ...

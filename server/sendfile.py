@@ -9,7 +9,7 @@ keeps the socket alive even if the transport closes it meanwhile, so a descripto
 number can never be reused under us. TLS transports (and anything without a plain
 socket) take the copying fallback.
 
-``send_blob_range`` is what routes call with any ``BlobReader`` (blobstore.py): a
+``send_blob_range`` is what routes call with any ``StoredBlob`` (blobstore.py): a
 ``FileBacked`` one goes out with ``os.sendfile`` from its descriptor, any other
 (the memory store, a remote store) is streamed with ``read`` in 1 MiB pieces.
 
@@ -25,7 +25,7 @@ import time
 
 from aiohttp import web
 
-from .blobstore import BlobReader
+from .blobstore import StoredBlob
 from .compat import timeout as timeout_after
 
 FALLBACK_CHUNK = 1 << 20
@@ -35,7 +35,7 @@ class SlowClientError(ConnectionError):
     """The peer accepted no bytes for the whole write timeout."""
 
 
-async def send_blob_range(request: web.BaseRequest, resp: web.StreamResponse, reader: BlobReader, offset: int,
+async def send_blob_range(request: web.BaseRequest, resp: web.StreamResponse, reader: StoredBlob, offset: int,
                           count: int, *, timeout: float) -> int:
     """Send ``count`` bytes of ``reader`` from ``offset``; returns the bytes sent (always ``count``) or raises."""
     fileno = getattr(reader, "fileno", None)  # the FileBacked capability (getattr: this runs per piece)

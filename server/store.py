@@ -54,13 +54,12 @@ from pathlib import Path
 
 from deltasync.blob import check_blob_id
 from deltasync.errors import NotFoundError, StorageError
-from deltasync.manifest import BlobRef, Manifest, parse_manifest
+from deltasync.manifest import BlobRef, Manifest, is_side_stream, keyframe_stream, parse_manifest
 
-from .blobstore import BlobFiles, BlobReader, GrowingBlob, Inventory
+from .blobstore import BlobFiles, StoredBlob, GrowingBlob, Inventory
 from .diskfiles import DiskFiles, DiskPartial
 from .memfiles import MemoryFiles
 from .retention import BlobLedger, manifest_floor
-from .tokens import SIDE_SUFFIX
 from .versions import ModelIndex, VersionInfo, version_info
 
 log = logging.getLogger("deltasync.server.store")
@@ -335,7 +334,7 @@ class IndexedStore:
     def _side_keyframe(self, idx: ModelIndex) -> int | None:
         """The newest announced version of ``idx``'s side keyframe stream ``M.kf`` at or below its head: a
         keyframe of ``M`` a subscriber starts from (client/streams.py)."""
-        side = self.models.get(idx.model + SIDE_SUFFIX)
+        side = self.models.get(keyframe_stream(idx.model))
         if side is None or side.head is None or idx.head is None:
             return None
         at = bisect.bisect_right(side.order, min(side.head, idx.head))
@@ -344,7 +343,7 @@ class IndexedStore:
     def _retention(self, idx: ModelIndex) -> int:
         """How many of a stream's newest versions are kept: ``retention``, but 1 for a side keyframe stream
         ``M.kf`` (every version a keyframe: a subscriber only ever starts from the newest one)."""
-        return 1 if idx.model.endswith(SIDE_SUFFIX) else self.retention
+        return 1 if is_side_stream(idx.model) else self.retention
 
     def _prune(self, idx: ModelIndex, side_keyframe: int | None, retention: int) -> None:
         """Delete the manifests (and squashed manifests) of ``idx`` below its floor (module docstring)."""
@@ -377,7 +376,7 @@ class IndexedStore:
         self.files.discard(blob_id)
 
     # -- blobs -------------------------------------------------------------------------
-    async def open_blob(self, blob_id: str) -> BlobReader | None:
+    async def open_blob(self, blob_id: str) -> StoredBlob | None:
         if blob_id not in self._ledger:
             return None
         reader = await self.files.open_blob(blob_id)

@@ -17,11 +17,11 @@ import hmac
 from dataclasses import dataclass, field
 
 from deltasync.errors import FormatError
+from deltasync.manifest import main_stream
 
 __all__ = ["SCOPES", "TokenGrant", "TokenTable", "bearer"]
 
 SCOPES = ("publish", "read")
-SIDE_SUFFIX = ".kf"  # the side keyframe stream of a model (deltasync.client.streams; servers do not import client/)
 MIN_TOKEN_CHARS = 16
 
 
@@ -36,8 +36,7 @@ class TokenGrant:
             return False
         if model is None:
             return True
-        # a model's side keyframe stream M.kf (client/streams.py) goes with M
-        base = model[: -len(SIDE_SUFFIX)] if model.endswith(SIDE_SUFFIX) else model
+        base = main_stream(model)  # a model's side keyframe stream M.kf goes with M
         return fnmatch.fnmatchcase(model, self.model) or fnmatch.fnmatchcase(base, self.model)
 
 
