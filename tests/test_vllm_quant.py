@@ -6,7 +6,7 @@ block kernel refuses a bf16 bias) is trained with AdamW on random token batches;
 state with ``serve=[fmt]``, so the origin also carries ``tiny-llama.fp8`` / ``.int4``. vLLM (TP=1, CPU kernels:
 ``CPUFp8BlockScaledMMKernel``, ``CPUWNA16LinearKernel``) is loaded from the quantized checkpoint of step 0
 (config.json with the format's ``quantization_config``, tensors from ``deltasync.quant``) and follows the
-serving stream; FP8 also at TP=2 (hidden 512, heads of 128: each rank's KV head a whole 128-row block). After every step, every parameter the engine runs on (fingerprints of ``named_parameters()``:
+serving stream; both also at TP=2 (hidden 512, heads of 128: each rank's KV head a whole 128-row FP8 block). After every step, every parameter the engine runs on (fingerprints of ``named_parameters()``:
 the VNNI-prepacked FP8 weights, the repacked INT4 words, scales and zero points vLLM made) and every tensor
 deltasync patches equals, bit for bit, those of a fresh vLLM loaded from that step's quantized checkpoint, and
 so do the prefill's logprobs (decode-step logprobs of two fresh engines of one checkpoint already differ in
@@ -104,8 +104,8 @@ def _packed_fps(llm) -> dict[str, str]:
     return fps
 
 
-@pytest.mark.parametrize("fmt_name,tp", [("fp8-block", 1), ("int4", 1), ("fp8-block", 2)],
-                         ids=["fp8-tp1", "int4-tp1", "fp8-tp2"])
+@pytest.mark.parametrize("fmt_name,tp", [("fp8-block", 1), ("int4", 1), ("fp8-block", 2), ("int4", 2)],
+                         ids=["fp8-tp1", "int4-tp1", "fp8-tp2", "int4-tp2"])
 def test_serving_stream_patches_vllms_quantized_parameters_bit_for_bit(fmt_name, tp, tmp_path):
     fmt = quant.ServingFormat(name=fmt_name)
     saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")}
