@@ -17,7 +17,7 @@ from deltasync.dtypes import dtype_info
 from deltasync.errors import ChainError
 from deltasync.signing import HmacSigner, HmacVerifier
 
-from .keys import read_key_file, signer_from_file, verifier_from_file
+from deltasync.keyfiles import read_key_file, signer_from_file, verifier_from_file
 from .progress import Progress, say
 
 

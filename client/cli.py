@@ -68,14 +68,14 @@ def _read_token(path: str) -> str:
 
 
 def _signer(args):
-    from deltasync.cli.keys import signer_from_options
+    from deltasync.keyfiles import signer_from_options
 
     return signer_from_options(getattr(args, "signing_key", None), args.key_file)
 
 
 def _verifier(args, signer=None) -> Verifier | None:
     """The command's Verifier: --verify-key, else the signer's own public half, else --key-file."""
-    from deltasync.cli.keys import verifier_from_options
+    from deltasync.keyfiles import verifier_from_options
 
     if getattr(args, "verify_key", None):
         return verifier_from_options(args.verify_key, None if getattr(args, "signing_key", None) else args.key_file)

@@ -473,7 +473,7 @@ def _key(key_hex: str | None, verify_key: str | None):
     if key_hex and verify_key:
         raise ValueError("give key_hex or verify_key (a key file), not both")
     if verify_key:  # an Ed25519 public key (PEM; several comma-separated: a key set) or a legacy HMAC hex file
-        from deltasync.cli.keys import verifier_from_options
+        from deltasync.keyfiles import verifier_from_options
         paths = [p.strip() for p in str(verify_key).split(",") if p.strip()]
         if b"PUBLIC KEY" in open(paths[0], "rb").read():
             return verifier_from_options(paths)
@@ -734,20 +734,27 @@ class DeltaSyncWorkerExtension:
         key = _key(key_hex, verify_key)
         urls = _urls(urls)
         mcfg = self.vllm_config.model_config
-        self._deltasync = _RankSync(self._deltasync_model(), mcfg.hf_config, urls, model, key, dict(options), group=group,
-                                    world=world, rank=rank, on_cpu=on_cpu, checkpoint=mcfg.model)
-        self._deltasync_draft = None
-        drafter = getattr(self.model_runner, "drafter", None)
-        if draft_stream:
-            dmodel = getattr(drafter, "model", None)
-            if dmodel is None:
-                raise UnsupportedError(f"draft_model={draft_stream!r}: no speculative draft model is loaded on this rank")
-            dcfg = self.vllm_config.speculative_config.draft_model_config
-            self._deltasync_draft = _RankSync(dmodel, dcfg.hf_config, urls, draft_stream, key, dict(options), group=group,
-                                              world=world, rank=rank, on_cpu=on_cpu, checkpoint=dcfg.model)
-        self._deltasync.sub.start()
-        if self._deltasync_draft is not None:
-            self._deltasync_draft.sub.start()
+        main = draft = None
+        try:  # a start that fails (a wrong key, no draft model) leaves the rank not started: it may start again
+            main = _RankSync(self._deltasync_model(), mcfg.hf_config, urls, model, key, dict(options), group=group,
+                             world=world, rank=rank, on_cpu=on_cpu, checkpoint=mcfg.model)
+            if draft_stream:
+                dmodel = getattr(getattr(self.model_runner, "drafter", None), "model", None)
+                if dmodel is None:
+                    raise UnsupportedError(f"draft_model={draft_stream!r}: no speculative draft model is loaded on "
+                                           "this rank")
+                dcfg = self.vllm_config.speculative_config.draft_model_config
+                draft = _RankSync(dmodel, dcfg.hf_config, urls, draft_stream, key, dict(options), group=group,
+                                  world=world, rank=rank, on_cpu=on_cpu, checkpoint=dcfg.model)
+            main.sub.start()
+            if draft is not None:
+                draft.sub.start()
+        except BaseException:
+            for sync in (main, draft):
+                if sync is not None:
+                    sync.close()
+            raise
+        self._deltasync, self._deltasync_draft = main, draft
         return {"rank": rank, "world": world, "mode": self._deltasync.mode, "tensors": len(self._deltasync.layout.stream)}
 
     def deltasync_apply(self) -> int | None:

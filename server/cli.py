@@ -22,7 +22,7 @@ from pathlib import Path
 from aiohttp import web
 
 from deltasync.errors import DeltaSyncError
-from deltasync.cli.keys import verifier_from_options
+from deltasync.keyfiles import verifier_from_options
 from deltasync.cli.run import run_command
 from deltasync.manifest import load_key
 

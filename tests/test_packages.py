@@ -42,7 +42,7 @@ import json, sys
 import deltasync, deltasync.server, deltasync.server.app, deltasync.server.cli
 from deltasync import HmacVerifier, Manifest, parse_manifest, write_atomic
 from deltasync.server import *
-import deltasync.deltafile, deltasync.signing, deltasync.atomic, deltasync.cli.run, deltasync.cli.keys
+import deltasync.deltafile, deltasync.signing, deltasync.atomic, deltasync.cli.run, deltasync.cli.keys, deltasync.keyfiles
 print(json.dumps({"torch": "torch" in sys.modules, "client": any(m.startswith("deltasync.client") for m in sys.modules)}))
 """)
     assert got == {"torch": False, "client": False}

@@ -19,7 +19,7 @@ from deltasync.errors import FormatError, IntegrityError, SignatureError
 from deltasync.manifest import BlobRef, parse_manifest
 from deltasync.signing import (Ed25519Signer, Ed25519Verifier, HmacSigner, KeySet, generate_ed25519_pem,
                                is_public_key, load_signing_key, load_verify_key)
-from deltasync.cli.keys import signer_from_options, verifier_from_options
+from deltasync.keyfiles import signer_from_options, verifier_from_options
 from deltasync.server.tokens import TokenTable
 
 OLD = {"w": torch.arange(64, dtype=torch.float32)}
