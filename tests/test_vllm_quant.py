@@ -104,6 +104,50 @@ def _packed_fps(llm) -> dict[str, str]:
     return fps
 
 
+def _corrupt_step_rolls_back(llm, url: str, stream: str, fmt, states, before: dict) -> None:
+    """A signed step whose words do not give the fingerprint it claims for one scale tensor (a corrupt encoder, a
+    tampered origin with the key) fails verification on every rank: every rank rolls back, stays at its version,
+    and the parameters the engine runs on are bit-identical to before (the rolled-back layers are processed
+    again from the restored words)."""
+    import asyncio
+    import dataclasses
+    import time
+
+    from deltasync.client.http import HttpClient
+    from deltasync.client.upload import upload_version
+    from deltasync.codec import encode_delta
+
+    v = STEPS + 1
+    other = {n: t.clone() for n, t in states[STEPS].items()}
+    name = next(n for n in other if n.endswith("mlp.down_proj.weight"))
+    other[name] = (other[name].float() * 1.01).to(torch.bfloat16)  # a step that moves one layer's scales
+    enc = encode_delta(quant.serving_state(states[STEPS], fmt), quant.serving_state(other, fmt), model=stream,
+                       version=v, parent=STEPS)
+    bad = next(t for t in enc.manifest.tensors if t.name.endswith("_scale_inv") or t.name.endswith("_scale"))
+    flipped = f"{int(bad.fp_after, 16) ^ 1:016x}"
+    tensors = tuple(dataclasses.replace(t, fp_after=flipped) if t.name == bad.name else t for t in enc.manifest.tensors)
+    manifest = dataclasses.replace(enc.manifest, tensors=tensors)
+
+    async def put():
+        client = HttpClient([url], token=TOKEN, read_token=TOKEN)
+        try:
+            await upload_version(client, manifest, enc.blobs, key=KEY)
+        finally:
+            await client.close()
+
+    asyncio.run(put())
+    deadline = time.monotonic() + 120
+    while True:
+        assert dsv.apply_update(llm) == STEPS, "a corrupt version was applied"
+        sts = dsv.status(llm)
+        if all(st["rollbacks"] >= 1 for st in sts):
+            break
+        assert time.monotonic() < deadline, f"v{v} never failed on every rank: {sts}"
+        time.sleep(0.5)
+    assert all(st["engine_version"] == STEPS for st in sts), sts
+    assert _packed_fps(llm) == before, "a rank kept words (or processed layers) of the failed version"
+
+
 @pytest.mark.parametrize("fmt_name,tp", [("fp8-block", 1), ("int4", 1), ("fp8-block", 2), ("int4", 2)],
                          ids=["fp8-tp1", "int4-tp1", "fp8-tp2", "int4-tp2"])
 def test_serving_stream_patches_vllms_quantized_parameters_bit_for_bit(fmt_name, tp, tmp_path):
@@ -138,6 +182,7 @@ def test_serving_stream_patches_vllms_quantized_parameters_bit_for_bit(fmt_name,
                 assert all(st["rollbacks"] == 0 and st["repacked_layers"] > 0 for st in sts), sts
                 pauses.append(max(st["last_apply_s"] for st in sts))
                 live[v] = (_packed_fps(llm), greedy(llm, PROMPTS))
+            _corrupt_step_rolls_back(llm, server.url, stream, fmt, states, live[STEPS][0])
         shutdown(llm)
         llm = None
         assert live[1][0] != live[0][0]  # the steps changed what the engine runs on
