@@ -22,7 +22,11 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+
+import xxhash
 
 from hostile_peers import PROXY, DripBody, DripHead, Endless, Fixed, HostilePeer, Swap, Tamper
 
@@ -522,8 +526,6 @@ class StolenTokens(Stream):
         ready(env, self.f1, self.f2)
 
     def _req(self, method: str, path: str, token: str | None, data: bytes | None = None) -> int:
-        import urllib.error
-        import urllib.request
         headers = {"Content-Type": "application/octet-stream"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -538,11 +540,11 @@ class StolenTokens(Stream):
 
     def rep(self, env, i):
         head = self.push(env)
-        real = self._manifest_with_token(head)
+        status, _, real = http_get(f"{self.o.url}/v1/models/{self.model}/versions/{head}", token=READ_TOKEN)
+        assert status == 200, status
         nxt = head + 1
         fake = _resign(real, KEY, version=nxt, parent=head)
         blob = os.urandom(64)
-        import xxhash
         bid = xxhash.xxh3_128(blob).hexdigest()
         attempts = [
             ("another model's publish token PUTs a signed manifest", "PUT",
@@ -573,13 +575,6 @@ class StolenTokens(Stream):
         vd.wrong += accepted
         vd.notes += notes or [f"{len(attempts)} attempts, all refused"]
         return vd
-
-    def _manifest_with_token(self, v: int) -> bytes:
-        import urllib.request
-        req = urllib.request.Request(f"{self.o.url}/v1/models/{self.model}/versions/{v}",
-                                     headers={"Authorization": f"Bearer {READ_TOKEN}"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.read()
 
 
 # -- runaway work interrupted; torn --out files ------------------------------------------------------------------
@@ -673,8 +668,8 @@ class ManyTensors(Stream):
         self.outcomes.append("refused" if v is None and self.out.exists() else
                              "rolled back" if "rolled back" in log else f"rc {rc}")
         vd.notes.append(f"{how} {delay:.2f}s after 'patching'" if how != "timeout" else f"--timeout {delay:.2f}s")
-        vd.notes.append(f"{how}: rc {rc}, exit {took:.2f}s after, file "
-                        + ("refused (patching)" if v is None and self.out.exists() else f"v{v}") + f": {_last_line(log)}")
+        held = "refused (patching)" if v is None and self.out.exists() else f"v{v}"
+        vd.notes.append(f"{how}: rc {rc}, exit {took:.2f}s after, file {held}: {_last_line(log)}")
         return vd
 
     def rep(self, env, i):
@@ -700,9 +695,10 @@ class ManyTensors(Stream):
 
 class ApplyInterrupted(ManyTensors):
     name = "hostile-runaway-apply-interrupted"
-    what = ("runaway work: `subscribe --until` applying a 20,000-tensor delta to its file, rotating: SIGTERM 0–0.2 s "
-            "after the file's header says 'patching' (must exit within 5 s, rolled back or finished), `--timeout` 1–4 s (must "
-            "exit within 5 s of it); the file is a published version after, and a restart converges")
+    what = ("runaway work: `subscribe --until` applying a 20,000-tensor delta to its file, rotating: SIGTERM "
+            "0–0.2 s after the file's header says 'patching' (must exit within 5 s, rolled back or finished), "
+            "`--timeout` 1–4 s (must exit within 5 s of it); the file is a published version after, and a restart "
+            "converges")
 
     def how(self, i):
         return "sigterm" if i % 2 == 0 else "timeout"
@@ -710,8 +706,8 @@ class ApplyInterrupted(ManyTensors):
 
 class TornOut(ManyTensors):
     name = "hostile-torn-out-readers"
-    what = ("torn `--out`: `subscribe --until` SIGKILLed 0–0.2 s after its 20,000-tensor delta apply marked the file 'patching'; before any "
-            "restart the documented reader (`read_state_file`: `deltasync verify`, `diff`, `publish`) must read a "
+    what = ("torn `--out`: `subscribe --until` SIGKILLed 0–0.2 s after its 20,000-tensor delta apply marked the "
+            "file 'patching'; before any restart the documented reader (`read_state_file`: `deltasync verify`, `diff`, `publish`) must read a "
             "bit-exact published version or refuse the file ('patching'); a restart converges")
 
     def how(self, i):
