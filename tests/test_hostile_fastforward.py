@@ -95,14 +95,14 @@ def test_once_behind_a_mirror_claiming_a_head_ten_ahead_ends_at_the_real_head(cl
     with HostilePeer(cluster.origin, _plan(_fake(cluster, kind))) as mirror:
         out = tmp_path / "out.safetensors"
         t0 = time.monotonic()
-        r = subprocess.run(_cmd(cluster, [mirror.url, cluster.origin], out, "--once", "--timeout", "30"),
-                           capture_output=True, text=True, timeout=90)
+        r = subprocess.run(_cmd(cluster, [mirror.url, cluster.origin], out, "--once", "--timeout", "60"),
+                           capture_output=True, text=True, timeout=120)
         took = time.monotonic() - t0
         assert r.returncode == 0, r.stderr[-3000:]
         assert _same(read_state_file(out), published[-1])  # the origin's v3, nothing from the fake
         assert "ff v3 ->" in r.stdout + r.stderr and f"v{3 + AHEAD}" not in r.stdout
         assert mirror.count(lambda m, t: t.startswith("/v1/models/ff/head")) >= 1  # the fake was offered
-        assert took < 20, took
+        assert took < 45, took  # ~5 s on an idle machine; the shared cores at load 13 took longer once
 
 
 def test_a_follower_does_not_put_the_origin_down_on_the_mirrors_claim(cluster, published, tmp_path):
