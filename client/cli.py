@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -33,17 +32,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deltasync.cli.run import run_command, settle_heap
-from deltasync.errors import ApplyInterrupted, BaseMismatchError, DeltaSyncError, NotFoundError
+from deltasync.errors import BaseMismatchError, DeltaSyncError
 
-from .interrupt import Interrupt
 
 if TYPE_CHECKING:  # each command imports what it runs: the parser (and `publish` from files) never loads torch
     import torch
 
     from deltasync.signing import Verifier
-
-    from .filetarget import FileTarget
-    from .http import HttpClient
 
 log = logging.getLogger("deltasync.client.cli")
 timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps: benchmarks/step_timeline.py
@@ -51,8 +46,6 @@ timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps: b
 META_MODEL = "deltasync.model"
 META_VERSION = "deltasync.version"
 META_STATE_FP = "deltasync.state_fp"
-#: a keyframe's shards ``subscribe --out`` receives side by side (each into its own place in the new file)
-KEYFRAME_SHARDS_AT_ONCE = 8
 
 
 def _say(args, text: str) -> None:
@@ -473,217 +466,29 @@ def _cmd_publish(args) -> int:
 
 # -- subscribe -------------------------------------------------------------------------------------
 
-async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int], None] | None) -> int:
-    from deltasync.atomic import remove_temp_files
-    from deltasync.manifest import parse_manifest
+def _file_options(args, verifier: Verifier | None, on_applied: Callable[[int], None] | None):
+    from .fileout import FileOptions
+    from .http import Timeouts
 
-    from .filetarget import FileTarget, KeyframeWriter, recover
-    from .http import HttpClient, Timeouts
-    from .subscriber import Subscriber, SyncEvent
-
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_temp_files(out)  # a killed earlier run's; only one subscriber writes a file
-    rolled = recover(out)  # an apply cut short: F back to exactly the old version, before anything reads it
-    if rolled is not None:
-        _say(args, f"{out}: rolled back the unfinished v{rolled.get('to')} to v{rolled.get('from')} (undo journal)")
     timeouts = Timeouts(poll=args.poll, connect=args.connect_timeout, ttfb=args.ttfb_timeout, read=args.read_timeout,
                         hedge_after=args.hedge_after or None, min_rate=args.min_rate, rate_grace=args.rate_grace)
-    target: FileTarget | None = None
-    if out.exists():
-        try:
-            target = FileTarget(out, args.model, before_write=on_applied)
-        except (DeltaSyncError, OSError) as e:
-            _say(args, f"{out}: unreadable ({e}); resyncing from a keyframe")
+    return FileOptions(sources=list(args.sources), model=args.model, out=Path(args.out), timeouts=timeouts,
+                       verifier=verifier, once=args.once, until=args.until, timeout=args.timeout,
+                       deadline=args.deadline, scrub_every=args.scrub_every, ssl=_ssl(args),
+                       read_token=_read_token_of(args), exit_now=args.exit_now, say=lambda text: _say(args, text),
+                       on_applied=on_applied)
+
+
+async def _subscribe(args, verifier: Verifier | None, on_applied: Callable[[int], None] | None) -> int:
+    from .fileout import follow_file
+
+    outcome = await follow_file(_file_options(args, verifier, on_applied))
+    if outcome.message is not None:
+        if outcome.status:
+            print(f"deltasync subscribe: {outcome.message}", file=sys.stderr)
         else:
-            if target.version is not None:
-                _say(args, f"{out}: holds {args.model} v{target.version}; resuming")
-            else:
-                _say(args, f"{out}: not a {args.model} file written by deltasync subscribe; resyncing")
-                target = None
-    fresh = target is None  # the first version is streamed in below
-    if target is None:
-        # a head that does not parse or verify is that source's fault: the next --from is tried
-        client = HttpClient(args.sources, timeouts=timeouts, ssl=_ssl(args), read_token=_read_token_of(args),
-                            check_manifest=lambda body: parse_manifest(body, verifier=verifier))
-        warm = asyncio.get_running_loop().run_in_executor(None, KeyframeWriter.warm)  # while nothing arrives yet
-        try:
-            deadline = args.deadline if args.deadline is not None else time.monotonic() + args.timeout
-            head = await client.highest_head(args.model)  # not an old head one source replays
-            while head is None and not args.once and (left := deadline - time.monotonic()) > 0:
-                # the model has no version yet: wait for the first, woken by its commit (a long-poll; a
-                # server of an older build refuses after=-1: then ask again every 0.25 s)
-                try:
-                    head = await client.get_head(args.model, after=-1, wait=min(left, timeouts.poll))
-                except DeltaSyncError as e:
-                    log.debug("long-poll for the first version refused (%s); polling", e)
-                    await asyncio.sleep(0.25)
-                    head = await client.get_head(args.model)
-                else:
-                    if head is not None and head.body is None:  # the long-poll ran out (204)
-                        head = None
-            timeline.debug("mono=%.6f kf-seen", time.monotonic())
-            await warm
-            if head is None:
-                raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
-            m = parse_manifest(head.body, verifier=verifier)
-            # the layout of a keyframe, or of a format-2 delta (every tensor listed); a format-3 delta lists only
-            # what it changes: the file is then laid out by the first keyframe it receives
-            whole = m.kind == "keyframe" or m.format < 3
-            layout = {t.name: (t.dtype, tuple(t.shape)) for t in m.tensors} if whole else None
-            # nothing is written until the first keyframe is complete and verified (then renamed into place)
-            target = FileTarget(out, args.model, layout=layout, before_write=on_applied, open_existing=False,
-                                layout_from_keyframe=not whole)
-            await _stream_keyframe(args, client, target, m, verifier)
-        finally:
-            await client.close()
-    version = target.version  # None, or the keyframe just streamed in (the subscriber scans it once)
-    if fresh and args.until is not None and version is not None and version >= args.until:
-        target.close()  # --until V, and the keyframe just streamed in (verified, renamed into place) is V: done
-        timeline.debug("mono=%.6f closed", time.monotonic())
-        return 0
-
-    def on_event(ev: SyncEvent) -> None:
-        if ev.kind in ("rollback", "refetch", "resync", "scrub", "error"):
-            _say(args, f"{ev.kind} v{ev.version}: {ev.detail}")
-
-    sub = Subscriber(args.sources, args.model, target, verifier=verifier, version=version, timeouts=timeouts,
-                     scrub_every=args.scrub_every, on_event=on_event, ssl=_ssl(args),
-                     read_token=_read_token_of(args))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    # a signal sets the flag at once (Python runs the handler between two bytecodes of a running apply, which
-    # holds the loop's thread) and wakes the loop; the apply sees it (or the deadline) at its next check, rolls
-    # back and raises ApplyInterrupted (client/interrupt.py)
-    interrupt = Interrupt(deadline=args.deadline)
-    interrupt.install(lambda: loop.call_soon_threadsafe(stop.set))
-    target.check = interrupt.check
-    await sub.start()
-    # Everything imported and opened so far (torch, numba, the file's map: ~10**6 objects) lives as long as
-    # the process: out of the cyclic GC's sight, a step no longer pays full collections over it (they were
-    # half of a `--out` process's CPU from a step's manifest to exit, the collection at exit included).
-    gc.freeze()
-    written = version
-    goal = args.until
-    if args.once:
-        # the newest version any listed source can prove (signed): never done at an older one another replays
-        h = await sub.client.highest_head(args.model)
-        if h is None:
-            raise NotFoundError(f"{args.model}: no version on {', '.join(args.sources)}")
-        goal = h.version
-    deadline = args.deadline
-    if not args.once and (goal is None or written is None or written < goal):
-        # load the delta kernels while waiting for the next version (~0.05 CPU-s the first delta would pay);
-        # a daemon thread: never waited for, and numba's compiler lock orders it with a real apply
-        threading.Thread(target=_warm, args=(target,), name="deltasync-warm", daemon=True).start()
-    changed = sub.driver.changed  # set on every step the driver delivers (and every apply result)
-    try:
-        while not stop.is_set():
-            changed.clear()  # before looking: a step delivered from here on sets it again
-            if len(sub.queue):
-                timeline.debug("mono=%.6f apply-start cpu=%.3f", time.monotonic(), time.process_time())
-            try:
-                v = sub.apply_pending()  # patches the file in place (FileTarget), journaled
-            except ApplyInterrupted as e:
-                why = interrupt.why or "--timeout"
-                print(f"deltasync subscribe: {why}: the apply in progress was stopped and rolled back ({e}); "
-                      f"{out} holds v{sub.version}", file=sys.stderr)
-                return 130 if interrupt.signalled else 1
-            if v is not None and v != written:
-                settle_heap()  # the target's views and fingerprints live on: out of the collector's way
-                written = v
-                timeline.debug("mono=%.6f applied v%d cpu=%.3f", time.monotonic(), v, time.process_time())
-                st = sub.status
-                _say(args, f"{args.model} v{v} -> {out} (lag {st.lag}, {_mb(st.bytes_received)} received, verify {st.verify})")
-            if goal is not None and written is not None and written >= goal:
-                return 0
-            if deadline is not None and time.monotonic() > deadline:
-                st = sub.status
-                print(f"deltasync subscribe: error: still at v{written} after {args.timeout:.0f}s (wanted v{goal}; "
-                      f"last error: {st.last_error})", file=sys.stderr)
-                return 1
-            # woken by the next delivered step or a signal; the 1 s bound only re-checks the deadline (this
-            # slept 0.2 s per turn: up to 0.2 s between a step being ready and its apply)
-            waits = [asyncio.ensure_future(changed.wait()), asyncio.ensure_future(stop.wait())]
-            try:
-                await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
-        if interrupt.signalled:
-            _say(args, f"{interrupt.why}: stopping; {out} holds v{written} (no apply was in progress)")
-            return 130 if args.exit_now else 0
-        return 0
-    finally:
-        await sub.close()
-        timeline.debug("mono=%.6f subscriber-closed cpu=%.3f", time.monotonic(), time.process_time())
-        target.close()
-        timeline.debug("mono=%.6f closed cpu=%.3f", time.monotonic(), time.process_time())
-
-
-def _warm(target) -> None:
-    try:
-        target.warm()
-        timeline.debug("mono=%.6f warmed cpu=%.3f", time.monotonic(), time.process_time())
-    except Exception:  # only a head start: the first delta loads what is missing
-        log.debug("loading the delta kernels ahead failed", exc_info=True)
-
-
-async def _stream_keyframe(args, client: HttpClient, target: FileTarget, head, verifier: Verifier | None) -> None:
-    """The first version streamed into the file, its shards side by side, when the head is a keyframe or has
-    a side keyframe (``M.kf``, same state fingerprint): in memory, each shard's header and a 1 MiB buffer. Otherwise (or on any
-    error: logged) the subscriber catches up the usual way, a keyframe then deltas."""
-    from deltasync.manifest import parse_manifest
-
-    from .filetarget import KeyframeWriter
-    from .streams import keyframe_stream
-
-    kf = head if head.kind == "keyframe" else None
-    if kf is None:
-        try:
-            side = parse_manifest(await client.get_manifest(keyframe_stream(args.model), head.version), verifier=verifier)
-        except DeltaSyncError:
-            return
-        if side.kind != "keyframe" or side.state_fp != head.state_fp:
-            return
-        kf = side
-    loop = asyncio.get_running_loop()
-    try:
-        w = KeyframeWriter(target, kf, version=head.version)
-    except DeltaSyncError as e:
-        log.warning("cannot stream keyframe v%s into %s (%s); catching up the usual way", head.version, args.out, e)
-        return
-    timeline.debug("mono=%.6f kf-head v%d %d", time.monotonic(), head.version, len(kf.blobs))
-    slots = asyncio.Semaphore(KEYFRAME_SHARDS_AT_ONCE)
-
-    async def shard(ref) -> None:  # received straight into the new file (no copy of it in memory)
-        async with slots:
-            sink = w.shard_sink(ref.size)
-            timeline.debug("mono=%.6f kf-blob-start %s", time.monotonic(), ref.id)
-            await client.receive_blob(ref.id, ref.size, sink, digest=ref.digest)
-            timeline.debug("mono=%.6f kf-blob-end %s", time.monotonic(), ref.id)
-            w.add_received(sink)
-
-    try:
-        # every shard at once: a relay fetching the keyframe cold pulls its shards side by side, and each
-        # is followed cut-through as it arrives (one after another, the first shard would end only when the
-        # relay's last did, and every other shard's receive would start after it)
-        tasks = [asyncio.ensure_future(shard(ref)) for ref in kf.blobs]
-        try:
-            await asyncio.gather(*tasks)
-        finally:  # the first failure ends the others (their bytes are discarded with the file)
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        await loop.run_in_executor(None, w.commit)
-        timeline.debug("mono=%.6f kf-committed", time.monotonic())
-    except BaseException as e:
-        w.abort()
-        if not isinstance(e, DeltaSyncError):
-            raise
-        log.warning("streaming keyframe v%s into %s failed (%s); catching up the usual way", head.version, args.out, e)
-        return
-    _say(args, f"{args.model} v{head.version} -> {args.out} (keyframe, streamed)")
+            _say(args, outcome.message)
+    return outcome.status
 
 
 def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> int:
