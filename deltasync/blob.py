@@ -28,6 +28,7 @@ import xxhash
 import zstandard
 
 from .errors import FormatError, IntegrityError
+from .zctx import compressor as thread_compressor, decompressor
 
 MAGIC = b"DSYNCBLB"
 VERSION = 2
@@ -110,7 +111,8 @@ class BlobWriter:
         if version not in READ_VERSIONS:
             raise ValueError(f"blob format version must be one of {READ_VERSIONS}, got {version}")
         self.version = version
-        self._cctx = compressor or zstandard.ZstdCompressor(level=level, write_content_size=True)
+        self._cctx = compressor  # None: this thread's context at ``level``, fetched at each use (zctx)
+        self._level = level
         self.reset()
 
     def reset(self) -> None:
@@ -138,6 +140,7 @@ class BlobWriter:
             self._parts.setdefault(name, []).append(arr)
 
     def finish(self) -> bytes:
+        cctx = self._cctx or thread_compressor(self._level)
         frames: list[bytes] = []
         table: dict[str, list[int]] = {}
         offset = 0
@@ -146,13 +149,13 @@ class BlobWriter:
             if name in WORD_STREAMS:
                 arr = shuffle_planes(arr)
             raw = arr.view(np.uint8).tobytes() if arr.dtype != np.uint8 else arr.tobytes()
-            frame = self._cctx.compress(raw)
+            frame = cctx.compress(raw)
             table[name] = [offset, len(frame), len(raw)]
             frames.append(frame)
             offset += len(frame)
         header = json.dumps({"streams": table, "chunks": self.chunks}, separators=(",", ":"), sort_keys=True).encode()
         if self.version >= 2:
-            header = self._cctx.compress(header)  # per-chunk records repeat names and keys: ~6x smaller
+            header = cctx.compress(header)  # per-chunk records repeat names and keys: ~6x smaller
         out = b"".join([_PREFIX.pack(MAGIC, self.version, len(header)), header, *frames])
         self.reset()
         return out
@@ -175,7 +178,7 @@ class BlobReader:
             raise FormatError(f"blob header of {hlen} bytes runs past the end ({len(view)} bytes)")
         text = bytes(view[_PREFIX.size : _PREFIX.size + hlen])
         if version >= 2:
-            text = _inflate_header(text, dctx or zstandard.ZstdDecompressor())
+            text = _inflate_header(text, dctx or decompressor())
         try:
             header = json.loads(text)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -213,7 +216,7 @@ class BlobReader:
         self.chunks: list[dict] = chunks
         self._streams = streams
         self._body = body
-        self._dctx = dctx or zstandard.ZstdDecompressor()
+        self._dctx = dctx  # None: the reading thread's context (zctx), fetched at each use
         self._cache: dict[str, np.ndarray] = {}
 
     @property
@@ -239,7 +242,7 @@ class BlobReader:
                 # a forged length can never make us allocate more than the frame really holds.
                 raise FormatError(f"blob stream {name!r}: frame holds {declared} bytes, header says {rlen}")
             try:
-                raw = self._dctx.decompress(frame, max_output_size=rlen)
+                raw = (self._dctx or decompressor()).decompress(frame, max_output_size=rlen)
             except zstandard.ZstdError as e:
                 raise FormatError(f"blob stream {name!r} does not decompress: {e}") from None
             if len(raw) != rlen:

@@ -18,7 +18,6 @@ builds a record, and raises FormatError for anything malformed (the manifest par
 from __future__ import annotations
 
 import struct
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +26,7 @@ import zstandard
 from .dtypes import dtype_info, word_count
 from .errors import FormatError
 from .frozen import build
+from .zctx import compressor, decompressor
 
 __all__ = ["ChunkRef", "TABLE_VERSION", "TensorRecord", "new_chunk", "new_record", "pack_table", "unpack_table"]
 
@@ -90,17 +90,9 @@ _F_SPANS = 1  # delta chunks carry their word spans
 _F_KEYS = 2  # keyframe chunk keys are listed (else each key is its tensor's name)
 MAX_TABLE_BYTES = 1 << 30  # decompressed
 
-# one compressor per thread: python-zstandard's ZstdCompressor is not safe to use from two threads at once (two
-# publishers in one process committing side by side, e.g. a bf16 stream and its serving-format streams, got
-# corrupt tables from a shared one)
-_ZC_LOCAL = threading.local()
-
-
-def _compressor() -> zstandard.ZstdCompressor:
-    zc = getattr(_ZC_LOCAL, "zc", None)
-    if zc is None:
-        zc = _ZC_LOCAL.zc = zstandard.ZstdCompressor(level=3)
-    return zc
+# the table's frame: this thread's compressor (deltasync.zctx: python-zstandard's contexts are not safe to share
+# between threads; two publishers in one process committing side by side, e.g. a bf16 stream and its
+# serving-format streams, got corrupt tables from a shared one)
 
 
 def _text(items: list[str], what: str) -> bytes:
@@ -169,7 +161,7 @@ def pack_table(records, kind: str, blob_ids: list[str]) -> bytes:
             parts.append((sp[:, 1] - sp[:, 0]).astype("<u8").tobytes())
     elif flags & _F_KEYS:
         parts.append(_lp(_text(keys, "a shard key")))
-    return _compressor().compress(b"".join(parts))
+    return compressor(3).compress(b"".join(parts))
 
 
 def _lp(data: bytes) -> bytes:
@@ -207,7 +199,7 @@ def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits) -> tupl
     """Records of a compressed table (see :func:`pack_table`); ``limits``: the manifest module's limits
     object (``max_tensors``, ``max_dims``, ...). FormatError on anything malformed."""
     try:
-        data = zstandard.ZstdDecompressor().decompress(blob, max_output_size=MAX_TABLE_BYTES)
+        data = decompressor().decompress(blob, max_output_size=MAX_TABLE_BYTES)
     except zstandard.ZstdError as e:
         raise FormatError(f"manifest table: not a zstd frame ({str(e)[:120]})") from None
     r = _Reader(data)
