@@ -277,15 +277,10 @@ def cmd_squash(args) -> int:
     return 0
 
 
-def _chunk_raw_bytes(rec: dict) -> int:
-    w = dtype_info(rec["dtype"]).word_size
-    length = rec["stop"] - rec["start"]
-    if rec["mode"] == "dense":
-        return length * w
-    if rec["mode"] in ("ans", "ansx"):  # formats 2 and 3: one rANS message (16-bit words) + raw words per chunk
-        return 2 * rec["na"] + rec["nr"] * w
-    pos = (length + 7) // 8 if rec["mode"] == "bitmap" else rec["ng"] + rec["ngx"]
-    return pos + (rec["count"] + 3) // 4 + rec["nt"] + rec["ne"] + rec["nr"] * w
+def _chunk_raw_bytes(version: int, rec: dict) -> int:
+    from deltasync.codec import chunk_bytes
+
+    return chunk_bytes(version, rec, dtype_info(rec["dtype"]).word_size)
 
 
 def inspect_delta(path: str) -> dict:
@@ -300,7 +295,7 @@ def inspect_delta(path: str) -> dict:
     if m.kind == "delta":
         for ref in m.blobs:
             reader = BlobReader(df.blobs[ref.id])
-            raws = [_chunk_raw_bytes(c) for c in reader.chunks]
+            raws = [_chunk_raw_bytes(reader.version, c) for c in reader.chunks]
             total = sum(raws) or 1
             for c, r in zip(reader.chunks, raws):
                 info = per_tensor[c["tensor"]]

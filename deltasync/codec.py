@@ -796,6 +796,31 @@ _CHUNK_KEYS_V2 = {"tensor", "dtype", "start", "stop", "count", "mode", "na", "nr
 _CHUNK_BASE = {"tensor", "dtype", "start", "stop", "count", "mode"}  # the rest count stream items
 
 
+#: The chunk modes of each blob format (docs/FORMAT.md §4), each with the stream items a chunk record of that mode
+#: takes (stream -> items; the items of ``raw{w}`` and ``dense{w}`` are words of the chunk's dtype, the others bytes):
+#: what :func:`decode_blob` accepts and what ``deltasync inspect`` counts.
+CHUNK_MODES: dict[int, dict[str, Callable[[dict, int], dict[str, int]]]] = {
+    1: {
+        "dense": lambda r, w: {f"dense{w}": r["stop"] - r["start"]},
+        "gap": lambda r, w: {"gap": r["ng"], "gapx": r["ngx"], "sym": (r["count"] + 3) // 4, "tok": r["nt"],
+                             "ext": r["ne"], f"raw{w}": r["nr"]},
+        "bitmap": lambda r, w: {"bitmap": (r["stop"] - r["start"] + 7) // 8, "sym": (r["count"] + 3) // 4,
+                                "tok": r["nt"], "ext": r["ne"], f"raw{w}": r["nr"]},
+    },
+    2: {
+        "dense": lambda r, w: {f"dense{w}": r["stop"] - r["start"]},
+        "ans": lambda r, w: {"ans": 2 * r["na"], f"raw{w}": r["nr"]},
+    },
+}
+CHUNK_MODES[3] = {**CHUNK_MODES[2], "ansx": lambda r, w: {"ansx": 2 * r["na"], f"raw{w}": r["nr"]}}
+
+
+def chunk_bytes(version: int, rec: dict, word_size: int) -> int:
+    """The raw (decompressed) stream bytes a valid chunk record of blob format ``version`` takes."""
+    items = CHUNK_MODES[version][rec["mode"]](rec, word_size)
+    return sum(n * word_size if s[-1].isdigit() else n for s, n in items.items())
+
+
 MAX_WORDS = 1 << 48  # the largest tensor (in words) a chunk may address
 
 
@@ -823,6 +848,7 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
         return arr[at : at + n]
 
     keys = _CHUNK_KEYS if reader.version == 1 else _CHUNK_KEYS_V2
+    modes = CHUNK_MODES[reader.version]
     tables: list[AnsTables] = []  # the blob's models, parsed at its first ans chunk
     ctables: list[CondTables] = []  # v3: the blob's per-context models, parsed at its first ansx chunk
 
@@ -852,13 +878,16 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
         length = stop - start
         if length <= 0 or count == 0 or count > length:
             raise FormatError(f"blob chunk {name}[{start}:{stop}] with {count} changes is inconsistent")
+        if type(mode) is not str or mode not in modes:
+            raise FormatError(f"blob chunk: unknown mode {mode!r} (format {reader.version} has "
+                              f"{', '.join(sorted(modes))})")
         if mode == "dense":
             if count != length or any(_nonneg(rec, k) for k in sorted(keys - _CHUNK_BASE)):
                 raise FormatError("blob chunk: a dense chunk changes every word and has no position or value streams")
             patch = ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, dense=take(f"dense{w}", length, wdt))
             jobs.append(lambda patch=patch: patch)
             continue
-        if reader.version == 3 and mode == "ansx":
+        if mode == "ansx":
             if context_spec(info.name) is None:
                 raise FormatError(f"blob chunk: mode 'ansx' does not apply to {info.name}")
             if not ctables:
@@ -873,10 +902,7 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
             patch = ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, pending=pending)
             jobs.append(lambda patch=patch: patch)
             continue
-        if reader.version >= 2:
-            if mode != "ans":
-                raise FormatError(f"blob chunk: unknown mode {mode!r} (format {reader.version} has "
-                                  f"{'ans, ansx' if reader.version == 3 else 'ans'} and dense)")
+        if mode == "ans":
             if not tables:
                 tables.append(AnsTables.parse(reader.stream("ansm")))
                 cursors["ansm"] = reader.stream("ansm").size
@@ -899,10 +925,8 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
             continue
         if mode == "gap":
             pos = ("gap", take("gap", _nonneg(rec, "ng")), take("gapx", _nonneg(rec, "ngx")))
-        elif mode == "bitmap":
+        else:  # bitmap
             pos = ("bitmap", take("bitmap", (length + 7) // 8), None)
-        else:
-            raise FormatError(f"blob chunk: unknown mode {mode!r}")
         parts = (take("sym", (count + 3) // 4), take("tok", _nonneg(rec, "nt")), take("ext", _nonneg(rec, "ne")),
                  take(f"raw{w}", _nonneg(rec, "nr"), wdt))
         jobs.append(lambda name=name, info=info, start=start, stop=stop, count=count, pos=pos, parts=parts:
