@@ -14,7 +14,8 @@ says how it is answered:
 
 ``requests`` records (monotonic time, method, target) of every request, for rate checks. The same peer serves
 the tests of issue 27 and the fault campaign's hostile-mirror scenarios (tests/faults/hostile.py); byte-level
-faults on a kept-alive stream (bit flips, cuts, stalls) are tests/faults/proxy.py's.
+faults on a kept-alive stream (bit flips, cuts, stalls) are tests/faults/proxy.py's ``FaultProxy``, on the same
+:class:`LoopServer`.
 """
 
 from __future__ import annotations
@@ -70,32 +71,37 @@ class Endless:
     pause: float = 0.005  # between chunks: ~12 MB/s at the default chunk, not a CPU burner
 
 
-class HostilePeer:
-    def __init__(self, upstream: str, plan: Callable[[str, str], object]) -> None:
-        u = urlsplit(upstream)
-        self.up_host, self.up_port = u.hostname, u.port
-        self.plan = plan
-        self.requests: list[tuple[float, str, str]] = []
+class LoopServer:
+    """An asyncio TCP server on 127.0.0.1 (an ephemeral port) with its own event loop on a daemon thread, so it
+    outlives any test's loop: what both hostile peers stand on (:class:`HostilePeer`, and the fault campaign's
+    byte-level ``faults.proxy.FaultProxy``). A subclass answers each connection in ``handle``; ``close`` cancels
+    every connection still open."""
+
+    def __init__(self, name: str) -> None:
         self.url = ""
+        self.port = 0
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="hostile-peer", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
 
-    def __enter__(self) -> HostilePeer:
+    def start(self):
         self._thread.start()
-        fut = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
-        fut.result(10)
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
     async def _start(self) -> None:
-        self._server = await asyncio.start_server(self._client, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        self._server = await asyncio.start_server(self._client, "127.0.0.1", 0, backlog=2048)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
 
     async def _stop(self) -> None:
         self._server.close()
@@ -103,21 +109,36 @@ class HostilePeer:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def count(self, pred: Callable[[str, str], bool] = lambda m, t: True, since: float = 0.0) -> int:
-        return sum(1 for at, m, t in list(self.requests) if at >= since and pred(m, t))
-
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         self._tasks.add(task)
         try:
-            await self._serve(reader, writer)
+            await self.handle(reader, writer)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.CancelledError):
             pass
         finally:
             self._tasks.discard(task)
             writer.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+
+class HostilePeer(LoopServer):
+    def __init__(self, upstream: str, plan: Callable[[str, str], object]) -> None:
+        super().__init__("hostile-peer")
+        u = urlsplit(upstream)
+        self.up_host, self.up_port = u.hostname, u.port
+        self.plan = plan
+        self.requests: list[tuple[float, str, str]] = []
+
+    def __enter__(self) -> HostilePeer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def count(self, pred: Callable[[str, str], bool] = lambda m, t: True, since: float = 0.0) -> int:
+        return sum(1 for at, m, t in list(self.requests) if at >= since and pred(m, t))
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         method, target, _ = lines[0].split(" ", 2)

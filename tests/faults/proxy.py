@@ -21,15 +21,16 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import threading
 from collections.abc import Callable
+
+from hostile_peers import LoopServer  # the loop thread and server both hostile peers stand on
 
 _CL = re.compile(rb"(?i)content-length:\s*(\d+)")
 _REQ = re.compile(rb"(GET|PUT|POST|HEAD|DELETE) (\S+) HTTP/1\.[01]\r\n")
 MODES = ("pass", "flip", "truncate", "length", "stall")
 
 
-class FaultProxy:
+class FaultProxy(LoopServer):
     def __init__(self, target_port: int, *, mode: str = "pass", seed: int = 0, rate: float = 0.3,
                  skip: int = 400, cut_after: int = 1500, delta: int = 7,
                  on_request: Callable[[bytes, bytes], None] | None = None) -> None:
@@ -41,14 +42,9 @@ class FaultProxy:
         self.flipped = 0
         self.cut = 0
         self.connections = 0
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
+        super().__init__("fault-proxy")
         self._writers: set[asyncio.StreamWriter] = set()
-        self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("fault proxy did not start")
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.start()
 
     def set_mode(self, mode: str) -> None:
         if mode not in MODES:
@@ -66,28 +62,9 @@ class FaultProxy:
                 w.transport.abort()
         self._loop.call_soon_threadsafe(drop)
 
-    def close(self) -> None:
-        async def stop():
-            self._server.close()
-            for w in list(self._writers):
-                w.transport.abort()
-        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
     # -- internals ---------------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-
-        async def start():
-            self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, backlog=2048)
-            self.port = self._server.sockets[0].getsockname()[1]
-        self._loop.run_until_complete(start())
-        self._ready.set()
-        self._loop.run_forever()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         self._writers.add(writer)
         up_w = None
