@@ -496,7 +496,7 @@ def _report(shaped: dict, lo: dict, fan: dict, wan: dict, quick: bool, load: tup
     out.append(f"One cold relay costs **{(su + sk) / (fu + fk):.2f}x** the blocking floor and "
                f"{(su + sk) / (au + ak):.2f}x a bare aiohttp receive loop that does only the receiving (issue 10's "
                "target: 0.6 CPU-s/GB where the floor is 0.28, about 2.1x). The relay reads bodies from its parents "
-               "with server/blobget.py (the event loop receives into one 1 MiB buffer; pieces are hashed and written "
+               "with server/http/blobget.py (the event loop receives into one 1 MiB buffer; pieces are hashed and written "
                "from there, no copies in Python) and forwards them with sendfile. Its two halves, each measured "
                f"alone in this run: the receive floor ({fu + fk:.3f}) plus a cached blob's sendfile to one reader "
                f"({lo['warm_cpu_per_gb']:.3f}, relay 3 above; on loopback the sender also runs the reader's TCP "

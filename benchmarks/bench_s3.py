@@ -277,9 +277,9 @@ def run(quick: bool = False) -> str:
         "",
         "A fresh origin has an empty read cache: it serves every blob from the bucket as it is asked for "
         "(nothing copied to its disk first). The bucket-only relay reads the bucket through its in-process "
-        "gateway (server/bucketparent.py), one loopback copy per blob.",
+        "gateway (server/parents/bucketparent.py), one loopback copy per blob.",
         "",
-        "S3 clients on the same server (best of 3; this is why server/s3objects.py uses obstore):",
+        "S3 clients on the same server (best of 3; this is why server/storage/s3objects.py uses obstore):",
         "",
         "| client | put 64 MiB | get 64 MiB | put 200 x 16 KiB (concurrent) | get 200 x 16 KiB (concurrent) |",
         "|---|---|---|---|---|",

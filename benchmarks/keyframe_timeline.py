@@ -5,7 +5,7 @@ Shardcast's scenario (benchmarks/bench_shardcast.py, its helpers): origin -> 2 r
 --out F --until 0`` processes started on an empty origin and idle, 2 per relay, servers ``--no-fsync``, everything
 on tmpfs. Every stamp is ``time.monotonic()`` from a ``deltasync.timeline`` log line: each blob's upload at the
 origin (server/intake.py), the commit (server/routes.py), each relay's event, announce and per-blob fetch (answer,
-stored: server/fetcher.py), each subscriber's keyframe head, per-blob receive and commit (client/cli.py,
+stored: server/parents/fetcher.py), each subscriber's keyframe head, per-blob receive and commit (client/cli.py,
 ``DELTASYNC_TIMELINE=1``); the publish start and every process's exit are this script's own. Also the CPU seconds
 each server spent. Times in ms after the publish command's start; ``--runs N`` repeats on fresh clusters and
 prints each run's total.

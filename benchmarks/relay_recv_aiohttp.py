@@ -1,6 +1,6 @@
 """A bare aiohttp receive loop, the baseline for a relay's cold path (bench_relay): GET one blob with
 aiohttp's client on uvloop, hash every piece (xxh3-128) and ``os.write`` it to a new file, as the relay
-did before server/blobget.py. Prints the loop's own user and system CPU seconds (getrusage around
+did before server/http/blobget.py. Prints the loop's own user and system CPU seconds (getrusage around
 the transfer, start-up excluded).
 
 ``python relay_recv_aiohttp.py URL OUT``

@@ -7,7 +7,7 @@ with ``publish --base`` and every process's stamps are lined up.
 
 Every stamp is ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process of the machine) from a
 ``deltasync.timeline`` log line: the origin's commit (server/routes.py), each relay's event from its parent and
-its announce (server/prefetch.py), each subscriber's wake-up, blobs, decode (client/driver.py), apply and close
+its announce (server/parents/prefetch.py), each subscriber's wake-up, blobs, decode (client/driver.py), apply and close
 (client/cli.py, ``DELTASYNC_TIMELINE=1``); the publish start and every process's exit are this script's own
 (reaped with wait4). Times are printed in ms after the publish command's start.
 

@@ -8,7 +8,7 @@ belongs. A keyframe shard of ``subscribe --out`` belongs in the new file's map, 
 socket copy writes them there; ``received(offset, n)`` follows each read while the bytes are in
 the core's cache (the caller hashes and fingerprints them). The socket copy is the only copy.
 
-The same relay-side idea is ``server/blobget.py`` (server/ and client/ never import each other).
+The same relay-side idea is ``server/http/blobget.py`` (server/ and client/ never import each other).
 The head is read by the core's one HTTP head reader (``deltasync.httphead``: ``Content-Length`` required
 on a 200/206, chunked blob bodies refused, a 206's ``Content-Range`` checked against the Range asked);
 an error answer's body (at most ``MAX_ERROR`` bytes) is read into memory and returned for the caller

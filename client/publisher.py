@@ -506,7 +506,7 @@ class Publisher:
                         await commit_manifest(self._client, side.manifest, key=self.key)
                     except (DeltaSyncError, OSError, asyncio.TimeoutError) as e:
                         # The version is live; only the side keyframe (a shortcut for late joiners) is not.
-                        # Its uploaded blobs are orphans the origin deletes after its grace (server/store.py).
+                        # Its uploaded blobs are orphans the origin deletes after its grace (server/storage/store.py).
                         side_error = f"{type(e).__name__}: {e}"
                         log.warning("%s v%d is live, but its side keyframe %s v%d was not committed: %s",
                                     self.model, job.version, self.side_model, job.version, side_error)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .atomic import fsync_dir, write_atomic  # re-exported: their old import path (server/store.py uses it)
+from .atomic import fsync_dir, write_atomic  # re-exported: their old import path (server/storage/store.py uses it)
 from .blob import verify_blob
 from .errors import FormatError, IntegrityError
 from .manifest import Manifest, parse_manifest

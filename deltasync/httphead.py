@@ -7,7 +7,7 @@ costs O(head) in all) and answers ``None`` (the head is not complete yet) or the
 bytes it took (the body's first byte follows). Every malformed or hostile head is :class:`HeadError`,
 an ``UpstreamError``: the source's fault, so the caller's failover asks the next source.
 
-Its callers: the relay's blob GET (``server/blobget.py``), the client's blob GET into a mapped file
+Its callers: the relay's blob GET (``server/http/blobget.py``), the client's blob GET into a mapped file
 (``client/blobrecv.py``) and ``publish``'s plain-HTTP origin client (``client/plainhttp.py``). They
 receive into their own buffers (``recv_into``) and keep their own timeouts; they share these rules:
 

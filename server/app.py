@@ -14,10 +14,10 @@ from aiohttp import web
 from deltasync.errors import AuthError
 
 from .config import ServerConfig
-from .connections import busy_middleware
+from .http.connections import busy_middleware
 from .routes import SERVICES, add_routes, error_middleware
 from .services import close_services, open_services
-from .tokens import bearer
+from .http.tokens import bearer
 
 log = logging.getLogger("deltasync.server")
 

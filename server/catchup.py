@@ -35,10 +35,10 @@ from deltasync.errors import BaseMismatchError, ChainError, FormatError, NotFoun
 from deltasync.planner import walk_parents
 from deltasync.manifest import Manifest, parse_manifest
 
-from .catalog import Catalog
-from .fetcher import BlobFetcher
+from .parents.catalog import Catalog
+from .parents.fetcher import BlobFetcher
 from .metrics import Metrics
-from .blobstore import BlobStore
+from .storage.blobstore import BlobStore
 
 log = logging.getLogger("deltasync.server.catchup")
 

@@ -28,9 +28,9 @@ from deltasync.manifest import load_key
 
 from .app import build_app
 from .config import BucketSettings, ServerConfig, Timeouts
-from .connections import ConnectionGuard, GuardedRunner, ServerLimits
-from .tokens import TokenTable
-from .bucketlayout import is_bucket_url, parse_bucket_url
+from .http.connections import ConnectionGuard, GuardedRunner, ServerLimits
+from .http.tokens import TokenTable
+from .storage.bucketlayout import is_bucket_url, parse_bucket_url
 
 log = logging.getLogger("deltasync.server")
 
@@ -318,7 +318,7 @@ def serve(config: ServerConfig, *, log_level: str = "INFO") -> int:
 
 async def _serve(config: ServerConfig) -> int:
     if any(is_bucket_url(p) for p in config.parents):
-        from .bucketparent import bucket_parents  # obstore is loaded only by servers that use a bucket
+        from .parents.bucketparent import bucket_parents  # obstore is loaded only by servers that use a bucket
 
         t = config.timeouts
         async with bucket_parents(config.parents, endpoint=config.s3_endpoint, poll_interval=config.bucket_poll,

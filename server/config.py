@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .connections import ServerLimits
+from .http.connections import ServerLimits
 from deltasync.retry import DEFAULT_MIN_RATE, DEFAULT_RATE_GRACE, Pace
 from deltasync.signing import Verifier
 
-from .tokens import TokenTable
+from .http.tokens import TokenTable
 
 ROLES = ("origin", "relay")
 STORES = ("disk", "memory", "s3")
@@ -40,7 +40,7 @@ class Timeouts:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BucketSettings:
-    """An origin's bucket store (server/s3store.py); ``store_dir`` is then its local scratch directory."""
+    """An origin's bucket store (server/storage/s3store.py); ``store_dir`` is then its local scratch directory."""
 
     url: str  # s3://BUCKET/PREFIX
     cache_size: int = 1 << 30  # local read cache of blobs, bytes
@@ -77,10 +77,10 @@ class ServerConfig:
     store_kind: str = "disk"  # "disk" | "memory" (tests: nothing survives a restart) | "s3"
     bucket: BucketSettings | None = None  # the s3 store's bucket (origin), see BucketSettings
     bucket_poll: float = 1.0  # relay: seconds between polls of a bucket parent's heads.json
-    hinted_fetch: bool = True  # relay: fetch a blob the parent hints it is receiving (server/prefetch.py)
+    hinted_fetch: bool = True  # relay: fetch a blob the parent hints it is receiving (server/parents/prefetch.py)
     s3_endpoint: str | None = None  # S3 API endpoint of s3:// stores and parents (None: AWS)
     timeouts: Timeouts = field(default_factory=Timeouts)
-    limits: ServerLimits = field(default_factory=ServerLimits)  # what clients may hold (server/connections.py)
+    limits: ServerLimits = field(default_factory=ServerLimits)  # what clients may hold (server/http/connections.py)
     squash_budget: tuple[float, int] | None = None  # (seconds, output bytes) of one squash build; None: defaults
 
     def __post_init__(self) -> None:

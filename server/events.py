@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from deltasync.sse import format_event  # noqa: F401  (routes take it from here)
 
 from .compat import timeout as timeout_after
-from .store import VersionInfo
+from .storage.store import VersionInfo
 
 
 INLINE_MANIFEST_MAX = 64 << 10

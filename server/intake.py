@@ -47,10 +47,10 @@ from deltasync.manifest import Manifest, parse_manifest
 from deltasync.signing import Verifier
 
 from .events import EventHub
-from .inflight import InflightBlob
+from .http.inflight import InflightBlob
 from .metrics import Metrics
-from .blobstore import BlobStore
-from .versions import VersionInfo
+from .storage.blobstore import BlobStore
+from .storage.versions import VersionInfo
 
 log = logging.getLogger("deltasync.server.intake")
 timeline = logging.getLogger("deltasync.timeline")  # time.monotonic() stamps: benchmarks/keyframe_timeline.py

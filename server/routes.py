@@ -34,13 +34,13 @@ from deltasync.errors import (
 from deltasync.manifest import MAX_VERSION, MODEL_RE, parse_manifest
 
 from .compat import timeout as timeout_after
-from .connections import UploadPace
+from .http.connections import UploadPace
 from .events import INLINE_MANIFEST_MAX, Hint, event_payload, format_event
-from .inflight import InflightBlob
-from .ranges import etag_matches, if_range_allows, parse_range
-from .sendfile import send_blob_range
-from .tokens import bearer
-from . import uploadrecv
+from .http.inflight import InflightBlob
+from .http.ranges import etag_matches, if_range_allows, parse_range
+from .http.sendfile import send_blob_range
+from .http.tokens import bearer
+from .http import uploadrecv
 from .services import Services
 
 log = logging.getLogger("deltasync.server.routes")

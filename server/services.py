@@ -5,17 +5,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from .catalog import Catalog
+from .parents.catalog import Catalog
 from .catchup import CatchupBuilder
 from .config import ServerConfig
 from .events import EventHub
-from .fetcher import BlobFetcher
+from .parents.fetcher import BlobFetcher
 from .intake import Intake
 from .metrics import Metrics
-from .prefetch import Prefetcher
-from .blobstore import BlobStore
-from .store import ORPHAN_GRACE, DiskStore, MemoryStore
-from .upstream import Upstream
+from .parents.prefetch import Prefetcher
+from .storage.blobstore import BlobStore
+from .storage.store import ORPHAN_GRACE, DiskStore, MemoryStore
+from .parents.upstream import Upstream
 
 log = logging.getLogger("deltasync.server")
 
@@ -102,7 +102,7 @@ def _open_store(config: ServerConfig, metrics: Metrics) -> BlobStore:
         metrics.inc("evicted_bytes", nbytes)
 
     if config.store_kind == "s3":
-        from .s3store import open_s3_store  # obstore is loaded only by servers that use a bucket
+        from .storage.s3store import open_s3_store  # obstore is loaded only by servers that use a bucket
         return open_s3_store(config, on_evict)
     if config.store_kind == "memory":
         return MemoryStore(budget=config.cache_size, retention=config.retention, on_evict=on_evict,

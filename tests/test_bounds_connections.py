@@ -17,7 +17,7 @@ import pytest
 
 from server_fixtures import TOKEN, ServerProc, make_blob, origin, put_blob, session, start_all, stop_all
 
-from deltasync.server.connections import ConnectionGuard, ServerLimits, UploadPace
+from deltasync.server.http.connections import ConnectionGuard, ServerLimits, UploadPace
 from deltasync.errors import RequestTimeoutError
 
 FAST = ("--idle-timeout", "1", "--body-timeout", "3", "--min-upload-rate", "1K", "--no-fsync")

@@ -6,7 +6,7 @@ wrong container types. Each parser is driven with hypothesis and with the pathol
 Parsers swept: head answers (client/http.py), error bodies (deltasync.errors.from_wire), event data
 (deltasync.sse.SSEEvent.json, what a relay's prefetch and a subscriber read), manifests with hostile nested
 values (deltasync.manifest.parse_manifest), publisher parts (client/publisher.py Part.from_bytes), PEM key
-files (deltasync.signing), token files (server/tokens.py), a manifest's residual summary (deltasync.budget).
+files (deltasync.signing), token files (server/http/tokens.py), a manifest's residual summary (deltasync.budget).
 """
 
 from __future__ import annotations
@@ -188,6 +188,6 @@ def test_key_files_of_another_algorithm():
 @FUZZ
 @given(st.text(max_size=300))
 def test_token_files_garbage(text):
-    from deltasync.server.tokens import TokenTable
+    from deltasync.server.http.tokens import TokenTable
     r = _only_ours(TokenTable.parse, text)
     assert isinstance(r, TokenTable | FormatError)

@@ -1,7 +1,7 @@
 """Every byte a server keeps counts against its budget, and a relay's history is pruned (issue 9: ``make soak``
 found relay blob caches 24% over ``--cache-size`` and 1,000 manifest files on every server, outside any budget).
 
-Unit level: the store (server/store.py) over a real directory counts manifests and squashed manifests with its
+Unit level: the store (server/storage/store.py) over a real directory counts manifests and squashed manifests with its
 blobs, evicts again whenever a blob lands or a lease ends, prunes manifests below the floor
 (retention.py ``manifest_floor``) when made with ``prune_history`` and answers a pruned version with 404, never a
 500. Process level: origin → relay → relay with a tiny ``--cache-size``, many versions from the real
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from deltasync.errors import NotFoundError
-from deltasync.server.retention import manifest_floor
-from deltasync.server.store import STALE_MAX, DiskStore
+from deltasync.server.storage.retention import manifest_floor
+from deltasync.server.storage.store import STALE_MAX, DiskStore
 from server_fixtures import KEY, TOKEN, delta, keyframe, make_blob, origin, relay, stop_all
 
 

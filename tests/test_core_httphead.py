@@ -4,7 +4,7 @@ The reader is fed valid heads whole, a byte at a time and at every split point (
 time), every prefix (always "need more", never an error nor a head), every single-bit flip (a head,
 "need more" or ``HeadError``, never another exception) and a table of hostile heads (each refused with
 its reason). Then the disagreement issue 26 found: a repeated or conflicting ``Content-Length`` is
-refused by all three callers (``client/blobrecv.py``, ``server/blobget.py``, ``client/plainhttp.py``)
+refused by all three callers (``client/blobrecv.py``, ``server/http/blobget.py``, ``client/plainhttp.py``)
 through real loopback servers that send it."""
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ async def test_blobrecv_refuses_two_content_lengths(answer):
                                     b"Content-Length: 5\r\n\r\nhello"],
                          ids=[*TWO_LENGTHS.keys(), "206 not from the offset asked"])
 async def test_blobget_refuses_two_content_lengths_and_a_range_not_asked(answer):
-    from deltasync.server.blobget import BlobGetter
+    from deltasync.server.http.blobget import BlobGetter
 
     server, url = await _answering(answer)
     g = BlobGetter(connect_timeout=5, read_timeout=5, user_agent="test")

@@ -237,7 +237,7 @@ _range_text = st.one_of(
 @FUZZ
 @given(header=st.one_of(st.none(), _range_text), size=st.integers(0, 2**40))
 def test_range_header(header, size):
-    from deltasync.server.ranges import parse_range
+    from deltasync.server.http.ranges import parse_range
 
     r = _only_ours(parse_range, header, size)
     if isinstance(r, DeltaSyncError):
@@ -250,7 +250,7 @@ def test_range_header(header, size):
 @FUZZ
 @given(header=st.one_of(st.none(), st.text(max_size=40)), etag=st.text(min_size=1, max_size=10))
 def test_conditional_headers(header, etag):
-    from deltasync.server.ranges import etag_matches, if_range_allows
+    from deltasync.server.http.ranges import etag_matches, if_range_allows
 
     assert isinstance(etag_matches(header, f'"{etag}"'), bool)
     assert isinstance(if_range_allows(header, f'"{etag}"'), bool)

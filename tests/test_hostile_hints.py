@@ -11,9 +11,9 @@ import dataclasses
 import aiohttp
 import pytest
 
-from deltasync.server import fetcher as fetcher_mod
-from deltasync.server import prefetch
-from deltasync.server.tokens import TokenTable
+from deltasync.server.parents import fetcher as fetcher_mod
+from deltasync.server.parents import prefetch
+from deltasync.server.http.tokens import TokenTable
 from deltasync.sse import SSEDecoder
 from inprocess_servers import FAST, origin_config, relay_config, serving
 from server_fixtures import TOKEN, keyframe, make_blob, put_blob, put_manifest, session, wait_for, wait_head

@@ -1,4 +1,4 @@
-"""The relay's cold path: ``BlobGetter`` (server/blobget.py) against real aiohttp servers on loopback.
+"""The relay's cold path: ``BlobGetter`` (server/http/blobget.py) against real aiohttp servers on loopback.
 
 Bodies arrive in the pieces the socket gives, are handed over without copies, and a reused
 keep-alive connection carries the next blob; a parent that cuts a body short, sends a chunked
@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 
 from deltasync.errors import UpstreamError, UpstreamTimeout
-from deltasync.server.blobget import BlobGetter
-from deltasync.server.fetcher import _body_range
+from deltasync.server.http.blobget import BlobGetter
+from deltasync.server.parents.fetcher import _body_range
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from deltasync.server.bucketlayout import blob_key, parse_bucket_url
-from deltasync.server.s3objects import Bucket
-from deltasync.server.s3store import S3Files, S3Store
+from deltasync.server.storage.bucketlayout import blob_key, parse_bucket_url
+from deltasync.server.storage.s3objects import Bucket
+from deltasync.server.storage.s3store import S3Files, S3Store
 from s3_fixtures import bucket_env, moto_s3, rclone_s3  # noqa: F401  (fixtures)
 from test_server_blobstore import (  # noqa: F401  (collected here with this module's ``make``)
     test_a_corrupt_stored_blob_is_dropped_not_served,

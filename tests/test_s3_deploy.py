@@ -11,7 +11,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to check deploy/ (pip install pyyaml)")
 
-from deltasync.server.bucketlayout import is_bucket_url, parse_bucket_url  # noqa: E402
+from deltasync.server.storage.bucketlayout import is_bucket_url, parse_bucket_url  # noqa: E402
 from test_deploy import DEPLOY, listen_port, parse_cli  # noqa: E402
 
 

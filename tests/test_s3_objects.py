@@ -1,4 +1,4 @@
-"""The bucket object layer (server/s3objects.py) and layout (server/bucketlayout.py) against real S3
+"""The bucket object layer (server/storage/s3objects.py) and layout (server/storage/bucketlayout.py) against real S3
 servers: rclone serve s3 (no Range, no conditional writes) and moto in server mode (both)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from deltasync.errors import FormatError, StorageError
-from deltasync.server.bucketlayout import (
+from deltasync.server.storage.bucketlayout import (
     HeadEntry,
     blob_key,
     decode_heads,
@@ -19,8 +19,8 @@ from deltasync.server.bucketlayout import (
     parse_manifest_key,
 )
 from deltasync.server.errors import UnavailableError
-from deltasync.server.bucketlayout import parse_bucket_url
-from deltasync.server.s3objects import Bucket, aws_settings
+from deltasync.server.storage.bucketlayout import parse_bucket_url
+from deltasync.server.storage.s3objects import Bucket, aws_settings
 
 from s3_fixtures import moto_s3, rclone_s3, bucket_env  # noqa: F401  (fixtures)
 

@@ -27,10 +27,10 @@ import torch
 from deltasync.client.publisher import Publisher
 from deltasync.client.subscriber import ThreadedSubscriber
 from deltasync.errors import DeltaSyncError
-from deltasync.server.bucketlayout import decode_heads, parse_blob_key, parse_bucket_url, parse_manifest_key
+from deltasync.server.storage.bucketlayout import decode_heads, parse_blob_key, parse_bucket_url, parse_manifest_key
 from deltasync.server.config import BucketSettings
-from deltasync.server.s3objects import Bucket
-from deltasync.server.s3store import S3Store, orphans
+from deltasync.server.storage.s3objects import Bucket
+from deltasync.server.storage.s3store import S3Store, orphans
 from deltasync.testing.trace import ModelShape, RLTrace
 from inprocess_servers import origin_config, serving
 from s3_fixtures import BUCKET, bucket_env, moto_s3, rclone_s3  # noqa: F401  (fixtures)
@@ -303,7 +303,7 @@ async def test_orphan_sweep_deletes_only_old_unreferenced_blobs(rclone_s3, tmp_p
 
 def test_orphan_rule_table():
     now = datetime(2026, 1, 1, tzinfo=timezone.utc)
-    from deltasync.server.s3objects import ObjectInfo
+    from deltasync.server.storage.s3objects import ObjectInfo
 
     def o(age_s: float) -> ObjectInfo:
         return ObjectInfo(key="k", size=1, modified=now - timedelta(seconds=age_s), etag=None)

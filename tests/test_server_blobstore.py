@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deltasync.errors import IntegrityError, NotFoundError
-from deltasync.server.store import DiskStore, IndexedStore, MemoryStore
+from deltasync.server.storage.store import DiskStore, IndexedStore, MemoryStore
 from server_fixtures import delta, keyframe, make_blob
 
 MODEL = "conf"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from deltasync.errors import IntegrityError, NotFoundError
-from deltasync.server.blobstore import FileBacked
-from deltasync.server.store import DiskStore, MemoryStore
+from deltasync.server.storage.blobstore import FileBacked
+from deltasync.server.storage.store import DiskStore, MemoryStore
 from inprocess_servers import origin_config, relay_config, serving
 from server_fixtures import (
     delta, get_bytes, keyframe, make_blob, metrics, publish, put_blob, session, wait_for, wait_head,

@@ -1,10 +1,10 @@
-"""The store's retention window and LRU budget policy (server/retention.py), as tables: no I/O."""
+"""The store's retention window and LRU budget policy (server/storage/retention.py), as tables: no I/O."""
 
 from __future__ import annotations
 
 import pytest
 
-from deltasync.server.retention import BlobLedger, Eviction, plan_eviction, retention_window
+from deltasync.server.storage.retention import BlobLedger, Eviction, plan_eviction, retention_window
 
 
 @pytest.mark.parametrize("order, head, keyframe, retention, expected", [

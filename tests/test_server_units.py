@@ -12,8 +12,8 @@ from deltasync.server.cli import parse_listen, parse_size
 from deltasync.server.errors import MissingBlobsError, RangeError, UpstreamTimeout, error_code
 from deltasync.sse import SSEDecoder, format_event
 from deltasync.server.metrics import Metrics, parse_metrics
-from deltasync.server.ranges import etag_matches, if_range_allows, parse_range
-from deltasync.server.store import DiskStore
+from deltasync.server.http.ranges import etag_matches, if_range_allows, parse_range
+from deltasync.server.storage.store import DiskStore
 from server_fixtures import delta, keyframe, make_blob
 
 

@@ -1,4 +1,4 @@
-"""Large uploads received straight into one buffer (server/uploadrecv.py): the same checks as through aiohttp
+"""Large uploads received straight into one buffer (server/http/uploadrecv.py): the same checks as through aiohttp
 (hash, digest memory for the commit check, truncation, a stall), each on a real origin process; the
 connection closes after the answer and the origin keeps serving."""
 

@@ -20,7 +20,7 @@ from deltasync.manifest import BlobRef, parse_manifest
 from deltasync.signing import (Ed25519Signer, Ed25519Verifier, HmacSigner, KeySet, generate_ed25519_pem,
                                is_public_key, load_signing_key, load_verify_key)
 from deltasync.keyfiles import signer_from_options, verifier_from_options
-from deltasync.server.tokens import TokenTable
+from deltasync.server.http.tokens import TokenTable
 
 OLD = {"w": torch.arange(64, dtype=torch.float32)}
 NEW = {"w": OLD["w"].clone()}

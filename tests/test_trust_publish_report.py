@@ -1,7 +1,7 @@
 """``deltasync publish`` cut between the ``M`` and ``M.kf`` commits (issue 9): the version is live, so the CLI
 says so and exits 0 (it reported a failed publish before, and a retry then failed with "not after the head");
 the side keyframe's uploaded blob is an orphan that the restarted origin deletes once its grace has passed
-(server/store.py ``orphan_grace``; here ``DELTASYNC_ORPHAN_GRACE_S=3``: long enough for the publish's own
+(server/storage/store.py ``orphan_grace``; here ``DELTASYNC_ORPHAN_GRACE_S=3``: long enough for the publish's own
 commits, which come milliseconds after its uploads).
 
 A real origin process behind a small HTTP proxy (aiohttp, its own thread) that SIGKILLs the origin as soon as

@@ -38,7 +38,7 @@ IDLE_PER_PARENT = 8
 #: and ``on_body`` hashes and writes it, before it reads the next: one buffer stays in the core's L2, where one
 #: per connection, a blob's shards side by side, did not); a connection's own buffer holds only its answer's head
 #: and what came with it
-RECEIVE_BUFFER = memoryview(bytearray(BUFFER))  # also the origin's upload intake's (server/uploadrecv.py)
+RECEIVE_BUFFER = memoryview(bytearray(BUFFER))  # also the origin's upload intake's (server/http/uploadrecv.py)
 
 
 class BlobResponse:

@@ -26,8 +26,8 @@ from aiohttp import web
 
 from deltasync.errors import DeltaSyncError, UpstreamError, UpstreamTimeout
 
-from .blobstore import GrowingBlob
-from .compat import timeout as timeout_after
+from ..storage.blobstore import GrowingBlob
+from ..compat import timeout as timeout_after
 from .sendfile import send_blob_range
 
 

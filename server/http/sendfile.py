@@ -25,8 +25,8 @@ import time
 
 from aiohttp import web
 
-from .blobstore import StoredBlob
-from .compat import timeout as timeout_after
+from ..storage.blobstore import StoredBlob
+from ..compat import timeout as timeout_after
 
 FALLBACK_CHUNK = 1 << 20
 

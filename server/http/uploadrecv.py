@@ -30,7 +30,7 @@ from .connections import UploadPace
 #: bodies at least this long are received directly (smaller ones through aiohttp: the connection stays alive)
 DIRECT_MIN = 4 << 20
 #: every upload's pieces are received into the process's one receive buffer (``BUFFER`` bytes, shared with the relay
-#: fetch in server/blobget.py): each is fed (hashed and written) before the event loop reads the next, whatever the
+#: fetch in server/http/blobget.py): each is fed (hashed and written) before the event loop reads the next, whatever the
 #: connection, so one buffer stays in the core's L2 where one per upload did not
 
 

@@ -41,13 +41,13 @@ from deltasync.blob import check_blob_id
 from deltasync.errors import DeltaSyncError, FormatError, NotFoundError
 from deltasync.manifest import MAX_VERSION, MODEL_RE
 
-from .bucketlayout import blob_key, manifest_key
-from .bucketwatch import HeadsWatcher
-from .compat import timeout as timeout_after
+from ..storage.bucketlayout import blob_key, manifest_key
+from ..storage.bucketwatch import HeadsWatcher
+from ..compat import timeout as timeout_after
 from deltasync.errors import UnavailableError
-from .events import format_event
-from .bucketlayout import BucketLocation
-from .s3objects import Bucket
+from ..events import format_event
+from ..storage.bucketlayout import BucketLocation
+from ..storage.s3objects import Bucket
 
 log = logging.getLogger("deltasync.server.bucketparent")
 
@@ -270,7 +270,7 @@ async def bucket_parents(parents: tuple[str, ...], *, endpoint: str | None, poll
                          ) -> AsyncIterator[tuple[str, ...]]:
     """Start a gateway for every bucket among ``parents``; yields the parent list with each bucket
     replaced by its gateway's URL (other parents unchanged, order kept)."""
-    from .bucketlayout import is_bucket_url, parse_bucket_url
+    from ..storage.bucketlayout import is_bucket_url, parse_bucket_url
 
     gateways: list[BucketGateway] = []
     out: list[str] = []

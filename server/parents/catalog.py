@@ -12,7 +12,7 @@ import asyncio
 from deltasync.errors import NotFoundError
 from deltasync.manifest import Manifest, parse_manifest
 
-from .blobstore import BlobStore
+from ..storage.blobstore import BlobStore
 from .upstream import Upstream
 
 

@@ -59,11 +59,11 @@ from deltasync.errors import (
 from deltasync.manifest import BlobRef
 from deltasync.retry import RETRY_BACKOFF, describe, retry
 
-from .blobget import BlobGetter
-from .config import Timeouts
-from .inflight import InflightBlob
-from .metrics import Metrics
-from .store import DiskStore
+from ..http.blobget import BlobGetter
+from ..config import Timeouts
+from ..http.inflight import InflightBlob
+from ..metrics import Metrics
+from ..storage.store import DiskStore
 from .upstream import USER_AGENT, Upstream
 
 #: a hinted fetch (an upload the parent says is arriving) must average at least this many bytes/s after the grace

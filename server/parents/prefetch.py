@@ -42,11 +42,11 @@ from deltasync.retry import RETRY_BACKOFF, describe, retry
 from deltasync.sse import SSEDecoder
 
 from .catalog import Catalog
-from .config import Timeouts
-from .events import EventHub
+from ..config import Timeouts
+from ..events import EventHub
 from .fetcher import BlobFetcher
-from .metrics import Metrics
-from .store import DiskStore
+from ..metrics import Metrics
+from ..storage.store import DiskStore
 from .upstream import NETWORK_ERRORS, Upstream
 
 log = logging.getLogger("deltasync.server.prefetch")

@@ -40,8 +40,8 @@ from deltasync.signing import Verifier
 from deltasync.manifest import Manifest, parse_manifest
 from deltasync.retry import answering, describe, first_source
 
-from .config import Timeouts
-from .metrics import Metrics
+from ..config import Timeouts
+from ..metrics import Metrics
 
 log = logging.getLogger("deltasync.server.upstream")
 
