@@ -9,7 +9,7 @@ backend module is imported only by an engine that uses it).
 
 On vLLM's CPU backend the plugin also installs deltasync's weight-keeping hooks
 (:mod:`deltasync.client.vllm`: vLLM repacks linear and MoE weights after loading and drops the plain ones);
-they keep copies only while an engine configured for deltasync loads (``_keeps_weights``), so other engines
+they keep copies only while an engine configured for deltasync loads (``vllm_quant.keeps_weights``), so other engines
 pay nothing.
 
 This function must never stop vLLM from starting: every failure is logged (with the fix) and swallowed;

@@ -66,6 +66,22 @@ def _kept_names(kind: str) -> tuple[str, ...]:
     return _FP8_KEPT if kind == "fp8-block" else _INT4_KEPT
 
 
+def keeps_weights() -> bool:
+    """Whether the engine being loaded syncs through deltasync, so the hooks keep unpacked copies: outside a vLLM
+    config context (as before), with a worker extension configured, or with the ``deltasync`` weight-transfer
+    backend. The entry point (client/vllm_plugin.py) installs the hooks in every vLLM process; an engine that
+    uses neither pays nothing."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # pragma: no cover - an older vLLM: keep, as before
+        return True
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None or cfg.parallel_config.worker_extension_cls:
+        return True
+    wt = getattr(cfg, "weight_transfer_config", None)
+    return wt is not None and wt.backend == "deltasync"
+
+
 def install_quant_hooks() -> bool:
     """Wrap the two quant methods' ``process_weights_after_loading`` so an engine syncing through deltasync keeps
     each quantized layer's loaded tensors (idempotent; never imports vLLM itself)."""
@@ -83,10 +99,8 @@ def install_quant_hooks() -> bool:
         original = cls.process_weights_after_loading
 
         def keeping(self, layer, _original=original):
-            from .vllm import _keeps_weights
-
             kind = _kind(layer)
-            if kind is not None and _keeps_weights() and not hasattr(layer, "_deltasync_loaded"):
+            if kind is not None and keeps_weights() and not hasattr(layer, "_deltasync_loaded"):
                 kept = {}
                 for n in _kept_names(kind):
                     p = getattr(layer, n)

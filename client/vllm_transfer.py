@@ -125,6 +125,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         from deltasync.client import vllm as dsv
+        from deltasync.client.vllm_cpu import pack_hook_installed
 
         self._dsv = dsv
         self.on_cpu = torch.device(device).type == "cpu"
@@ -135,7 +136,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                     f"weight transfer backend 'deltasync': vLLM on CPU compiles the model (compilation mode {mode}); "
                     "the packed weights are baked into the graph and could not be updated. Start the engine with "
                     "enforce_eager=True (vllm serve --enforce-eager)")
-            if dsv._ORIGINAL_DISPATCH is None:
+            if not pack_hook_installed():
                 raise UnsupportedError(
                     "weight transfer backend 'deltasync': the CPU weight-keeping hook is not installed (vLLM did not "
                     "run deltasync's vllm.general_plugins entry point: is VLLM_PLUGINS leaving out 'deltasync'?)")
@@ -291,11 +292,11 @@ def rank_status(worker) -> dict:
 def rank_fingerprints(worker, draft: bool = False) -> dict[str, str]:
     """Engine name -> fingerprint of this rank's live tensor (the unpacked copy on CPU; ``draft``: of the speculative
     draft model): ``llm.collective_rpc(rank_fingerprints)`` (as :func:`rank_status`)."""
-    from deltasync.client.vllm import _live_tensors
+    from deltasync.client.vllm_cpu import live_tensors
     from deltasync.fingerprint import fp_hex, tensor_fingerprint
 
     model = worker.get_draft_model() if draft else worker.get_model()
-    return {n: fp_hex(tensor_fingerprint(l.tensor)) for n, l in _live_tensors(model).items()}
+    return {n: fp_hex(tensor_fingerprint(l.tensor)) for n, l in live_tensors(model).items()}
 
 
 # -- the trainer side --------------------------------------------------------------------------------------------
