@@ -81,7 +81,10 @@ __all__ = ["HeadInfo", "HttpClient", "Timeouts", "TransferStats", "is_bad_body",
 log = logging.getLogger("deltasync.client.http")
 T = TypeVar("T")
 
-MAX_MANIFEST = 256 << 20
+# a manifest (a head answer included) is read up to this, then its source is at fault: the servers' own limit
+# (ServerConfig.max_manifest_size: an origin takes no larger commit, a relay no larger parent answer), so a longer
+# answer is never a manifest deltasync serves (an endless head costs at most 64 MiB before the next source)
+MAX_MANIFEST = 64 << 20
 MAX_COOLDOWN = 60.0
 NETWORK_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 # a body cut off mid-transfer: resumed with Range when some bytes are in hand
