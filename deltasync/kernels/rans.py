@@ -306,6 +306,36 @@ def bit_length(v):
     return np.int64(64 - _clz(v)) if v else 0
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _symbol_buffers(n, dtype):
+    """A chunk's symbol outputs for ``n`` changes: value symbols, BIG signs and magnitudes, raw words (of the chunk's
+    word type, like ``dtype``), and its gap-bucket and symbol counts."""
+    return (np.empty(n, np.uint8), np.empty(n, np.bool_), np.empty(n, np.uint64), np.empty(n, dtype.dtype),
+            np.zeros(N_GAP, np.int64), np.zeros(N_VAL, np.int64))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _step_symbol(mag, neg, bigneg, bigmag, nb):
+    """The value symbol of a step of magnitude ``mag`` (> 0) and sign ``neg``; a BIG one's sign and ``|d| - 1 -
+    SMALL`` go to ``bigneg``/``bigmag`` at ``nb``. -> (symbol, the next nb)."""
+    if mag <= _U(SMALL):
+        return np.int64(mag + mag - _U(2)) + (1 if neg else 0), nb
+    bigneg[nb] = neg
+    bigmag[nb] = mag - _U(1 + SMALL)
+    return BIG, nb + 1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _symbols_done(sym, bigneg, bigmag, raws, gl, vl, nb, nr, zero, gcount, vcount):
+    """Add a coded chunk's counts to the blob's (not when a zero step was found) and trim its outputs."""
+    if not zero:  # counted only when the chunk is coded
+        for j in range(N_GAP):
+            gcount[j] += gl[j]
+        for j in range(N_VAL):
+            vcount[j] += vl[j]
+    return sym, bigneg[:nb].copy(), bigmag[:nb].copy(), raws[:nr].copy(), zero
+
+
 @numba.njit(cache=True, nogil=True)
 def chunk_symbols(positions, start, raw, values, gcount, vcount):
     """One chunk's changes -> (value symbols uint8, BIG signs, BIG magnitudes ``|d| - 1 - SMALL``, raw words,
@@ -315,12 +345,7 @@ def chunk_symbols(positions, start, raw, values, gcount, vcount):
     bits = values.itemsize * 8
     half = _U(1) << _U(bits - 1)
     mask = ~_U(0) if bits == 64 else (_U(1) << _U(bits)) - _U(1)
-    sym = np.empty(n, np.uint8)
-    bigneg = np.empty(n, np.bool_)
-    bigmag = np.empty(n, np.uint64)
-    raws = np.empty(n, values.dtype)
-    gl = np.zeros(N_GAP, np.int64)
-    vl = np.zeros(N_VAL, np.int64)
+    sym, bigneg, bigmag, raws, gl, vl = _symbol_buffers(n, values)
     nb = 0
     nr = 0
     zero = False
@@ -340,21 +365,11 @@ def chunk_symbols(positions, start, raw, values, gcount, vcount):
             if mag == 0:
                 zero = True
                 s = 0
-            elif mag <= _U(SMALL):
-                s = np.int64(mag + mag - _U(2)) + (1 if neg else 0)
             else:
-                s = BIG
-                bigneg[nb] = neg
-                bigmag[nb] = mag - _U(1 + SMALL)
-                nb += 1
+                s, nb = _step_symbol(mag, neg, bigneg, bigmag, nb)
         sym[i] = s
         vl[s] += 1
-    if not zero:  # counted only when the chunk is coded
-        for j in range(N_GAP):
-            gcount[j] += gl[j]
-        for j in range(N_VAL):
-            vcount[j] += vl[j]
-    return sym, bigneg[:nb].copy(), bigmag[:nb].copy(), raws[:nr].copy(), zero
+    return _symbols_done(sym, bigneg, bigmag, raws, gl, vl, nb, nr, zero, gcount, vcount)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -367,12 +382,7 @@ def word_symbols(positions, start, old, new, raw_limit, is_float, gcount, vcount
     half = _U(1) << top
     mask = ~_U(0) if bits == 64 else (_U(1) << _U(bits)) - _U(1)
     lim = _U(raw_limit)
-    sym = np.empty(n, np.uint8)
-    bigneg = np.empty(n, np.bool_)
-    bigmag = np.empty(n, np.uint64)
-    raws = np.empty(n, old.dtype)
-    gl = np.zeros(N_GAP, np.int64)
-    vl = np.zeros(N_VAL, np.int64)
+    sym, bigneg, bigmag, raws, gl, vl = _symbol_buffers(n, old)
     nb = 0
     nr = 0
     zero = False
@@ -393,21 +403,11 @@ def word_symbols(positions, start, old, new, raw_limit, is_float, gcount, vcount
         elif mag == 0:
             zero = True
             s = 0
-        elif mag <= _U(SMALL):
-            s = np.int64(mag + mag - _U(2)) + (1 if neg else 0)
         else:
-            s = BIG
-            bigneg[nb] = neg
-            bigmag[nb] = mag - _U(1 + SMALL)
-            nb += 1
+            s, nb = _step_symbol(mag, neg, bigneg, bigmag, nb)
         sym[i] = s
         vl[s] += 1
-    if not zero:
-        for j in range(N_GAP):
-            gcount[j] += gl[j]
-        for j in range(N_VAL):
-            vcount[j] += vl[j]
-    return sym, bigneg[:nb].copy(), bigmag[:nb].copy(), raws[:nr].copy(), zero
+    return _symbols_done(sym, bigneg, bigmag, raws, gl, vl, nb, nr, zero, gcount, vcount)
 
 
 @numba.njit(cache=True, nogil=True)
