@@ -49,7 +49,7 @@ import torch
 import xxhash
 
 from deltasync import kernels
-from deltasync.apply import PreparedDelta, check_base, stage_prepared, warm_kernels
+from deltasync.apply import CHECK_EVERY, PreparedDelta, check_base, stage_prepared, warm_kernels
 from deltasync.atomic import fsync_dir
 from deltasync.dtypes import dtype_info, word_view
 from deltasync.errors import BaseMismatchError, FormatError, IntegrityError, StorageError
@@ -240,9 +240,7 @@ class _JournaledPatch:
             t.before_commit(self._version)
         try:
             t.file.flush()
-            header, _ = build_header(t.layout(), _meta(t.model, self._version, self._state_fp),
-                                     length=t.file.header.data_start)
-            t.file.write_header(header)
+            t._write_meta(self._version, self._state_fp)
         except (OSError, ValueError, FormatError) as e:
             self._inner.rollback()
             t.file.flush()
@@ -698,7 +696,7 @@ class FileTarget(TensorApplier):
             # that finds F mid-apply, or left so by a kill, refuses it (tensorfile.check_published)
             self._state_fp_before = self.file.metadata.get(META_STATE_FP, "")
             self._write_meta(self.version, PATCHING)
-            inner = stage_prepared(tensors, prepared, fps, verify=verify, check=self.check)
+            inner = stage_prepared(tensors, prepared, fps, verify=verify, check=self.check, base_checked=True)
         except BaseException:
             self.file.flush()  # the core restored every word; make that durable before dropping the journal
             self._restore_meta()
@@ -707,8 +705,12 @@ class FileTarget(TensorApplier):
         return _JournaledPatch(self, inner, m.version, m.state_fp)
 
     def _write_meta(self, version: int, state_fp: str) -> None:
-        """Rewrite the header in place (same length: the pad absorbs the difference) with ``version``/``state_fp``."""
-        header, _ = build_header(self.layout(), _meta(self.model, version, state_fp), length=self.file.header.data_start)
+        """Rewrite the header in place with ``version``/``state_fp``: only its metadata (same length: the pad field
+        absorbs the difference), else (a header laid out otherwise) all of it (same length: the pad absorbs it)."""
+        meta = _meta(self.model, version, state_fp)
+        if self.file.write_metadata({**self.file.metadata, **meta}):
+            return
+        header, _ = build_header(self.layout(), meta, length=self.file.header.data_start)
         self.file.write_header(header)
 
     def _restore_meta(self) -> None:
@@ -726,7 +728,10 @@ class FileTarget(TensorApplier):
         regions: list[dict] = []
         parts: list[tuple] = []  # (host words, chunk) in region order
         total = 0
-        for name, chunks in prepared.patches.items():
+        check = self.check  # a signal or a deadline stops it here too: nothing is written yet
+        for i, (name, chunks) in enumerate(prepared.patches.items()):
+            if check is not None and not i % CHECK_EVERY:
+                check()
             t = tensors[name]
             w = dtype_info(t.dtype).word_size
             host = word_view(t).numpy().view(f"<u{w}")

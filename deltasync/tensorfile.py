@@ -358,6 +358,31 @@ class MappedTensorFile:
         self.header = check
         self.metadata = check.metadata
 
+    def write_metadata(self, metadata: Mapping[str, str]) -> bool:
+        """Writable maps: replace the header's ``__metadata__`` in place by ``metadata`` when the header was laid
+        out by :func:`build_header` (its JSON starts with the metadata) and the new metadata's JSON is exactly as
+        long as the old one's (a caller pads it to a fixed width: ``subscribe --out``'s version and state
+        fingerprint), then ``msync``. Only those bytes change: the tensors' entries, whatever their number, are
+        neither rebuilt nor parsed again (a header of 200,000 entries took ~1.5 s to rebuild and check, twice per
+        applied delta). Returns False, changing nothing, when the header is not of that shape (then rebuild it:
+        :meth:`write_header`)."""
+        if self._mm is None or not self.writable:
+            raise FormatError(f"{self.path}: not mapped writable")
+        meta = dict(metadata)
+        if not all(type(k) is str and type(v) is str for k, v in meta.items()):
+            raise FormatError(f"{self.path}: header metadata must map strings to strings")
+        old = json.dumps(self.metadata, separators=(",", ":")).encode()
+        new = json.dumps(meta, separators=(",", ":")).encode()
+        at = 8 + len(_META_PREFIX)
+        if len(new) != len(old) or bytes(self._mm[8:at]) != _META_PREFIX or bytes(self._mm[at : at + len(old)]) != old:
+            return False
+        self._mm[at : at + len(new)] = new
+        self._mm.flush()
+        self.header = TensorHeader(entries=self.header.entries, metadata=meta, data_start=self.header.data_start,
+                                   size=self.header.size)
+        self.metadata = meta
+        return True
+
     def close(self) -> None:
         self._tensors = self._host = None
         mm, self._mm = getattr(self, "_mm", None), None
@@ -407,6 +432,8 @@ def write_state_file(path: str | os.PathLike, state: Mapping[str, torch.Tensor],
 
 
 # -- headers laid out here -------------------------------------------------------------------------
+
+_META_PREFIX = b'{"__metadata__":'  # how build_header's JSON starts when it has metadata
 
 def _entry_of(name: str, dtype: str, shape: tuple[int, ...], meta: dict[str, str]) -> tuple[str, list[int], int]:
     """(tag, stored shape, bytes) of a tensor as stored here; exotic dtypes become tagged ``U8``."""

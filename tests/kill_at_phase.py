@@ -16,6 +16,7 @@ Fault injection lives here, not in the library (nothing reads an environment var
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -80,6 +81,21 @@ def main(argv: list[str]) -> int:
             real_header(self, data)
             die()
         tensorfile.MappedTensorFile.write_header = header
+        real_meta = tensorfile.MappedTensorFile.write_metadata
+
+        def metadata(self, meta):  # the header rewritten in place: only its metadata (FileTarget._write_meta)
+            if meta.get("deltasync.state_fp") == "patching":  # the mid-apply marker: not this phase
+                return real_meta(self, meta)
+            if phase == "header-torn":
+                new = json.dumps(dict(meta), separators=(",", ":")).encode()
+                at = 8 + len(tensorfile._META_PREFIX)
+                self._mm[at : at + len(new) // 2] = new[: len(new) // 2]
+                die()
+            done = real_meta(self, meta)
+            if done:
+                die()
+            return done
+        tensorfile.MappedTensorFile.write_metadata = metadata
     elif phase == "keyframe":
         real_add = filetarget.KeyframeWriter.add_received
 
