@@ -315,6 +315,17 @@ def rollout(server: VLLMServer, cfg: RLConfig, step: int) -> Rollouts:
 _COUNTER = re.compile(r"^deltasync_(bytes_in|bytes_out)(?:_total)? ([0-9.eE+]+)$", re.M)
 
 
+def rollout_and_train(server: VLLMServer, policy, cfg: RLConfig, step: int) -> tuple[Rollouts, float, float, float]:
+    """One step's rollouts from the server and the GRPO step on them, the same on both paths: (rollouts, loss,
+    rollout seconds, trainer seconds)."""
+    t0 = time.perf_counter()
+    ro = rollout(server, cfg, step)
+    rollout_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loss = policy.train_step(ro)
+    return ro, loss, rollout_s, time.perf_counter() - t0
+
+
 def blob_counters(url: str) -> dict[str, float]:
     """A server's ``bytes_in`` / ``bytes_out`` counters (blob bytes) from its ``/metrics``."""
     import requests
@@ -416,12 +427,7 @@ def run_deltasync(server: VLLMServer, cfg: RLConfig, cluster, key_hex: str,
         engine.send_weights(policy.model)  # v0: the servers were loaded from it (checked, not fetched)
         tiers.take()
         for step in range(cfg.steps):
-            t0 = time.perf_counter()
-            ro = rollout(server, cfg, step)
-            rollout_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            loss = policy.train_step(ro)
-            trainer_s = time.perf_counter() - t0
+            ro, loss, rollout_s, trainer_s = rollout_and_train(server, policy, cfg, step)
             rep = engine.send_weights(policy.model)
             if rep.version != step + 1:
                 raise RuntimeError(f"published v{rep.version}, expected v{step + 1}")
@@ -461,12 +467,7 @@ def run_reference(server: VLLMServer, cfg: RLConfig, workdir: Path, ckpt0: Path,
 
     reload(ckpt0)
     for step in range(cfg.steps):
-        t0 = time.perf_counter()
-        ro = rollout(server, cfg, step)
-        rollout_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        loss = policy.train_step(ro)
-        trainer_s = time.perf_counter() - t0
+        ro, loss, rollout_s, trainer_s = rollout_and_train(server, policy, cfg, step)
         t0 = time.perf_counter()
         ckpt = workdir / f"ckpt-v{step + 1}"
         size = policy.save(ckpt)
