@@ -2,7 +2,10 @@
 
 The reference comparison runs the references' own code (vLLM's ``per_block_cast_to_fp8``, compressed-tensors'
 qparams, ``quantize`` and ``pack_to_int32``) in the engine venv (``tests/quant_reference.py`` as a subprocess of
-``.venv-vllm/bin/python``); it is skipped where that venv is not built (``make venv-vllm``).
+``.venv-vllm/bin/python``). Those two tests are marked ``engine`` (``make test-engines`` runs them, after the venv
+is built); elsewhere they are skipped unless that venv is complete: its stamp exists and is newer than
+pyproject.toml. A bare ``.venv-vllm/bin/python`` is not enough: .ci/run builds the venv in the background while
+``make test`` runs, and a half-built venv still has the torchvision wheel that breaks compressed-tensors' import.
 """
 
 from __future__ import annotations
@@ -21,6 +24,14 @@ from deltasync.testing.trace import ModelShape, RLTrace
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_STAMP = ROOT / ".venv-vllm" / ".installed"  # the Makefile touches it when the venv is complete
+
+
+def _engine_venv_complete() -> bool:
+    try:
+        return VLLM_STAMP.stat().st_mtime >= (ROOT / "pyproject.toml").stat().st_mtime and VLLM_PY.exists()
+    except FileNotFoundError:
+        return False
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -50,8 +61,9 @@ def _trace_tensors() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    if not VLLM_PY.exists():
-        pytest.skip("the engine venv (.venv-vllm: vLLM, compressed-tensors) is not built (make venv-vllm)")
+    if not _engine_venv_complete():
+        pytest.skip("the engine venv (.venv-vllm: vLLM, compressed-tensors) is not built or is being rebuilt "
+                    "(make venv-vllm)")
     d = tmp_path_factory.mktemp("quantref")
     tensors = _trace_tensors()
     save_file(tensors, str(d / "in.safetensors"))
@@ -60,6 +72,7 @@ def reference(tmp_path_factory):
     return tensors, load_file(str(d / "out.safetensors"))
 
 
+@pytest.mark.engine
 def test_fp8_block_equals_vllm_reference(reference):
     tensors, ref = reference
     for name, w in tensors.items():
@@ -71,6 +84,7 @@ def test_fp8_block_equals_vllm_reference(reference):
             assert torch.equal(_bits(q), _bits(ref[name + ".fp8_eager"])), name
 
 
+@pytest.mark.engine
 def test_int4_equals_compressed_tensors(reference):
     tensors, ref = reference
     for name, w in tensors.items():
