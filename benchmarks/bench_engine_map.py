@@ -11,7 +11,7 @@ rank 0, this prints:
   ``RankMap.patch`` (translate every change, one gather/scatter per parameter, fingerprint changes
   summed per tensor); best of 3.
 
-Layouts: 128 experts x 2 layers (the real-vLLM test's model, tests/test_vllm_engine.py), 128 x 48, and a
+Layouts: 128 experts x 2 layers (the real-vLLM test's model, tests/engines/test_vllm_engine.py), 128 x 48, and a
 Kimi-K2-class 384 x 60 (69k stream tensors). Run alone: ``python benchmarks/bench_engine_map.py [--quick]``
 (``--quick``: the first two layouts only).
 """

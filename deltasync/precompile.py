@@ -13,7 +13,7 @@ It runs the flows the commands and the library run, on small states of every dty
 a publisher's compare and encode in both codings (and format 1, and a budgeted plan), from torch tensors
 and from a file's host words, at three densities (sparse, medium, most of a chunk); a subscriber's decode,
 patch and rollback; a relay's squash; the fingerprints of a keyframe received into a file; the ``--out``
-undo journal's gather. With every signature cached already it only loads them (~1 s in all). ``tests/test_precompile.py`` checks, in an empty cache,
+undo journal's gather. With every signature cached already it only loads them (~1 s in all). ``tests/core/test_precompile.py`` checks, in an empty cache,
 that the CLI's publish, subscribe, squash and diff compile nothing after it.
 """
 

@@ -150,7 +150,7 @@ def load_key(text: str | bytes) -> bytes:
     """A shared HMAC key from a key file's contents: hex (whitespace ignored), at least 16 bytes."""
     try:
         s = text.decode() if isinstance(text, bytes) else text
-    except UnicodeDecodeError:  # found by tests/test_fuzz_wire.py
+    except UnicodeDecodeError:  # found by tests/system/test_fuzz_wire.py
         raise FormatError("key file must hold the signing key as hex digits (found bytes that are not text)") from None
     s = "".join(s.split())
     try:

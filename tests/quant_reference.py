@@ -10,7 +10,7 @@ For every 2-D bf16 tensor ``T`` of ``IN`` it writes, computed by the references'
   (``compute_dynamic_scales_and_zp``, the min-max qparams an RTN checkpoint gets, then
   ``PackedQuantizationCompressor.compress``, which quantizes and calls ``pack_to_int32``).
 
-``tests/test_quant.py`` runs this as a subprocess and compares :mod:`deltasync.quant` with it bit for bit.
+``tests/core/test_quant.py`` runs this as a subprocess and compares :mod:`deltasync.quant` with it bit for bit.
 """
 
 from __future__ import annotations

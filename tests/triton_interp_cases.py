@@ -1,6 +1,6 @@
 """The core's CUDA kernel paths on CPU tensors under Triton's interpreter, against the CPU reference.
 
-Run by ``tests/test_triton_kernels.py`` as ``python tests/triton_interp_cases.py [--long] CASE...`` in a
+Run by ``tests/core/test_triton_kernels.py`` as ``python tests/triton_interp_cases.py [--long] CASE...`` in a
 process started with ``TRITON_INTERPRET=1`` (the interpreter is chosen when triton is imported, so it
 cannot be switched on inside pytest's process). Prints one JSON line per case: ``{"case", "ok", "checks",
 "seconds", "error"}``.

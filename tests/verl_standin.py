@@ -1,4 +1,4 @@
-"""verl 0.9.1's checkpoint-engine contract, reproduced for tests/test_verl_engine.py.
+"""verl 0.9.1's checkpoint-engine contract, reproduced for tests/engines/test_verl_engine.py.
 
 verl itself needs Ray (and CUDA for its built-in engines); no CPU install of it runs here. These are the two
 pieces of ``verl/checkpoint_engine/base.py`` (verl 0.9.1, Apache-2.0, from ``pip download --no-deps

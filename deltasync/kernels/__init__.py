@@ -1,6 +1,6 @@
 """Compiled kernels for the codec's hot loops, and the one switch between them and the reference.
 
-Two implementations of the same loops, bit for bit equal (``tests/test_core_kernels.py``):
+Two implementations of the same loops, bit for bit equal (``tests/core/test_core_kernels.py``):
 
 * ``"numba"`` (default when numba imports): :mod:`deltasync.kernels.cpu`, ``@njit(nogil=True,
   cache=True)`` loops, O(1) compiled work per changed word; callers run chunks on their own
@@ -10,7 +10,7 @@ Two implementations of the same loops, bit for bit equal (``tests/test_core_kern
 
 CUDA tensors take the Triton kernels of :mod:`deltasync.kernels.gpu` when triton imports
 (else torch), whatever the selection. :func:`triton_on_cpu` (tests only) sends CPU tensors down those
-paths, for Triton's interpreter (``tests/test_triton_kernels.py``).
+paths, for Triton's interpreter (``tests/core/test_triton_kernels.py``).
 
 **The switch.** :func:`select` (``"numba"``, ``"reference"`` or ``"auto"``) is the only way to
 change the selection; the core never reads the environment: the CLI calls
@@ -44,11 +44,11 @@ word_size)``
 ``gather_words`` / ``scatter_words``           ``out[:] = words[pos]`` / ``words[pos] = src`` (the
                                                ``--out`` journal, undo records)
 ``journal_gather(words, pos, start, stop,      a sparse chunk's ``--out`` undo record in one pass:
-rel, old)``                                    uint32 offsets and old words (tests/test_tail_journal.py)
+rel, old)``                                    uint32 offsets and old words (tests/client/test_tail_journal.py)
 =============================================  ===============================================
 
 The ans chunks' whole-blob decode is :func:`deltasync.entropy.decode_ans_chunks` (it calls the compiled
-kernel itself: this package imports none of its callers). The one-pass patch and gather/scatter are tested in ``tests/test_kernels_apply.py``.
+kernel itself: this package imports none of its callers). The one-pass patch and gather/scatter are tested in ``tests/core/test_kernels_apply.py``.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def triton_on_cpu(on: bool = True) -> None:
     """Tests only: CPU torch tensors take the core's CUDA paths (compared on their device, only the sparse
     result to the host, and the Triton kernels of :mod:`deltasync.kernels.gpu`), in a process started with
     ``TRITON_INTERPRET=1``, where Triton's interpreter runs the kernels on CPU tensors
-    (``tests/test_triton_kernels.py``). Select ``"reference"`` too, or the compiled CPU kernels take those
+    (``tests/core/test_triton_kernels.py``). Select ``"reference"`` too, or the compiled CPU kernels take those
     tensors first. Raises ImportError where triton does not import."""
     global _triton_on_cpu, _gpu
     if on:

@@ -2,8 +2,8 @@
 
 Every function here gives the same bytes, the same words and the same fingerprints as the
 numpy/torch reference (``deltasync.positions``, ``deltasync.values``, ``deltasync.fingerprint``,
-``deltasync.codec.diff_chunk``), bit for bit; ``tests/test_core_kernels.py`` and
-``tests/test_kernels_encode.py`` (the whole-span kernels of the K section) check it.
+``deltasync.codec.diff_chunk``), bit for bit; ``tests/core/test_core_kernels.py`` and
+``tests/core/test_kernels_encode.py`` (the whole-span kernels of the K section) check it.
 Each kernel does O(1) compiled work per changed word plus, for the compare and the
 fingerprint, one streaming pass over the words. All kernels are ``nogil``: a caller's
 ``ThreadPoolExecutor`` runs chunks in parallel (the core starts no thread of its own).

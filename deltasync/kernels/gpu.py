@@ -13,9 +13,9 @@ and no ordering that depends on scheduling.
   FORMAT §2's fingerprint; the caller multiplies by the block keys).
 
 :func:`self_check` compares each kernel with the torch reference on random data; ``make
-gpu-check`` runs it on a GPU, and ``tests/test_core_kernels.py`` runs it on CPU tensors under
+gpu-check`` runs it on a GPU, and ``tests/core/test_core_kernels.py`` runs it on CPU tensors under
 ``TRITON_INTERPRET=1`` (Triton's interpreter) where triton is installed (``make venv`` installs it).
-``tests/test_triton_kernels.py`` runs every core path that reaches these kernels (diff, encode, the
+``tests/core/test_triton_kernels.py`` runs every core path that reaches these kernels (diff, encode, the
 publisher's reference, apply and rollback, fingerprints) the same way, through
 ``kernels.triton_on_cpu()``, against the CPU reference bit for bit.
 """

@@ -293,7 +293,7 @@ def encode_ops(freq, start, prec):
 
 
 # -- K: the encode side in whole-chunk kernels ------------------------------------------------------
-# Same bytes as values.step_symbols + entropy._buckets + np.bincount + encode_chunk (tests/test_kernels_encode.py
+# Same bytes as values.step_symbols + entropy._buckets + np.bincount + encode_chunk (tests/core/test_kernels_encode.py
 # checks it): one pass per chunk for the symbols and the model counts, one pass for the message. Written out by
 # hand, like decode_chunk: inlined helper calls returning tuples cost ~3x here.
 

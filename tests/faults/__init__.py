@@ -1,1 +1,1 @@
-"""The fault campaign (issue 9): `make faults` runs run.py; tests/test_faults_short.py runs its short form."""
+"""The fault campaign (issue 9): `make faults` runs run.py; tests/system/test_faults_short.py runs its short form."""

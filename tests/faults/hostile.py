@@ -34,7 +34,7 @@ from .harness import KEY, TOKEN, Env, Verdict, http_get
 from .scenarios import Stream, _last_line, _merge, ready, relay_has, wait_until
 
 # lowered slow-retrieval limits (the programs' own flags), so a 1-byte/s peer costs ~1 s a repetition, not the
-# default 10 s grace (tests/test_hostile_slow.py keeps the defaults once: ends within 75 s)
+# default 10 s grace (tests/system/test_hostile_slow.py keeps the defaults once: ends within 75 s)
 FAST_CLIENT = ["--min-rate", "4000", "--rate-grace", "1", "--ttfb-timeout", "2"]
 FAST_RELAY = ["--min-rate", "4000", "--rate-grace", "1", "--ttfb-timeout", "2"]
 JSON = {"Content-Type": "application/json"}
@@ -168,7 +168,7 @@ class SlowRetrieval(Mirror):
     name = "hostile-slow-first-source"
     what = ("TUF slow retrieval: the first-listed source (a subscriber's and a relay's first parent) drips at 1 "
             "byte/s, rotating: blob bodies, blob answer heads (header drip), manifests; `--min-rate 4000 "
-            "--rate-grace 1` (the defaults are held once in tests/test_hostile_slow.py)")
+            "--rate-grace 1` (the defaults are held once in tests/system/test_hostile_slow.py)")
     variants = ["blob-body-drip", "blob-header-drip", "manifest-drip"]
     relay_extra = FAST_RELAY
     client_extra = FAST_CLIENT

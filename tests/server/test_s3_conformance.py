@@ -1,4 +1,4 @@
-"""The BlobStore conformance table (tests/test_server_blobstore.py) run against the bucket store, on
+"""The BlobStore conformance table (tests/server/test_server_blobstore.py) run against the bucket store, on
 both S3 servers: rclone serve s3 (writer lease, whole-object reads) and moto (conditional writes,
 ranged reads). Same checks, same assertions; only the ``make`` fixture differs."""
 

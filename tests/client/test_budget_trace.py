@@ -28,7 +28,7 @@ KEY = bytes(range(32))
 
 
 def _bench():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_budget.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_budget.py"
     spec = importlib.util.spec_from_file_location("bench_budget", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("bench_budget", mod)

@@ -13,7 +13,7 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is needed to check deploy/ (pi
 
 from deltasync.cli.main import build_parser  # noqa: E402
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 ROOT = DEPLOY.parent
 
 

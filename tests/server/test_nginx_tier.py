@@ -32,7 +32,7 @@ from core_support import same_state as _same
 
 NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
 pytestmark = pytest.mark.skipif(NGINX is None, reason="no nginx binary (apt-get install nginx-light)")
-TEMPLATE = Path(__file__).resolve().parent.parent / "deploy" / "nginx" / "deltasync-cache.conf"
+TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "deltasync-cache.conf"
 KEY = bytes(range(50, 82))
 SHAPE = ModelShape(vocab=256, hidden=32, layers=1, ffn=64)
 

@@ -2,7 +2,7 @@
 streams; before any recovery, every reader deltasync documents either reads a bit-exact published version or
 refuses F with a clear error: the core loader (``read_state_file``: ``deltasync verify``, ``diff``, ``replay``,
 ``publish --base``) and docs/CLIENT.md's loading recipe (safetensors, then the header rule). After recovery F is
-one published version (tests/test_ends_subscribe.py)."""
+one published version (tests/system/test_ends_subscribe.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.long
 
 KEY = bytes(range(7, 39))
 SHAPE = ModelShape(vocab=1024, hidden=128, layers=2, ffn=512)
-LAUNCHER = str(Path(__file__).with_name("kill_at_phase.py"))
+LAUNCHER = str(Path(__file__).resolve().parents[1] / "kill_at_phase.py")
 
 
 def _digest(state) -> str:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.long  # compiles four prototype kernels (~40 s): `make 
 
 from deltasync.kernels import cpu as _cpu  # noqa: E402
 
-_BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "proto_rans_interleaved.py"
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "proto_rans_interleaved.py"
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SERVER = Path(__file__).resolve().parent.parent / "server"
+SERVER = Path(__file__).resolve().parents[2] / "server"
 
 # folder -> what of the server (outside itself) its modules may import: folders end in "/", files are top-level modules
 MAY_IMPORT = {

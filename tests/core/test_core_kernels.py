@@ -356,6 +356,6 @@ def test_gpu_check_fails_clearly_without_cuda():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "no CUDA device" in out.stderr

@@ -138,7 +138,7 @@ def test_subscriber_killed_mid_apply_restarts_and_recovers(cluster, tmp_path):
             states[step] = trace.step()
             pub.publish(step, states[step])
         pub.flush(60)
-        killed = [sys.executable, str(Path(__file__).with_name("kill_after_apply.py")), "6", *argv[3:]]
+        killed = [sys.executable, str(Path(__file__).resolve().parents[1] / "kill_after_apply.py"), "6", *argv[3:]]
         proc = subprocess.Popen(killed, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 60

@@ -62,7 +62,7 @@ def test_every_package_folder_is_listed_for_the_wheel():
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     text = (root / "pyproject.toml").read_text()
     mapping = dict(re.findall(r'"([\w.]+)" = "(\w+)"', re.search(r"^package-dir = \{(.*)\}$", text, re.M).group(1)))
     listed = set(re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*?)\]", text, re.M | re.S).group(1)))

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.long
 
 KEY = bytes(range(3, 35))
 SHAPE = ModelShape(vocab=256, hidden=32, layers=2, ffn=64)
-LAUNCHER = str(Path(__file__).with_name("kill_at_phase.py"))
+LAUNCHER = str(Path(__file__).resolve().parents[1] / "kill_at_phase.py")
 
 
 @pytest.fixture(scope="module")

@@ -139,7 +139,7 @@ def test_a_70k_tensor_step_manifest_is_under_a_megabyte():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from seedscale_states import kimi_layout, make_state, step_state
 
     lay = kimi_layout(layers=61)

@@ -4,8 +4,8 @@ Manifests (structure-aware: a real signed manifest with hostile values in each f
 answers, the event-stream decoder (any chunking, garbage, long lines), Range / If-None-Match /
 If-Range headers, key files and token-ish text, the servers' command-line value parsers. Each
 must answer with the library's own errors (the deltasync.errors tree) or a value that keeps its
-promises — never another exception. tests/test_core_parsers.py covers blobs, varints, positions
-and values; tests/test_fuzz_files.py the file formats; tests/fuzz/run_atheris.py runs the
+promises — never another exception. tests/core/test_core_parsers.py covers blobs, varints, positions
+and values; tests/system/test_fuzz_files.py the file formats; tests/fuzz/run_atheris.py runs the
 coverage-guided fuzzer (``make fuzz``).
 """
 

@@ -22,7 +22,7 @@ from deltasync import quant
 from deltasync.errors import UnsupportedError
 from deltasync.testing.trace import ModelShape, RLTrace
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_STAMP = ROOT / ".venv-vllm" / ".installed"  # the Makefile touches it when the venv is complete
 

@@ -1,7 +1,7 @@
 """Every JSON (and key/token text) parser of network or disk input answers crafted input with the library's own
 errors only (issue 9): non-integer sizes, deep nesting (json's RecursionError), integers of thousands of digits,
 wrong container types. Each parser is driven with hypothesis and with the pathological bodies that once escaped
-(``HeadInfo.from_body``: TypeError / RecursionError, tests/test_fuzz_wire.py).
+(``HeadInfo.from_body``: TypeError / RecursionError, tests/system/test_fuzz_wire.py).
 
 Parsers swept: head answers (client/http.py), error bodies (deltasync.errors.from_wire), event data
 (deltasync.sse.SSEEvent.json, what a relay's prefetch and a subscriber read), manifests with hostile nested

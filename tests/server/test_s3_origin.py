@@ -201,7 +201,7 @@ async def _upload_only(url: str, blobs) -> None:
 
 def test_second_origin_stays_on_standby_while_the_lease_is_held(rclone_s3, tmp_path, monkeypatch):
     """Issue 24: a second origin no longer refuses to start (nor blocks its start-up): it serves reads on standby
-    and refuses writes with 503 while the first one holds the lease (tests/test_s3_standby.py: the take-over)."""
+    and refuses writes with 503 while the first one holds the lease (tests/server/test_s3_standby.py: the take-over)."""
     bucket_env(rclone_s3, monkeypatch)
     a = s3_origin(tmp_path, rclone_s3, "lease", "a", "--s3-lease-ttl", "3").start().wait_ready()
     b = None

@@ -4,7 +4,7 @@ Checked against the region-by-region path it replaces (``deltasync.layout.transl
 fingerprint change per tensor by ``fingerprint_delta``) on the engine layouts (dense, MoE per-expert and
 stacked, TP and EP, 128 experts), and on hand-made layouts with a region that is not a 2-D box and with
 words of two sizes. The end-to-end checks (ranks following deltas end identical to the engines' loaders)
-are tests/test_layout_engines.py and tests/test_engines_gloo.py."""
+are tests/engines/test_layout_engines.py and tests/engines/test_engines_gloo.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 vLLM calls every general plugin in each of its processes, and an exception there would abort the engine's start.
 Here, without vLLM (the main venv): ``register`` logs that there is nothing to register into and returns. The
-engine venv (``make test-engines``, tests/test_vllm_transfer.py) checks the registration itself and a failing
+engine venv (``make test-engines``, tests/engines/test_vllm_transfer.py) checks the registration itself and a failing
 import of our hooks.
 """
 
@@ -27,7 +27,7 @@ def test_the_entry_point_names_the_plugin_function():
     import tomllib
     from pathlib import Path
 
-    meta = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    meta = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     target = meta["project"]["entry-points"]["vllm.general_plugins"]["deltasync"]
     module, _, func = target.partition(":")
     assert getattr(importlib.import_module(module), func) is vllm_plugin.register

@@ -80,7 +80,7 @@ class LlamaTrainer:
 
 def save_quantized(state, fmt: quant.ServingFormat, path: Path, tp: int = 1) -> Path:
     """The quantized checkpoint users make: config.json with the format's quantization_config, the tensors of
-    ``deltasync.quant.serving_state`` (the references' bits: tests/test_quant.py)."""
+    ``deltasync.quant.serving_state`` (the references' bits: tests/core/test_quant.py)."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ import pytest
 if importlib.util.find_spec("triton") is None:  # found, not imported: triton is only ever imported by the child
     pytest.skip("triton is not installed (make venv installs it on Linux x86-64)", allow_module_level=True)
 
-SCRIPT = Path(__file__).resolve().parent / "triton_interp_cases.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "triton_interp_cases.py"
 
 #: case -> the Triton entry points it must have reached (a case that fell back to torch would pass alone)
 CASES = {

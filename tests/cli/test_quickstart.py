@@ -20,7 +20,7 @@ from deltasync.deltafile import read_delta_file
 from deltasync.tensorfile import read_state_file, write_state_file
 from deltasync.testing.trace import ModelShape, RLTrace
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 BIN = str(Path(sys.executable).parent)  # the venv's bin: the `deltasync` command of this install
 CLI = [sys.executable, "-m", "deltasync.cli.main"]
 

@@ -271,7 +271,7 @@ def test_sizes_around_chunk_boundaries(words, chunk_words):
 
 def test_dense_and_sparse_modes_all_appear():
     """A re-initialised tensor goes dense, a 30% change uses the bitmap, a sparse one gaps (blob format 1;
-    format 2's modes: tests/test_core_codec2.py)."""
+    format 2's modes: tests/core/test_core_codec2.py)."""
     rng = np.random.default_rng(3)
     n = 4096
     ow = random_words(rng, DTYPES["float16"], n)
