@@ -298,12 +298,82 @@ async def _publish_files_to(args, token: str, signer, verifier: Verifier | None,
                                                    version=step, state=state, signer=signer)).blob_bytes
                 except DeltaSyncError as e:
                     side_error = f"{type(e).__name__}: {e}"
+    args.published_version = step
     pct = 100.0 * res.blob_bytes / max(res.raw_bytes, 1)
     extra = f" + side keyframe {_mb(side)}" if side else ""
     _say(args, f"published {args.model} v{step}: {res.manifest.kind}, {_mb(res.blob_bytes)} ({pct:.2f}% of "
                f"{_mb(res.raw_bytes)}){extra}, {res.changed:,} words changed")
     _side_failed(args, step, side_error)
     return 0
+
+
+def _publish_serving(args) -> int:
+    """``--serve-format``: once ``args.model`` v``step`` is live, the same state in each serving format as its own
+    stream (``MODEL.fp8``, ``MODEL.int4``: client/serving.py), version ``step`` too. A delta against the stream's
+    head when the head is the base's serving state (``--base`` quantized the same way, checked against the head's
+    signed state fingerprint; without ``--base`` the head rebuilt from the servers), else a keyframe. Exit 1 if a
+    serving stream fails (the bf16 version is live: said on stderr)."""
+    from deltasync.codec import EncodeOptions
+    from deltasync.fingerprint import fingerprint_state, state_fingerprint_of
+    from deltasync.manifest import parse_manifest
+    from deltasync.quant import ServingDeriver, ServingFormat
+    from deltasync.tensorfile import MappedTensorFile
+
+    from .http import HttpClient
+    from .publisher import Publisher
+    from .serving import serving_meta, serving_model
+
+    step = args.published_version
+    token = _read_token(args.token_file)
+    signer = _signer(args)
+    verifier = _verifier(args, signer)
+
+    async def head_of(name: str):
+        async with HttpClient([args.origin], token=token, ssl=_ssl(args), read_token=token) as h:
+            return await h.get_head(name)
+
+    failed = []
+    with MappedTensorFile(args.state) as state_file, contextlib.ExitStack() as stack:
+        state = state_file.tensors
+        base_state = stack.enter_context(MappedTensorFile(args.base)).tensors if args.base else None
+        for name_ in args.serve_format:
+            fmt = ServingFormat(name=name_)
+            name = serving_model(args.model, fmt)
+            try:
+                deriver = ServingDeriver(fmt)
+                head = asyncio.run(asyncio.wait_for(head_of(name), args.timeout))
+                base = None
+                if head is not None and head.version >= step:
+                    raise DeltaSyncError(f"the origin already has {name} v{head.version}")
+                if head is not None and base_state is not None:
+                    # the base's serving state, copied: the deriver updates its tensors in place on the next call
+                    qbase = {n: t.clone() for n, t in deriver.derive(base_state).items()}
+                    fps = fingerprint_state(qbase)
+                    want = parse_manifest(head.body, verifier=verifier).state_fp
+                    if state_fingerprint_of(qbase, fps) == want:
+                        base = (head.version, qbase, fps)
+                    else:
+                        _say(args, f"{args.base} in {fmt.name} is not {name} v{head.version}; publishing a keyframe")
+                qnew = deriver.derive(state)
+                if head is not None and base_state is None:
+                    got = asyncio.run(_head_state(args.origin, name, verifier, qnew, args.timeout, ssl=_ssl(args),
+                                                  token=token))
+                    if got is not None and got[1] is not None:
+                        base = (got[0], got[1][0], got[1][1])
+                pub = Publisher(args.origin, name, token, signer, keyframe_every=0, base=base, check_origin=False,
+                                ssl=_ssl(args), options=EncodeOptions(coding=args.coding))
+                try:
+                    res = pub.publish(step, qnew, keyframe=False, meta=serving_meta(args.model, fmt)).result(args.timeout)
+                    pub.flush(args.timeout)
+                finally:
+                    pub.close()
+                _say(args, f"published {name} v{res.version}: {res.kind}, {_mb(res.blob_bytes)} ({fmt.name}), "
+                           f"{res.changed:,} words changed")
+            except (DeltaSyncError, OSError, ValueError, TimeoutError) as e:
+                failed.append(name)
+                print(f"deltasync publish: error: {name} v{step} was not published ({type(e).__name__}: {e}); "
+                      f"{args.model} v{step} is live", file=sys.stderr, flush=True)
+    return 1 if failed else 0
 
 
 def _side_failed(args, version: int, error: str | None) -> None:
@@ -338,7 +408,10 @@ def _warm_up_kernels() -> threading.Thread:
 def cmd_publish(args) -> int:
     warming = _warm_up_kernels()
     try:
-        return _cmd_publish(args)
+        rc = _cmd_publish(args)
+        if rc == 0 and args.serve_format:
+            rc = _publish_serving(args)
+        return rc
     finally:
         if warming.is_alive():
             warming.join(60)  # an early error return: not while the thread is inside an import (interpreter exit)
@@ -384,6 +457,13 @@ def _cmd_publish(args) -> int:
         return 2
     if args.keyframe_on_mismatch and not args.base:
         print("deltasync publish: error: --keyframe-on-mismatch needs --base", file=sys.stderr)
+        return 2
+    if args.serve_format and policy is not None:
+        print("deltasync publish: error: --serve-format and --budget exclude each other here (budgeted serving "
+              "streams: the sidecar's --serve-format or the in-process Publisher(serve=...))", file=sys.stderr)
+        return 2
+    if args.serve_format and len(set(args.serve_format)) != len(args.serve_format):
+        print("deltasync publish: error: a --serve-format is listed twice", file=sys.stderr)
         return 2
     from deltasync.tensorfile import MappedTensorFile, check_published
 
@@ -452,6 +532,7 @@ def _cmd_publish(args) -> int:
             save_served(Path(args.state_dir) / "served.safetensors", pub.served, args.model, res.version, pub.budgeter)
     finally:
         pub.close()
+    args.published_version = res.version
     pct = 100.0 * res.blob_bytes / max(res.raw_bytes, 1)
     side = f" + side keyframe {_mb(res.side_bytes)}" if res.side_keyframe else ""
     _say(args, f"published {args.model} v{res.version}: {res.kind}, {_mb(res.blob_bytes)} ({pct:.2f}% of "
@@ -575,6 +656,10 @@ def _sources(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="print nothing but errors")
 
 
+def _serve_format_option(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--serve-format", action="append", choices=("fp8-block", "int4"), metavar="FMT", help=help)
+
+
 def _coding_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coding", choices=("base-free", "base-conditioned"), default="base-free",
                    help="how deltas are coded: base-free (default; relays squash chains) or base-conditioned "
@@ -614,6 +699,10 @@ def register(subparsers) -> None:
     _budget_options(p)
     _coding_option(p)
     p.add_argument("--state-dir", metavar="DIR", help="with --budget: where the served view and what it owes are kept")
+    _serve_format_option(p, "also publish the state in this serving format once MODEL's version is live, as the "
+                            "stream MODEL.fp8 (fp8-block: DeepSeek/vLLM FP8 blocks) or MODEL.int4 (compressed-"
+                            "tensors INT4 pack-quantized), a delta against its head when --base (quantized the "
+                            "same way) or the rebuilt head is that head; repeatable")
     p.set_defaults(func=cmd_publish)
 
     s = subparsers.add_parser("subscribe", help="keep a safetensors file in sync with a model stream",
@@ -666,9 +755,9 @@ def register(subparsers) -> None:
     c.add_argument("--poll", type=float, default=1.0, metavar="S", help="scan the folder every S seconds")
     c.add_argument("--state-file", metavar="F", help="where to keep resume state (default DIR/.deltasync-sidecar.json)")
     c.add_argument("--once", action="store_true", help="publish what is there now, then exit")
-    c.add_argument("--serve-format", action="append", choices=("fp8-block", "int4"), metavar="FMT",
-                   help="also publish each checkpoint in this serving format, as the stream MODEL.fp8 (fp8-block: "
-                        "DeepSeek/vLLM FP8 blocks) or MODEL.int4 (compressed-tensors INT4 pack-quantized); repeatable")
+    _serve_format_option(c, "also publish each checkpoint in this serving format, as the stream MODEL.fp8 "
+                            "(fp8-block: DeepSeek/vLLM FP8 blocks) or MODEL.int4 (compressed-tensors INT4 "
+                            "pack-quantized); repeatable")
     _budget_options(c)
     _coding_option(c)
     c.set_defaults(func=cmd_sidecar)
