@@ -1,0 +1,95 @@
+"""parse_header's two JSON paths (issue 22): orjson where its re-encoding gives the header's bytes back,
+the stdlib with a pairs hook otherwise; both must give the same header and the same errors."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from deltasync import tensorfile
+from deltasync.errors import FormatError
+from deltasync.tensorfile import build_header, parse_header
+
+pytest.importorskip("orjson")
+
+
+def _file(body: bytes, data: bytes) -> bytes:
+    return struct.pack("<Q", len(body)) + body + data
+
+
+def _both(buf: bytes, monkeypatch):
+    fast = parse_header(buf)
+    with monkeypatch.context() as m:
+        m.setattr(tensorfile, "_orjson", None)
+        slow = parse_header(buf)
+    assert fast == slow
+    return fast
+
+
+def _used_fast(buf: bytes) -> bool:
+    (n,) = struct.unpack_from("<Q", buf)
+    return tensorfile._fast_json(bytes(buf[8 : 8 + n])) is not None
+
+
+def test_safetensors_file_takes_the_fast_path(monkeypatch):
+    state = {f"model.layers.{i}.mlp.experts.{j}.w1.weight": torch.randn(3, 2).to(torch.bfloat16)
+             for i in range(3) for j in range(4)}
+    state["x"] = torch.zeros(0)
+    buf = save(state, metadata={"format": "pt"})
+    assert _used_fast(buf)
+    h = _both(buf, monkeypatch)
+    assert {e.name for e in h.entries} == set(state)
+    assert h.metadata == {"format": "pt"}
+
+
+def test_build_header_takes_the_fast_path(monkeypatch):
+    header, offsets = build_header({"a": ("float32", (2, 3)), "b": ("bfloat16", (5,)), "c": ("float8_e8m0fnu", (4,))},
+                                   {"k": "v"})
+    size = offsets["c"] + 4  # laid out by element size: a (24 bytes), b (10), c (4)
+    buf = header + bytes(size - len(header))
+    assert _used_fast(buf)
+    h = _both(buf, monkeypatch)
+    assert [(e.name, e.dtype, e.shape) for e in h.entries] == [("a", "float32", (2, 3)), ("b", "bfloat16", (5,)),
+                                                               ("c", "float8_e8m0fnu", (4,))]
+
+
+def test_other_spellings_take_the_stdlib_path_with_the_same_result(monkeypatch):
+    entries = {"é": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+               "z": {"dtype": "U8", "shape": [1], "data_offsets": [2, 3]}}
+    for body in (json.dumps(entries).encode(),  # spaces after separators
+                 json.dumps(entries, separators=(",", ":")).encode(),  # \u00e9 escapes
+                 json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()):  # raw UTF-8
+        buf = _file(body, b"abc")
+        h = _both(buf, monkeypatch)
+        assert [(e.name, e.start, e.stop) for e in h.entries] == [("é", 8 + len(body), 10 + len(body)),
+                                                                  ("z", 10 + len(body), 11 + len(body))]
+
+
+@pytest.mark.parametrize("body, message", [
+    (b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+     "appears twice"),
+    (b'{"__metadata__":{"k":"v","k":"v"},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', "appears twice"),
+    (b'{"a":{"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}}', "malformed"),
+    (b'{"__metadata__":{"k":1},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', "object of strings"),
+    (b'[1]', "not a JSON object"),
+    (b'{"a":', "not JSON"),
+    (b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"b":{"dtype":"U8","shape":[0],"data_offsets":[1,1]},'
+     b'"b":{"dtype":"U8","shape":[0],"data_offsets":[1,1]}}', "appears twice"),  # no hole betrays this one
+])
+def test_duplicates_and_malformed_headers_fail_on_either_path(body, message, monkeypatch):
+    buf = _file(body, b"x")
+    with pytest.raises(FormatError, match=message):
+        parse_header(buf)
+    monkeypatch.setattr(tensorfile, "_orjson", None)
+    with pytest.raises(FormatError, match=message):
+        parse_header(buf)
+
+
+def test_big_integers_fall_back_to_the_stdlib_error():
+    body = b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,' + str(1 << 70).encode() + b']}}'
+    with pytest.raises(FormatError, match="do not fit"):
+        parse_header(_file(body, b"x"))
