@@ -45,6 +45,10 @@ _FP8_KEPT = ("weight", "weight_scale_inv")
 _INT4_KEPT = ("weight_packed", "weight_scale")
 _INT4_OTHERS = ("weight_shape", "weight_zero_point")
 _CONSTANTS = ("weight_shape",)  # checkpoint constants the kernels do not read: never written back
+#: MoE experts (``Fp8MoEMethod``, block-quantized): the stacked loaded tensors kept, per fused projection
+_FP8_MOE_KEPT = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
+_MOE_WEIGHTS = ("w13_weight", "w2_weight")
+_MOE_METHODS = ("Fp8MoEMethod",)
 
 _ORIGINALS: dict[type, object] = {}
 
@@ -55,6 +59,9 @@ def _kind(layer) -> str | None:
     name = type(qm).__name__ if qm is not None else ""
     if name == "Fp8LinearMethod" and getattr(qm, "block_quant", False):
         return "fp8-block"
+    if (name == "Fp8MoEMethod" and getattr(qm, "block_quant", False) and getattr(qm, "weight_scale_refine", None) is None
+            and not getattr(getattr(qm, "moe", None), "has_bias", False)):
+        return "fp8-block"  # the experts as loaded: w13/w2 weights and their scales, as the checkpoint's blocks
     if name == "CompressedTensorsLinearMethod" and type(getattr(layer, "scheme", None)).__name__ == "CompressedTensorsWNA16":
         scheme = layer.scheme
         if getattr(scheme, "symmetric", True) and getattr(scheme, "pack_factor", 8) == 8 and scheme.group_size > 0:
@@ -62,7 +69,13 @@ def _kind(layer) -> str | None:
     return None
 
 
-def _kept_names(kind: str) -> tuple[str, ...]:
+def _is_moe(layer) -> bool:
+    return type(getattr(layer, "quant_method", None)).__name__ in _MOE_METHODS
+
+
+def _kept_names(kind: str, layer=None) -> tuple[str, ...]:
+    if layer is not None and _is_moe(layer):
+        return _FP8_MOE_KEPT
     return _FP8_KEPT if kind == "fp8-block" else _INT4_KEPT
 
 
@@ -90,10 +103,10 @@ def install_quant_hooks() -> bool:
     try:
         from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
             CompressedTensorsLinearMethod)
-        from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+        from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod
     except ImportError:  # pragma: no cover - a vLLM without them has nothing here to keep
         return False
-    for cls in (Fp8LinearMethod, CompressedTensorsLinearMethod):
+    for cls in (Fp8LinearMethod, CompressedTensorsLinearMethod, Fp8MoEMethod):
         if cls in _ORIGINALS or getattr(cls.process_weights_after_loading, "_deltasync", False):
             continue
         original = cls.process_weights_after_loading
@@ -102,7 +115,7 @@ def install_quant_hooks() -> bool:
             kind = _kind(layer)
             if kind is not None and keeps_weights() and not hasattr(layer, "_deltasync_loaded"):
                 kept = {}
-                for n in _kept_names(kind):
+                for n in _kept_names(kind, layer):
                     p = getattr(layer, n)
                     if p.is_meta:
                         break
@@ -130,6 +143,12 @@ def bf16_view(mod, pname: str) -> tuple[str, tuple[int, ...]] | None:
             "deltasync patches FP8 block (fp8 with weight_block_size) and compressed-tensors INT4 pack-quantized "
             "linear layers whose loaded tensors the extension kept (pass worker_extension_cls to LLM(...))")
     loaded = mod._deltasync_loaded
+    if _is_moe(mod):  # stacked experts [E, 2I/tp, H] / [E, H, I/tp]: placed by vllm_layout's expert pieces
+        if pname in _MOE_WEIGHTS:
+            return pname, tuple(loaded[pname][1].shape)
+        if pname in ("w13_weight_scale_inv", "w2_weight_scale_inv"):
+            return None
+        raise UnsupportedError(f"{pname}: a parameter of FP8 block MoE experts the serving layout map does not know")
     if pname == "bias":  # unquantized, placed as it is
         return "bias", tuple(mod.bias.shape)
     if kind == "fp8-block":
@@ -157,8 +176,13 @@ def live_tensors(mod, mname: str) -> dict[str, torch.Tensor] | None:
 
 
 def quantized_weights(model: torch.nn.Module) -> set[str]:
-    """The bf16-map names (``X.weight``) of the model's kept quantized layers."""
-    return {f"{m}.weight" for m, mod in model.named_modules() if getattr(mod, "_deltasync_quant", None)}
+    """The bf16-map names (``X.weight``; MoE experts ``X.w13_weight``, ``X.w2_weight``) of the model's kept
+    quantized layers."""
+    out = set()
+    for m, mod in model.named_modules():
+        if getattr(mod, "_deltasync_quant", None):
+            out.update(f"{m}.{n}" for n in (_MOE_WEIGHTS if _is_moe(mod) else ("weight",)))
+    return out
 
 
 def serving_format(hf_config, model: torch.nn.Module):
@@ -224,6 +248,10 @@ def reprocess(layer: torch.nn.Module) -> None:
         for n, p in live.items():
             if n in made and n not in _CONSTANTS and made[n].data_ptr() != p.data_ptr():
                 p.data.copy_(made[n])
+    if _is_moe(layer) and hasattr(layer.quant_method, "_init_moe_kernel"):
+        # the scratch's processing built the method's kernel (its quant config holds the scale tensors it read):
+        # build it again from the live parameters, as the engine's own load left it
+        layer.quant_method._init_moe_kernel(layer)
 
 
 __all__ = ["bf16_view", "constants", "install_quant_hooks", "live_tensors", "quantized_weights", "reprocess",
