@@ -31,7 +31,7 @@ import numpy as np
 from .blob import BlobReader, BlobWriter, blob_id
 from .dtypes import DtypeInfo, HostTensor, dtype_info, host_words, numpy_word_dtype, word_count, word_view
 from .errors import ChainError, FormatError, UnsupportedError
-from .frozen import build
+from .frozen import maker
 from .parts import map_parts
 from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, fp_hex, state_fingerprint, tensor_fingerprint,
                           update_fingerprint, words_range_delta)
@@ -950,11 +950,13 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
     return out
 
 
+_patch = maker(ChunkPatch)
+
+
 def _new_patch(tensor: str, dtype: str, start: int, stop: int, changes: Changes) -> ChunkPatch:
     """``ChunkPatch(tensor=..., dtype=..., start=..., stop=..., changes=...)`` without the keyword
     ``__init__`` of a frozen dataclass (decode_blob makes one per chunk)."""
-    return build(ChunkPatch, tensor=tensor, dtype=dtype, start=start, stop=stop, changes=changes, dense=None,
-                 pending=None)
+    return _patch(tensor=tensor, dtype=dtype, start=start, stop=stop, changes=changes, dense=None, pending=None)
 
 
 def _decode_chunk(name: str, info: DtypeInfo, start: int, stop: int, count: int, pos, parts) -> ChunkPatch:

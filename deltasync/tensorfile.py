@@ -52,7 +52,7 @@ except ImportError:  # the stdlib path decides alone
 from .atomic import write_atomic
 from .dtypes import HostTensor, dtype_info, numpy_word_dtype, word_count
 from .errors import FormatError, IntegrityError
-from .frozen import build
+from .frozen import maker
 
 if TYPE_CHECKING:
     import torch
@@ -95,6 +95,9 @@ class TensorHeader:
     metadata: dict[str, str]
     data_start: int  # 8 + header length
     size: int  # the whole buffer's length
+
+
+_entry, _host_tensor = maker(TensorEntry), maker(HostTensor)  # built without __init__: 70k a file
 
 
 def _first_duplicate(pairs: list[tuple[str, object]]) -> str:
@@ -181,6 +184,7 @@ def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHead
     base = 8 + n
     data_len = size - base
     entries = []
+    make = _entry
     for name, e in header.items():
         if type(e) is not dict or e.keys() != _ENTRY_KEYS:
             raise FormatError(f"{where}entry {name!r} is malformed (expected {sorted(_ENTRY_KEYS)})")
@@ -210,7 +214,7 @@ def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHead
                 raise FormatError(f"{where}{name}: stored as {tag} {shape}, cannot be {real}")
             dtype, real_shape = rinfo.name, tuple(shape[:-1])
         # without the frozen dataclass's keyword __init__ (70k entries a file)
-        entries.append(build(TensorEntry, name=name, dtype=dtype, shape=real_shape, start=base + b, stop=base + end))
+        entries.append(make(name=name, dtype=dtype, shape=real_shape, start=base + b, stop=base + end))
     at = base
     for e in sorted(entries, key=lambda e: (e.start, e.stop)):
         if e.start != at:
@@ -243,16 +247,25 @@ def host_tensors_of(whole: np.ndarray, header: TensorHeader) -> dict[str, HostTe
     """Every tensor of a parsed buffer (``whole``: the buffer as a flat uint8 numpy array) as
     :class:`HostTensor` words viewing it (copied only where misaligned to its words). No torch."""
     out: dict[str, HostTensor] = {}
+    make = _host_tensor
+    kinds: dict[str, tuple] = {}  # dtype name -> (dtype name, word size, word dtype, the buffer as those words)
     for e in header.entries:
-        info = dtype_info(e.dtype)
-        wdt = numpy_word_dtype(info.word_size)
-        raw = whole[e.start : e.stop]
-        if e.start % info.word_size:
-            raw = raw.copy()
+        kind = kinds.get(e.dtype)
+        if kind is None:
+            info = dtype_info(e.dtype)
+            w, wdt = info.word_size, numpy_word_dtype(info.word_size)
+            kind = kinds[e.dtype] = (info.name, w, wdt, whole[: whole.size // w * w].view(wdt))
+        name, w, wdt, as_words = kind
+        start, stop = e.start, e.stop
+        if start % w:  # misaligned to its words: copied
+            words = whole[start:stop].copy().view(wdt)
+        elif stop > start:
+            words = as_words[start // w : stop // w]
+        else:
+            words = np.empty(0, wdt)
         # HostTensor's checks hold by construction (the header's checked sizes): built without its keyword
         # __init__ and __post_init__ (~8 µs a tensor; 70k tensors a file)
-        out[e.name] = build(HostTensor, dtype=info.name, shape=e.shape,
-                            words=raw.view(wdt) if raw.size else np.empty(0, wdt))
+        out[e.name] = make(dtype=name, shape=e.shape, words=words)
     return out
 
 
