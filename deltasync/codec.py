@@ -32,6 +32,7 @@ from .blob import BlobReader, BlobWriter, blob_id
 from .dtypes import DtypeInfo, HostTensor, dtype_info, host_words, numpy_word_dtype, word_count, word_view
 from .errors import ChainError, FormatError, UnsupportedError
 from .frozen import maker
+from .kernels.fpkeys import MASK64
 from .parts import map_parts
 from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, fp_hex, state_fingerprint, tensor_fingerprint,
                           update_fingerprint, words_range_delta)
@@ -765,20 +766,24 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
     packer.close_blob()
     tensors = []
     layout, fps_before, fps_after, refs, chunks = diff.layout, diff.fps_before, diff.fps_after, packer.refs, diff.chunks
-    for name in names:
+    record, mask = _record, MASK64
+    for name in names:  # 70k tensors: the record built without its keyword __init__ (values checked here)
         dtype, shape = layout[name]
         cs = chunks.get(name)
-        tensors.append(TensorRecord(
-            name=name, dtype=dtype, shape=shape, fp_before=fp_hex(fps_before[name]),
-            fp_after=fp_hex(fps_after[name]), changed=sum(c.positions.size for c in cs) if cs else 0,
+        tensors.append(record(
+            name=name, dtype=dtype, shape=shape, fp_before=f"{fps_before[name] & mask:016x}",
+            fp_after=f"{fps_after[name] & mask:016x}",
+            changed=(cs[0].positions.size if len(cs) == 1 else sum([c.positions.size for c in cs])) if cs else 0,
             chunks=tuple(refs[name]) if name in refs else ()))
     meta = dict(meta or {})
     if options.coding == CODING_BASE_CONDITIONED:
         meta[CODING_META] = CODING_BASE_CONDITIONED  # readers (relays, subscribers) know before fetching a blob
     if len(packer.order) > 1:  # with one blob there is nothing to select: no spans
         for name in names:
-            if diff.chunks.get(name):
-                meta[SPANS_META_PREFIX + name] = encode_spans([(c.start, c.stop) for c in diff.chunks[name]])
+            cs = chunks.get(name)
+            if cs:
+                meta[SPANS_META_PREFIX + name] = f"{cs[0].start}:{cs[0].stop}" if len(cs) == 1 else \
+                    encode_spans([(c.start, c.stop) for c in cs])
     manifest = Manifest(
         model=model, version=version, parent=parent, kind="delta", tensors=tuple(tensors),
         blobs=tuple(BlobRef(id=b, size=len(packer.blobs[b])) for b in packer.order),
@@ -953,6 +958,7 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
 _patch = maker(ChunkPatch)
 
 
+_record = maker(TensorRecord)
 def _new_patch(tensor: str, dtype: str, start: int, stop: int, changes: Changes) -> ChunkPatch:
     """``ChunkPatch(tensor=..., dtype=..., start=..., stop=..., changes=...)`` without the keyword
     ``__init__`` of a frozen dataclass (decode_blob makes one per chunk)."""
