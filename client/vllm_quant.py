@@ -24,7 +24,20 @@ loaded tensors stay resident (about 1x the quantized weights) and a changed laye
 small tensors of its own (:data:`deltasync.quantlayout.CONST_PREFIX`) and the engine's parameter is left alone;
 the zero points the AMX path invents are outputs of ``process_weights_after_loading``, rewritten with it.
 
-Not mapped (fail closed, naming the parameter): quantized MoE experts, other quant methods and schemes.
+MoE experts the same way: ``Fp8MoEMethod`` (block-quantized: ``w13_weight`` float8_e4m3fn [E, 2I/tp, H] +
+``w13_weight_scale_inv`` float32 [E, 2I/tp/128, H/128], ``w2_weight`` [E, H, I/tp] + its scales) and
+``CompressedTensorsWNA16MoEMethod`` (INT4 symmetric groups: ``w13_weight_packed`` int32 [E, 2I/tp, H/8] +
+``w13_weight_scale`` [E, 2I/tp, H/group], ``w2_...``), filled by ``FusedMoE.weight_loader`` from per-expert
+checkpoint tensors (``experts.{e}.gate_proj.weight`` + ``_scale_inv`` / ``_packed`` + ``_scale``) at the bf16
+experts' places (gate rows first, then up; TP shards of the intermediate dim; local experts under EP): their
+loaded tensors are kept by a hook on the method's ``process_weights_after_loading``, placed by the bf16 expert
+pieces (client/vllm_layout.py) scaled down by the block or the packing, and after an apply the layer is processed
+again and the method's kernel rebuilt from the live parameters. The per-expert ``w13_weight_shape`` constants
+are left alone, as ``weight_shape`` is.
+
+Not mapped (fail closed, naming the parameter): MoE experts with biases, FP8 MoE scales vLLM refines to a finer
+block (an intermediate size per rank not a multiple of the block), stacked-expert streams
+(``experts.gate_up_proj``: 3-D, no quantized layout), other quant methods and schemes.
 """
 
 from __future__ import annotations
@@ -44,11 +57,14 @@ log = logging.getLogger("deltasync.client.vllm_quant")
 _FP8_KEPT = ("weight", "weight_scale_inv")
 _INT4_KEPT = ("weight_packed", "weight_scale")
 _INT4_OTHERS = ("weight_shape", "weight_zero_point")
-_CONSTANTS = ("weight_shape",)  # checkpoint constants the kernels do not read: never written back
+# checkpoint constants the kernels do not read: never written back
+_CONSTANTS = ("weight_shape", "w13_weight_shape", "w2_weight_shape")
 #: MoE experts (``Fp8MoEMethod``, block-quantized): the stacked loaded tensors kept, per fused projection
 _FP8_MOE_KEPT = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
+#: MoE experts (``CompressedTensorsWNA16MoEMethod``, INT4 pack-quantized): the packed words and group scales
+_INT4_MOE_KEPT = ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale")
 _MOE_WEIGHTS = ("w13_weight", "w2_weight")
-_MOE_METHODS = ("Fp8MoEMethod",)
+_MOE_METHODS = ("Fp8MoEMethod", "CompressedTensorsWNA16MoEMethod")
 
 _ORIGINALS: dict[type, object] = {}
 
@@ -62,6 +78,11 @@ def _kind(layer) -> str | None:
     if (name == "Fp8MoEMethod" and getattr(qm, "block_quant", False) and getattr(qm, "weight_scale_refine", None) is None
             and not getattr(getattr(qm, "moe", None), "has_bias", False)):
         return "fp8-block"  # the experts as loaded: w13/w2 weights and their scales, as the checkpoint's blocks
+    if (name == "CompressedTensorsWNA16MoEMethod" and getattr(qm, "symmetric", False) and getattr(qm, "num_bits", 0) == 4
+            and getattr(qm, "strategy", None) == "group" and getattr(qm, "group_size", 0) > 0
+            and not getattr(getattr(qm, "moe", None), "has_bias", False)
+            and getattr(getattr(qm, "wna16_backend", None), "name", "") != "ZEN_CPU"):  # zentorch re-processes in place
+        return "int4"
     if name == "CompressedTensorsLinearMethod" and type(getattr(layer, "scheme", None)).__name__ == "CompressedTensorsWNA16":
         scheme = layer.scheme
         if getattr(scheme, "symmetric", True) and getattr(scheme, "pack_factor", 8) == 8 and scheme.group_size > 0:
@@ -75,7 +96,7 @@ def _is_moe(layer) -> bool:
 
 def _kept_names(kind: str, layer=None) -> tuple[str, ...]:
     if layer is not None and _is_moe(layer):
-        return _FP8_MOE_KEPT
+        return _FP8_MOE_KEPT if kind == "fp8-block" else _INT4_MOE_KEPT
     return _FP8_KEPT if kind == "fp8-block" else _INT4_KEPT
 
 
@@ -103,10 +124,12 @@ def install_quant_hooks() -> bool:
     try:
         from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
             CompressedTensorsLinearMethod)
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16 import (  # noqa: E501
+            CompressedTensorsWNA16MoEMethod)
         from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod, Fp8MoEMethod
     except ImportError:  # pragma: no cover - a vLLM without them has nothing here to keep
         return False
-    for cls in (Fp8LinearMethod, CompressedTensorsLinearMethod, Fp8MoEMethod):
+    for cls in (Fp8LinearMethod, CompressedTensorsLinearMethod, Fp8MoEMethod, CompressedTensorsWNA16MoEMethod):
         if cls in _ORIGINALS or getattr(cls.process_weights_after_loading, "_deltasync", False):
             continue
         original = cls.process_weights_after_loading
@@ -123,6 +146,8 @@ def install_quant_hooks() -> bool:
                 else:
                     object.__setattr__(layer, "_deltasync_loaded", kept)
                     object.__setattr__(layer, "_deltasync_quant", kind)
+                    if _is_moe(layer):  # what processing adds (CPU INT4 MoE: zero points) is not an input of it
+                        object.__setattr__(layer, "_deltasync_load_names", tuple(layer._parameters))
             return _original(self, layer)
 
         keeping._deltasync = True
@@ -144,11 +169,15 @@ def bf16_view(mod, pname: str) -> tuple[str, tuple[int, ...]] | None:
             "linear layers whose loaded tensors the extension kept (pass worker_extension_cls to LLM(...))")
     loaded = mod._deltasync_loaded
     if _is_moe(mod):  # stacked experts [E, 2I/tp, H] / [E, H, I/tp]: placed by vllm_layout's expert pieces
-        if pname in _MOE_WEIGHTS:
+        if kind == "fp8-block" and pname in _MOE_WEIGHTS:
             return pname, tuple(loaded[pname][1].shape)
-        if pname in ("w13_weight_scale_inv", "w2_weight_scale_inv"):
+        if kind == "int4" and pname in ("w13_weight_packed", "w2_weight_packed"):
+            e, rows, words = loaded[pname][1].shape
+            return pname[: -len("_packed")], (e, rows, words * 8)
+        if pname in ("w13_weight_scale_inv", "w2_weight_scale_inv", "w13_weight_scale", "w2_weight_scale",
+                     "w13_weight_shape", "w2_weight_shape", "w13_weight_zero_point", "w2_weight_zero_point"):
             return None
-        raise UnsupportedError(f"{pname}: a parameter of FP8 block MoE experts the serving layout map does not know")
+        raise UnsupportedError(f"{pname}: a parameter of {kind} MoE experts the serving layout map does not know")
     if pname == "bias":  # unquantized, placed as it is
         return "bias", tuple(mod.bias.shape)
     if kind == "fp8-block":
@@ -223,6 +252,9 @@ def reprocess(layer: torch.nn.Module) -> None:
     live = {n: p for n, p in layer.named_parameters(recurse=False)}
     scratch = copy.copy(layer)  # a new module object: its own __dict__; parameter and buffer dicts copied below
     scratch._parameters = OrderedDict(layer._parameters)
+    load_names = getattr(layer, "_deltasync_load_names", None)
+    if load_names is not None:  # the layer as the loader left it: without the parameters processing made
+        scratch._parameters = OrderedDict((n, p) for n, p in layer._parameters.items() if n in load_names)
     scratch._buffers = OrderedDict(layer._buffers)
     saved = {}
     try:
@@ -248,10 +280,13 @@ def reprocess(layer: torch.nn.Module) -> None:
         for n, p in live.items():
             if n in made and n not in _CONSTANTS and made[n].data_ptr() != p.data_ptr():
                 p.data.copy_(made[n])
-    if _is_moe(layer) and hasattr(layer.quant_method, "_init_moe_kernel"):
+    if _is_moe(layer):
         # the scratch's processing built the method's kernel (its quant config holds the scale tensors it read):
         # build it again from the live parameters, as the engine's own load left it
-        layer.quant_method._init_moe_kernel(layer)
+        qm = layer.quant_method
+        rebuild = getattr(qm, "_init_moe_kernel", None) or getattr(qm, "_setup_kernel", None)
+        if rebuild is not None:
+            rebuild(layer)
 
 
 __all__ = ["bf16_view", "constants", "install_quant_hooks", "live_tensors", "quantized_weights", "reprocess",
