@@ -34,8 +34,8 @@ from .errors import ChainError, FormatError, UnsupportedError
 from .frozen import maker
 from .kernels.fpkeys import MASK64
 from .parts import map_parts
-from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, fp_hex, state_fingerprint, tensor_fingerprint,
-                          update_fingerprint, words_range_delta)
+from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, record_prefixes, state_fingerprint_of_lines,
+                          tensor_fingerprint, update_fingerprint, words_range_delta)
 from .manifest import SPANS_META_PREFIX, BlobRef, ChunkRef, Manifest, TensorRecord, parse_spans
 from .entropy import AnsBlobCoder, AnsTables, decode_ans_rows, word_symbols
 from .conditioned import (CODING_BASE_CONDITIONED, CODING_BASE_FREE, CODING_META, CODINGS, CondBlobCoder, CondTables,
@@ -571,8 +571,13 @@ class ChunkPacker:
         if bid not in self.blobs:
             self.blobs[bid] = data
             self.order.append(bid)
-        for name, idx, start, stop in self._pending:
-            self.refs.setdefault(name, []).append(ChunkRef(blob=bid, index=idx, start=start, stop=stop))
+        refs, ref = self.refs, _chunk_ref
+        for name, idx, start, stop in self._pending:  # a ref a chunk (70k): built without the keyword __init__
+            r = ref(blob=bid, index=idx, key=None, start=start, stop=stop)
+            if name in refs:
+                refs[name].append(r)
+            else:
+                refs[name] = [r]
         self._pending = []
 
 
@@ -735,10 +740,21 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
     # A blob holding at least ``cell_blob_min`` raw bytes closes where a tensor or one of its row cells
     # begins, so a tensor-parallel rank finds its rows of a tensor in few blobs of their own.
     order: list[tuple[int, str, ChunkDiff]] = []  # (cell, tensor, chunk) in packing order
+    layout, chunks, cut = diff.layout, diff.chunks, SHARD_CELLS * MIN_CELL_WORDS
+    sizes: dict[tuple, int] = {}  # (dtype, shape) -> words: layers share shapes
     for name in names:
-        dt, shape = diff.layout[name]
-        words = word_count(shape, dtype_info(dt))
-        order.extend((_cell(shape, words, c.start), name, c) for c in diff.chunks.get(name, ()))
+        cs = chunks.get(name)
+        if not cs:
+            continue
+        key = layout[name]
+        words = sizes.get(key)
+        if words is None:
+            words = sizes[key] = word_count(key[1], dtype_info(key[0]))
+        shape = key[1]
+        if len(shape) < 2 or shape[0] < 2 or words < cut:  # not cut into cells: all in cell 0 (_cell)
+            order.extend([(0, name, c) for c in cs])
+        else:
+            order.extend((_cell(shape, words, c.start), name, c) for c in cs)
     if options.pack == "cells":
         late = tuple(options.dim1_suffixes)
         order.sort(key=lambda x: (x[1].endswith(late), 0 if x[1].endswith(late) else x[0]))  # stable
@@ -784,11 +800,12 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
             if cs:
                 meta[SPANS_META_PREFIX + name] = f"{cs[0].start}:{cs[0].stop}" if len(cs) == 1 else \
                     encode_spans([(c.start, c.stop) for c in cs])
+    prefixes = record_prefixes([(t.name, t.dtype, t.shape) for t in tensors])  # sorted by name (names)
     manifest = Manifest(
         model=model, version=version, parent=parent, kind="delta", tensors=tuple(tensors),
         blobs=tuple(BlobRef(id=b, size=len(packer.blobs[b])) for b in packer.order),
-        state_fp=state_fingerprint((t.name, t.dtype, t.shape, fps_after[t.name]) for t in tensors),
-        state_fp_before=state_fingerprint((t.name, t.dtype, t.shape, fps_before[t.name]) for t in tensors),
+        state_fp=state_fingerprint_of_lines(prefixes, [t.fp_after for t in tensors]),
+        state_fp_before=state_fingerprint_of_lines(prefixes, [t.fp_before for t in tensors]),
         meta=meta,
     )
     return Encoded(manifest=manifest, blobs=packer.blobs, fps=dict(diff.fps_after))
@@ -958,7 +975,7 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
 _patch = maker(ChunkPatch)
 
 
-_record = maker(TensorRecord)
+_record, _chunk_ref = maker(TensorRecord), maker(ChunkRef)
 def _new_patch(tensor: str, dtype: str, start: int, stop: int, changes: Changes) -> ChunkPatch:
     """``ChunkPatch(tensor=..., dtype=..., start=..., stop=..., changes=...)`` without the keyword
     ``__init__`` of a frozen dataclass (decode_blob makes one per chunk)."""
