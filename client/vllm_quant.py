@@ -75,13 +75,14 @@ def _kind(layer) -> str | None:
     name = type(qm).__name__ if qm is not None else ""
     if name == "Fp8LinearMethod" and getattr(qm, "block_quant", False):
         return "fp8-block"
-    if (name == "Fp8MoEMethod" and getattr(qm, "block_quant", False) and getattr(qm, "weight_scale_refine", None) is None
-            and not getattr(getattr(qm, "moe", None), "has_bias", False)):
-        return "fp8-block"  # the experts as loaded: w13/w2 weights and their scales, as the checkpoint's blocks
-    if (name == "CompressedTensorsWNA16MoEMethod" and getattr(qm, "symmetric", False) and getattr(qm, "num_bits", 0) == 4
-            and getattr(qm, "strategy", None) == "group" and getattr(qm, "group_size", 0) > 0
-            and not getattr(getattr(qm, "moe", None), "has_bias", False)
-            and getattr(getattr(qm, "wna16_backend", None), "name", "") != "ZEN_CPU"):  # zentorch re-processes in place
+    biased = getattr(getattr(qm, "moe", None), "has_bias", False)
+    if name == "Fp8MoEMethod" and getattr(qm, "block_quant", False) and not biased:
+        # the experts in the checkpoint's own blocks (no scales refined to a finer block for the TP shard)
+        return "fp8-block" if getattr(qm, "weight_scale_refine", None) is None else None
+    if (name == "CompressedTensorsWNA16MoEMethod" and getattr(qm, "symmetric", False) and not biased
+            and getattr(qm, "num_bits", 0) == 4 and getattr(qm, "strategy", None) == "group"
+            and getattr(qm, "group_size", 0) > 0
+            and getattr(getattr(qm, "wna16_backend", None), "name", "") != "ZEN_CPU"):  # zentorch repacks in place
         return "int4"
     if name == "CompressedTensorsLinearMethod" and type(getattr(layer, "scheme", None)).__name__ == "CompressedTensorsWNA16":
         scheme = layer.scheme
@@ -166,7 +167,8 @@ def bf16_view(mod, pname: str) -> tuple[str, tuple[int, ...]] | None:
         raise UnsupportedError(
             f"{pname} of a {type(mod).__name__}: quantized ({qm}{'' if _kind(mod) else ', not FP8 block / INT4 pack-quantized'}); "
             "deltasync patches FP8 block (fp8 with weight_block_size) and compressed-tensors INT4 pack-quantized "
-            "linear layers whose loaded tensors the extension kept (pass worker_extension_cls to LLM(...))")
+            "linear layers and MoE experts (without biases; FP8 MoE in whole checkpoint blocks per rank) whose loaded "
+            "tensors the extension kept (pass worker_extension_cls to LLM(...))")
     loaded = mod._deltasync_loaded
     if _is_moe(mod):  # stacked experts [E, 2I/tp, H] / [E, H, I/tp]: placed by vllm_layout's expert pieces
         if kind == "fp8-block" and pname in _MOE_WEIGHTS:
