@@ -119,7 +119,8 @@ def test_cut_blocks_fail_closed():
 def test_fp8_moe_experts_map_to_fused_moe_scales():
     """Routed experts per expert (``experts.{e}.gate_proj.weight``): the map carries them to vLLM's Fp8MoEMethod
     names and shapes (``w13_weight`` [E, 2I, H] fp8, ``w13_weight_scale_inv`` [E, 2I/128, H/128]); the router
-    stays bf16. (Pure map: the vLLM glue does not hook quantized MoE yet and fails closed on it.)"""
+    stays bf16. (Pure map; every rank's placement: tests/core/test_quant_layout_moe.py; on vLLM:
+    tests/engines/test_vllm_quant_moe.py.)"""
     from deltasync.layout import MoEFacts
 
     facts = ModelFacts(layers=1, hidden=256, heads=2, kv_heads=2, head_dim=128, intermediate=256, vocab=64,
