@@ -389,11 +389,11 @@ async def served_manifest(svc: Services, model: str, version: int) -> bytes:
     try:
         if info is None or f'"{xxhash.xxh3_64_hexdigest(data)}"' != info.etag:
             raise IntegrityError(f"{model} v{version}: the stored bytes do not hash to their etag")
-        if mark not in svc.checked_manifests:
+        if mark not in svc.catalog.checked:
             m = parse_manifest(data, verifier=svc.config.verifier)
             if m.model != model or m.version != version:
                 raise IntegrityError(f"the file of {model} v{version} holds {m.model} v{m.version}")
-            svc.checked_manifests.add(mark)
+            svc.catalog.checked.add(mark)
         return data
     except (FormatError, IntegrityError) as e:  # SignatureError is an IntegrityError
         svc.metrics.inc("corrupt_dropped")
@@ -406,7 +406,7 @@ async def served_manifest(svc: Services, model: str, version: int) -> bytes:
     data = m.to_json()
     info = svc.store.info(model, version)
     if info is not None:
-        svc.checked_manifests.add((model, version, info.etag))
+        svc.catalog.checked.add((model, version, info.etag))
     return data
 
 
@@ -491,6 +491,7 @@ async def put_version(request: web.Request) -> web.Response:
         body = b"".join(parts)
         assert svc.intake is not None
         info, created = await svc.intake.commit(model, version, body)
+        svc.catalog.checked.add((model, version, info.etag))  # parsed and verified by the commit
         timeline.info("mono=%.6f committed %s v%d", time.monotonic(), model, version)
     except DeltaSyncError:
         svc.metrics.inc("upload_rejections")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .parents.catalog import Catalog
 from .catchup import CatchupBuilder
@@ -41,9 +41,6 @@ class Services:
     upstream: Upstream | None = None  # relay only
     fetcher: BlobFetcher | None = None  # relay only
     prefetcher: Prefetcher | None = None  # relay only
-    #: (model, version, etag) of the manifests this process has parsed and verified since start: served from
-    #: disk again, their bytes are only rehashed against the etag (routes.served_manifest)
-    checked_manifests: set = field(default_factory=set)
 
 
 async def open_services(config: ServerConfig) -> Services:
