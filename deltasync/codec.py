@@ -331,6 +331,7 @@ def diff_states(
         else:
             results = (r for task in pieces for r in run(task))
         flat = [p for task in pieces for p in task]
+        chunk_diff = _chunk_diff  # 70k a state: without the keyword __init__
         at = 0
         done = 0
         for t, (name, info, ow, nw, ranges, host) in enumerate(prepared):
@@ -347,7 +348,7 @@ def diff_states(
                         lanes += lane_sum
                     if pos.size and b - a == 1:  # one chunk: all of it (most tensors)
                         s, e = ranges[a]
-                        out.append(ChunkDiff(start=s, stop=e, positions=pos, old=old_w, new=new_w))
+                        out.append(chunk_diff(start=s, stop=e, positions=pos, old=old_w, new=new_w))
                     elif pos.size:
                         cuts = np.searchsorted(pos, [e for _, e in ranges[a:b]]).tolist()
                         lo = 0
@@ -975,7 +976,7 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
 _patch = maker(ChunkPatch)
 
 
-_record, _chunk_ref = maker(TensorRecord), maker(ChunkRef)
+_record, _chunk_ref, _chunk_diff = maker(TensorRecord), maker(ChunkRef), maker(ChunkDiff)
 def _new_patch(tensor: str, dtype: str, start: int, stop: int, changes: Changes) -> ChunkPatch:
     """``ChunkPatch(tensor=..., dtype=..., start=..., stop=..., changes=...)`` without the keyword
     ``__init__`` of a frozen dataclass (decode_blob makes one per chunk)."""

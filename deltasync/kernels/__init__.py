@@ -268,7 +268,8 @@ def diff_jobs(spans: list[tuple[np.ndarray, np.ndarray, int, int]], word_size: i
     k = cpu_kernels()
     like = np.empty(0, spans[0][0].dtype)
     lane_like = like if word_size <= 2 else np.empty(0, np.uint16)
-    jobs = np.array([(o.ctypes.data, n.ctypes.data, o.size, first, last) for o, n, first, last in spans],
+    addr = k.address
+    jobs = np.array([(addr(o), addr(n), o.size, first, last) for o, n, first, last in spans],
                     dtype=np.int64).reshape(-1, 5)
     cap = 1024 + int((jobs[:, 4] - jobs[:, 3]).sum()) // _DIFF_ROOM
     pos, ow, nw, offsets, fpds, totals = k.diff_jobs(jobs, like, lane_like, _table(), _per(word_size), want_lanes,

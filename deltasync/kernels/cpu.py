@@ -778,6 +778,13 @@ def _diff_span_into(o, n, ol, dst, first, last, per, table, want_lanes, update_o
 
 
 @_jit
+def address(a):
+    """The address of an array's first element: ``a.ctypes.data`` in ~0.2 µs instead of ~1.5 (numpy builds a
+    ctypes helper object a call), for the job tables of :func:`diff_jobs` (two arrays a tensor, 70k tensors)."""
+    return a.ctypes.data
+
+
+@_jit
 def diff_jobs(jobs, like, lane_like, table, per, want_lanes, update_old, cap):
     """:func:`diff_span` of many spans (of many tensors of one word dtype) in one call, into shared outputs.
     ``jobs`` int64[J, 5] rows: (address of the old words, of the new words, the tensor's word count, first,
