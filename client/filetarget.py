@@ -51,7 +51,7 @@ import xxhash
 from deltasync import kernels
 from deltasync.apply import CHECK_EVERY, PreparedDelta, check_base, stage_prepared, warm_kernels
 from deltasync.atomic import fsync_dir
-from deltasync.dtypes import dtype_info, word_view
+from deltasync.dtypes import dtype_info
 from deltasync.errors import BaseMismatchError, FormatError, IntegrityError, StorageError
 from deltasync.fingerprint import (
     copy_fingerprint,
@@ -696,7 +696,9 @@ class FileTarget(TensorApplier):
             # that finds F mid-apply, or left so by a kill, refuses it (tensorfile.check_published)
             self._state_fp_before = self.file.metadata.get(META_STATE_FP, "")
             self._write_meta(self.version, PATCHING)
-            inner = stage_prepared(tensors, prepared, fps, verify=verify, check=self.check, base_checked=True)
+            # the tensors of one mapped file, whose header parse refused overlapping entries: disjoint
+            inner = stage_prepared(tensors, prepared, fps, verify=verify, check=self.check, base_checked=True,
+                                   disjoint=True)
         except BaseException:
             self.file.flush()  # the core restored every word; make that durable before dropping the journal
             self._restore_meta()
@@ -723,7 +725,7 @@ class FileTarget(TensorApplier):
         word and their old words, both written by one compiled pass (``kernels.journal_gather``, which
         also checks every position lies in its chunk); a dense chunk's, its old bytes; then the header.
         Every region starts 8-byte aligned at its recorded ``at``."""
-        tensors = self.file.tensors
+        host_of = self.file.host  # numpy words viewing the map: no torch view per tensor
         starts = {e.name: e.start for e in self.file.header.entries}
         regions: list[dict] = []
         parts: list[tuple] = []  # (host words, chunk) in region order
@@ -732,9 +734,8 @@ class FileTarget(TensorApplier):
         for i, (name, chunks) in enumerate(prepared.patches.items()):
             if check is not None and not i % CHECK_EVERY:
                 check()
-            t = tensors[name]
-            w = dtype_info(t.dtype).word_size
-            host = word_view(t).numpy().view(f"<u{w}")
+            host = host_of[name].words
+            w = host.itemsize
             for k, c in enumerate(chunks):
                 if c.pending is not None:  # base-conditioned coding: decode against the file's words, once
                     c = chunks[k] = c.resolve(host[c.start : c.stop])
