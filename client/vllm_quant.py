@@ -22,7 +22,9 @@ loaded tensors stay resident (about 1x the quantized weights) and a changed laye
 
 ``weight_shape`` (INT4) is a checkpoint constant vLLM's kernels never read: the map keeps the stream's copy in
 small tensors of its own (:data:`deltasync.quantlayout.CONST_PREFIX`) and the engine's parameter is left alone;
-the zero points the AMX path invents are outputs of ``process_weights_after_loading``, rewritten with it.
+the zero points the AMX path invents are outputs of ``process_weights_after_loading``, rewritten with it. An INT4
+layer's bias is kept with its words (the AMX path turns it to float32 in place): the stream patches the loaded bf16
+copy and the re-processing makes the float32 one.
 
 MoE experts the same way: ``Fp8MoEMethod`` (block-quantized: ``w13_weight`` float8_e4m3fn [E, 2I/tp, H] +
 ``w13_weight_scale_inv`` float32 [E, 2I/tp/128, H/128], ``w2_weight`` [E, H, I/tp] + its scales) and
@@ -139,7 +141,10 @@ def install_quant_hooks() -> bool:
             kind = _kind(layer)
             if kind is not None and keeps_weights() and not hasattr(layer, "_deltasync_loaded"):
                 kept = {}
-                for n in _kept_names(kind, layer):
+                names = _kept_names(kind, layer)
+                if kind == "int4" and not _is_moe(layer) and getattr(layer, "bias", None) is not None:
+                    names += ("bias",)  # the CPU INT4 kernel turns it to float32 in place: patch the loaded copy
+                for n in names:
                     p = getattr(layer, n)
                     if p.is_meta:
                         break
@@ -201,7 +206,7 @@ def live_tensors(mod, mname: str) -> dict[str, torch.Tensor] | None:
     if getattr(mod, "_deltasync_quant", None) is None:
         return None
     out = {f"{mname}.{n}": t for n, (_, t) in mod._deltasync_loaded.items()}
-    if getattr(mod, "bias", None) is not None:
+    if getattr(mod, "bias", None) is not None and "bias" not in mod._deltasync_loaded:
         out[f"{mname}.bias"] = mod.bias.detach()
     return out
 

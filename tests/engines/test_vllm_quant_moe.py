@@ -82,11 +82,11 @@ class MoeTrainer:
     the experts per expert (transformers 5 holds them stacked: ``experts.gate_up_proj`` [E, 2I, H], gate rows
     first, and ``experts.down_proj`` [E, H, I])."""
 
-    def __init__(self, tp: int, seed: int = 0, lr: float = 2e-3) -> None:
-        from transformers import Qwen3MoeForCausalLM
+    def __init__(self, cfg, seed: int = 0, lr: float = 2e-3) -> None:
+        from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        self.model = Qwen3MoeForCausalLM(moe_config(tp)).float()
+        self.model = AutoModelForCausalLM.from_config(cfg).float()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
         g = torch.Generator().manual_seed(seed + 1)
         self.batches = [torch.randint(3, 200, (4, 24), generator=g) for _ in range(2)]
@@ -117,13 +117,13 @@ class MoeTrainer:
         return out
 
 
-def save_quantized(state, fmt, path: Path, tp: int) -> Path:
+def save_quantized(state, fmt, path: Path, hf_config) -> Path:
     """The quantized checkpoint users make: config.json with the format's quantization_config, deltasync.quant's
     tensors."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    cfg = moe_config(tp).to_dict()
+    cfg = hf_config.to_dict()
     cfg["quantization_config"] = fmt.quantization_config()
     (path / "config.json").write_text(json.dumps(cfg, default=str))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
@@ -143,7 +143,8 @@ def _fps(llm) -> dict[str, str]:
     return fps
 
 
-def _corrupt_expert_step_rolls_back(llm, url: str, stream: str, fmt, states, before: dict) -> None:
+def _corrupt_expert_step_rolls_back(llm, url: str, stream: str, fmt, states, before: dict,
+                                    name: str = "model.layers.1.mlp.experts.3.down_proj.weight") -> None:
     """A signed step moving one expert's down_proj, whose manifest claims a wrong fingerprint for that expert's
     scales (``weight_scale_inv`` / ``weight_scale``): every rank fails verification, rolls back, stays at STEPS, and
     the engine's parameters (the re-processed experts included) are bit-identical to before."""
@@ -153,7 +154,6 @@ def _corrupt_expert_step_rolls_back(llm, url: str, stream: str, fmt, states, bef
 
     v = STEPS + 1
     other = {n: t.clone() for n, t in states[STEPS].items()}
-    name = "model.layers.1.mlp.experts.3.down_proj.weight"
     other[name] = (other[name].float() * 1.01).to(torch.bfloat16)
     enc = encode_delta(quant.serving_state(states[STEPS], fmt), quant.serving_state(other, fmt), model=stream,
                        version=v, parent=STEPS)
@@ -182,15 +182,15 @@ def _corrupt_expert_step_rolls_back(llm, url: str, stream: str, fmt, states, bef
     assert _fps(llm) == before, "a rank kept words (or re-processed experts) of the failed version"
 
 
-@pytest.mark.parametrize("fmt_name,tp", [("fp8-block", 1), ("fp8-block", 2), ("int4", 2)],
-                         ids=["fp8-moe-tp1", "fp8-moe-tp2", "int4-moe-tp2"])
-def test_quantized_moe_stream_patches_vllms_experts_bit_for_bit(fmt_name, tp, tmp_path):
-    fmt = FMTS[fmt_name]
+def _follow(cfg, fmt, tp: int, tmp_path: Path, corrupt: str) -> dict[int, tuple[dict, list]]:
+    """Train ``cfg`` for STEPS AdamW steps, publish with ``serve=[fmt]``, follow the serving stream on a vLLM loaded
+    from step 0's quantized checkpoint (every rank's fingerprints and greedy outputs after each step), roll back a
+    corrupt step on ``corrupt``'s scales, and compare the last step with a fresh vLLM of that step's checkpoint."""
     saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")}
     os.environ.update(engine_env(tp))
     server = origin(tmp_path, key=True).start().wait_ready()
-    trainer = MoeTrainer(tp)
-    stream = serving_model("tiny-moe", fmt)
+    trainer = MoeTrainer(cfg)
+    stream = serving_model("tiny", fmt)
     llm = None
     try:
         states, ckpts = [], []
@@ -198,10 +198,10 @@ def test_quantized_moe_stream_patches_vllms_experts_bit_for_bit(fmt_name, tp, tm
             if v:
                 trainer.step()
             states.append(trainer.state())
-            ckpts.append(save_quantized(states[-1], fmt, tmp_path / f"ckpt-v{v}", tp))
+            ckpts.append(save_quantized(states[-1], fmt, tmp_path / f"ckpt-v{v}", cfg))
         live: dict[int, tuple[dict, list]] = {}
         pauses = []
-        with Publisher(server.url, "tiny-moe", TOKEN, KEY, keyframe_every=0, serve=[fmt]) as pub:
+        with Publisher(server.url, "tiny", TOKEN, KEY, keyframe_every=0, serve=[fmt]) as pub:
             pub.publish(0, states[0]).serving[stream].result(60)
             llm = make_llm(ckpts[0], tp, extension=dsv.EXTENSION)
             info = dsv.start(llm, [server.url], stream, key_hex=KEY_HEX, version=0)
@@ -216,27 +216,21 @@ def test_quantized_moe_stream_patches_vllms_experts_bit_for_bit(fmt_name, tp, tm
                 assert all(st["rollbacks"] == 0 and st["repacked_layers"] > 0 for st in sts), sts
                 pauses.append(max(st["last_apply_s"] for st in sts))
                 live[v] = (_fps(llm), greedy(llm, PROMPTS))
-            _corrupt_expert_step_rolls_back(llm, server.url, stream, fmt, states, live[STEPS][0])
+            _corrupt_expert_step_rolls_back(llm, server.url, stream, fmt, states, live[STEPS][0], corrupt)
         shutdown(llm)
         llm = None
-        experts = [n for n in live[0][0] if ".routed_experts.w" in n]
-        assert len([n for n in experts if ":kept:" in n]) == LAYERS * 4 * tp, experts  # w13/w2 weights and scales kept
-        moved = [n for n in experts if live[1][0][n] != live[0][0][n]]
-        assert any(n.endswith("w13_weight" + ("" if fmt_name == "fp8-block" else "_packed")) for n in moved) and \
-            any(n.endswith("w2_weight_scale" + ("_inv" if fmt_name == "fp8-block" else "")) for n in moved), \
-            f"the step did not move the experts the engine runs on: {moved}"
-        for v in (STEPS,):
-            fresh = make_llm(ckpts[v], tp, extension=dsv.EXTENSION)
-            try:
-                want = (_fps(fresh), greedy(fresh, PROMPTS))
-            finally:
-                shutdown(fresh)
-            diff = sorted(n for n in want[0] if live[v][0].get(n) != want[0][n])
-            assert not diff and set(live[v][0]) == set(want[0]), f"v{v}: {diff[:5]}"
-            # decode steps of vLLM-CPU's FP8 kernels differ in their last bits between two engines of one checkpoint
-            # (tests/engines/test_vllm_quant.py): only the prefill's logprobs are compared
-            assert [o[1][0] for o in live[v][1]] == [o[1][0] for o in want[1]], f"v{v}: prefill logprobs differ"
-        print(f"{fmt_name} MoE TP={tp}: apply pauses {['%.3f' % p for p in pauses]} s")
+        fresh = make_llm(ckpts[STEPS], tp, extension=dsv.EXTENSION)
+        try:
+            want = (_fps(fresh), greedy(fresh, PROMPTS))
+        finally:
+            shutdown(fresh)
+        diff = sorted(n for n in want[0] if live[STEPS][0].get(n) != want[0][n])
+        assert not diff and set(live[STEPS][0]) == set(want[0]), f"v{STEPS}: {diff[:5]}"
+        # decode steps of vLLM-CPU's FP8 kernels differ in their last bits between two engines of one checkpoint
+        # (tests/engines/test_vllm_quant.py): only the prefill's logprobs are compared
+        assert [o[1][0] for o in live[STEPS][1]] == [o[1][0] for o in want[1]], f"v{STEPS}: prefill logprobs differ"
+        print(f"{fmt.name} TP={tp}: apply pauses {['%.3f' % p for p in pauses]} s")
+        return live
     finally:
         if llm is not None:
             shutdown(llm)
@@ -246,3 +240,34 @@ def test_quantized_moe_stream_patches_vllms_experts_bit_for_bit(fmt_name, tp, tm
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = val
+
+
+@pytest.mark.parametrize("fmt_name,tp", [("fp8-block", 1), ("fp8-block", 2), ("int4", 2)],
+                         ids=["fp8-moe-tp1", "fp8-moe-tp2", "int4-moe-tp2"])
+def test_quantized_moe_stream_patches_vllms_experts_bit_for_bit(fmt_name, tp, tmp_path):
+    live = _follow(moe_config(tp), FMTS[fmt_name], tp, tmp_path, "model.layers.1.mlp.experts.3.down_proj.weight")
+    experts = [n for n in live[0][0] if ".routed_experts.w" in n]
+    assert len([n for n in experts if ":kept:" in n]) == LAYERS * 4 * tp, experts  # w13/w2 weights and scales kept
+    moved = [n for n in experts if live[1][0][n] != live[0][0][n]]
+    assert any(n.endswith("w13_weight" + ("" if fmt_name == "fp8-block" else "_packed")) for n in moved) and \
+        any(n.endswith("w2_weight_scale" + ("_inv" if fmt_name == "fp8-block" else "")) for n in moved), \
+        f"the step did not move the experts the engine runs on: {moved}"
+
+
+def test_int4_dense_layers_with_biases(tmp_path):
+    """A tiny Qwen2 (q/k/v biases; hidden 256, 4 heads of 64 over 2 KV heads, 2 layers) in INT4 groups of 32 at TP=1:
+    vLLM-CPU's INT4 kernel turns each bias to float32 in place, so the extension keeps the loaded bf16 bias with the
+    packed words and patches that; after an apply the layer's processing makes the float32 bias again."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=200, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                      use_sliding_window=False)
+    cfg.torch_dtype = cfg.dtype = torch.bfloat16
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    live = _follow(cfg, quant.ServingFormat(name="int4"), 1, tmp_path, "model.layers.1.mlp.down_proj.weight")
+    biases = [n for n in live[0][0] if n.endswith("qkv_proj.bias")]
+    kept = [n for n in biases if ":kept:" in n]
+    assert len(kept) == 2 and len(biases) == 4, biases  # per layer: the loaded bf16 copy and the float32 one run
+    assert all(live[1][0][n] != live[0][0][n] for n in biases), "the step did not move the biases"
