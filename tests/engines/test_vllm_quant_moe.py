@@ -25,6 +25,8 @@ checkpoint, and so do the prefill's logprobs; after the first, the experts the e
 engine costs 25-40 s here: FP8 at TP=1 was compared after every step once, equal). A signed step whose
 fingerprint for one expert's scale tensor is wrong rolls back on every rank, the engine's parameters left
 bit-identical (the restored experts processed again).
+
+``test_int4_dense_layers_with_biases``: INT4 linear layers with biases (a Qwen2's q/k/v), the same way, at TP=1.
 """
 
 from __future__ import annotations
