@@ -97,6 +97,7 @@ class TensorHeader:
     size: int  # the whole buffer's length
 
 
+_TAGS = {tag: (name, dtype_info(name).element_size) for tag, name in ST_DTYPES.items()}  # tag -> (name, bytes)
 _entry, _host_tensor = maker(TensorEntry), maker(HostTensor)  # built without __init__: 70k a file
 
 
@@ -184,14 +185,16 @@ def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHead
     base = 8 + n
     data_len = size - base
     entries = []
-    make = _entry
+    make, tags = _entry, _TAGS
+    exotic = any(k.startswith(DTYPE_META_PREFIX) for k in meta)  # else no entry has a real dtype to look up
     for name, e in header.items():
         if type(e) is not dict or e.keys() != _ENTRY_KEYS:
             raise FormatError(f"{where}entry {name!r} is malformed (expected {sorted(_ENTRY_KEYS)})")
         tag, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
-        stored = ST_DTYPES.get(tag) if isinstance(tag, str) else None
-        if stored is None:
+        kind = tags.get(tag) if type(tag) is str else None
+        if kind is None:
             raise FormatError(f"{where}{name}: dtype {tag!r} is not supported; supported: {', '.join(ST_DTYPES)}")
+        stored, element_size = kind
         if type(shape) is not list:
             raise FormatError(f"{where}{name}: bad shape {shape!r}")
         numel = 1
@@ -199,15 +202,14 @@ def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHead
             if type(s) is not int or s < 0:  # bool is not int by type()
                 raise FormatError(f"{where}{name}: bad shape {shape!r}")
             numel *= s
-        info = dtype_info(stored)
         if not (type(offsets) is list and len(offsets) == 2 and type(offsets[0]) is int and type(offsets[1]) is int
-                and 0 <= offsets[0] <= offsets[1] and offsets[1] - offsets[0] == numel * info.element_size):
+                and 0 <= offsets[0] <= offsets[1] and offsets[1] - offsets[0] == numel * element_size):
             raise FormatError(f"{where}{name}: data offsets {offsets!r} do not fit {shape} {tag}")
         b, end = offsets
         if end > data_len:
             raise FormatError(f"{where}{name} ends at byte {base + end} but the data has {size} (truncated?)")
         dtype, real_shape = stored, tuple(shape)
-        real = meta.get(DTYPE_META_PREFIX + name)
+        real = meta.get(DTYPE_META_PREFIX + name) if exotic else None
         if real is not None:
             rinfo = dtype_info(real)  # an unknown name raises UnsupportedError (a FormatError)
             if stored != "uint8" or not shape or shape[-1] != rinfo.element_size:
