@@ -19,10 +19,11 @@ _new, _set = object.__new__, object.__setattr__
 _MAKERS: dict[type, Callable] = {}
 
 
-def maker(cls) -> Callable:
+def maker(cls, *, positional: bool = False) -> Callable:
     """``cls``'s builder: a function taking every field of the dataclass ``cls`` by keyword (those with a
-    default may be left out) and returning an instance holding them, without ``__init__``/``__post_init__``."""
-    make = _MAKERS.get(cls)
+    default may be left out) and returning an instance holding them, without ``__init__``/``__post_init__``.
+    ``positional``: the fields are taken in their order, by position (for ``map`` over columns)."""
+    make = _MAKERS.get((cls, positional))
     if make is not None:
         return make
     fields = dataclasses.fields(cls)
@@ -43,9 +44,10 @@ def maker(cls) -> Callable:
         else:
             params.append(f.name)
         body.append(f"    _s{i}(obj, {f.name})\n")
-    src = f"def make(*, {', '.join(params)}):\n    obj = _new(cls)\n{''.join(body)}    return obj\n"
+    star = "" if positional else "*, "
+    src = f"def make({star}{', '.join(params)}):\n    obj = _new(cls)\n{''.join(body)}    return obj\n"
     exec(src, env)  # noqa: S102 - the source is built here from the dataclass's own field names
-    make = _MAKERS[cls] = env["make"]
+    make = _MAKERS[(cls, positional)] = env["make"]
     return make
 
 

@@ -50,3 +50,14 @@ def test_unknown_or_missing_field_is_an_error():
         maker(Plain)(a=1, z=2)
     with pytest.raises(TypeError):
         maker(Plain)(b=())
+
+
+def test_a_positional_maker_takes_the_fields_in_their_order():
+    from deltasync.tensortable import ChunkRef, TensorRecord, new_chunk, new_record
+
+    c = new_chunk("b" * 64, 3, None, 0, 10)
+    assert c == ChunkRef(blob="b" * 64, index=3, key=None, start=0, stop=10)
+    r = new_record("w", "bfloat16", (2, 5), None, "0" * 16, 4, (c,))
+    assert r == TensorRecord(name="w", dtype="bfloat16", shape=(2, 5), fp_before=None, fp_after="0" * 16, changed=4,
+                             chunks=(c,))
+    assert maker(ChunkRef, positional=True) is new_chunk and maker(ChunkRef) is not new_chunk
