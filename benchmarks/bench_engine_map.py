@@ -71,21 +71,35 @@ def measure(layers: int, experts: int, inter: int, par: Parallel) -> dict:
             "changes": changes}
 
 
-def main(argv: list[str]) -> None:
+def table(quick: bool = False) -> list[str]:
+    """The Markdown table's lines (``quick``: the first two layouts only)."""
     torch.set_num_threads(1)
     sizes = [(2, 128, 64), (48, 128, 64), (60, 384, 32)]
-    if "--quick" in argv:
+    if quick:
         sizes = sizes[:2]
-    print("| layout | parallel | stream tensors (on the rank) | map build: layout + offset tables | "
-          "patch of a 1% step (changes) | per stream tensor |")
-    print("|---|---|---|---|---|---|")
+    lines = ["| layout | parallel | stream tensors (on the rank) | map build: layout + offset tables | "
+             "patch of a 1% step (changes) | per stream tensor |", "|---|---|---|---|---|---|"]
     for layers, experts, inter in sizes:
         for label, par in (("TP=2 rank 0", Parallel(tp_rank=0, tp_size=2)),
                            ("EP=2 rank 0", Parallel(tp_rank=0, tp_size=2, ep_rank=0, ep_size=2))):
             r = measure(layers, experts, inter, par)
-            print(f"| {experts} experts x {layers} layers | {label} | {r['tensors']} ({r['rank tensors']}) | "
-                  f"{r['layout_s'] * 1e3:.0f} + {r['compile_s'] * 1e3:.0f} ms | {r['patch_s'] * 1e3:.1f} ms "
-                  f"({r['changes']}) | {r['patch_s'] / r['tensors'] * 1e6:.2f} us |", flush=True)
+            lines.append(f"| {experts} experts x {layers} layers | {label} | {r['tensors']} ({r['rank tensors']}) | "
+                         f"{r['layout_s'] * 1e3:.0f} + {r['compile_s'] * 1e3:.0f} ms | {r['patch_s'] * 1e3:.1f} ms "
+                         f"({r['changes']}) | {r['patch_s'] / r['tensors'] * 1e6:.2f} us |")
+    return lines
+
+
+def run(quick: bool = False) -> str:
+    """``make bench``'s section (benchmarks/run.py)."""
+    return "\n".join(["## An engine rank's map at a seed model's expert count (issue 22, bench_engine_map)", "",
+                      "vLLM's layout of a Qwen3-MoE-style model streamed per expert (hidden 64, narrow experts): the "
+                      "map built once at start (`vllm_layout` regions + `RankMap.compile` offset tables), then the "
+                      "per-step `RankMap.patch` of a step changing 1% of every tensor's words (every expert), best "
+                      "of 3, one thread.", "", *table(quick)]) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    print("\n".join(table("--quick" in argv)), flush=True)
 
 
 if __name__ == "__main__":
