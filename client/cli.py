@@ -172,13 +172,13 @@ async def _publish_files(args, token: str, signer, verifier: Verifier | None, st
 
     options = None
     if base is not None:  # the codec (and numba with it, ~0.2 s) only for a delta: a keyframe needs neither yet
-        from deltasync.codec import EncodeOptions, state_layout
+        from deltasync.codec import EncodeOptions, same_layout
 
         options = EncodeOptions(coding=args.coding)
     async with contextlib.AsyncExitStack() as stack:
         pool = stack.enter_context(compare_pool())
         compared = None
-        if base is not None and state_layout(base) == state_layout(state):
+        if base is not None and same_layout(base, state):
             compared = start_compare(base, state, options=options, executor=pool)
             timeline.debug("mono=%.6f publish-compare-started", time.monotonic())
             stack.push_async_callback(_settled, compared)  # before the pool and the maps close
@@ -266,7 +266,7 @@ async def _publish_files_to(args, token: str, signer, verifier: Verifier | None,
         delta = False
         side_error = None
         if head is not None:
-            m = parse_manifest(head.body, verifier=verifier)
+            m = parse_manifest(head.body, verifier=verifier, records=False)  # its state fingerprints are what is used
             where = f"--base {args.base}"
             if base_error is not None:
                 raise base_error

@@ -88,9 +88,9 @@ def start_compare(base: Mapping[str, torch.Tensor | HostTensor], state: Mapping[
     same pass) on ``executor``'s threads; needs a running loop. It needs only the two maps, so ``deltasync
     publish --base`` starts it before it imports the HTTP client and asks the origin for its head; nothing
     is sent until :func:`publish_delta` has checked the result against that head."""
-    from deltasync.codec import EncodeOptions, diff_states, state_layout  # a delta's: numba's import (~0.2 s)
+    from deltasync.codec import EncodeOptions, diff_states, same_layout  # a delta's: numba's import (~0.2 s)
 
-    if state_layout(base) != state_layout(state):
+    if not same_layout(base, state):
         raise BaseMismatchError("the state's tensors differ from the base's (names, dtypes or shapes): publish a keyframe")
     chunk_words = (options or EncodeOptions()).chunk_words
     return asyncio.get_running_loop().run_in_executor(
@@ -133,9 +133,9 @@ async def publish_delta(client: HttpClient, *, model: str, version: int, parent:
     before anything is encoded or uploaded (BaseMismatchError naming ``where``, nothing sent).
     ``compared``: that compare pass, already started (:func:`start_compare`, on ``executor``, which then
     also codes the chunks); it is checked against ``head`` the same way."""
-    from deltasync.codec import EncodeOptions, diff_states, encode_diff, state_layout
+    from deltasync.codec import EncodeOptions, diff_states, encode_diff, same_layout
 
-    if state_layout(base) != state_layout(state):
+    if not same_layout(base, state):
         raise BaseMismatchError("the state's tensors differ from the base's (names, dtypes or shapes): publish a keyframe")
     if base_fps is None and head is None:
         raise ValueError("publish_delta needs the base's checked fingerprints (base_fps) or the head to check it against")

@@ -37,7 +37,7 @@ from .parts import map_parts
 from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, record_prefixes, state_fingerprint_of_lines,
                           tensor_fingerprint, update_fingerprint, words_range_delta)
 from .manifest import SPANS_META_PREFIX, BlobRef, ChunkRef, Manifest, TensorRecord, parse_spans
-from .entropy import AnsBlobCoder, AnsTables, decode_ans_rows, word_symbols
+from .entropy import AnsBlobCoder, AnsTables, decode_ans_columns, decode_ans_rows, word_symbols
 from .conditioned import (CODING_BASE_CONDITIONED, CODING_BASE_FREE, CODING_META, CODINGS, CondBlobCoder, CondTables,
                           PendingChanges, chunk_ranks, context_spec)
 from . import kernels
@@ -198,6 +198,21 @@ class StateDiff:
 
 def state_layout(state: Mapping[str, torch.Tensor | HostTensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in state.items()}
+
+
+def same_layout(a: Mapping[str, torch.Tensor | HostTensor], b: Mapping[str, torch.Tensor | HostTensor]) -> bool:
+    """``state_layout(a) == state_layout(b)``, without building either (a state of 70k tensors is checked
+    more than once a publish): tensors of one kind compare their dtype and shape as they are."""
+    if a.keys() != b.keys():
+        return False
+    for name, t in a.items():
+        u = b[name]
+        if type(t) is not type(u):
+            if dtype_info(t.dtype).name != dtype_info(u.dtype).name or tuple(t.shape) != tuple(u.shape):
+                return False
+        elif t.dtype != u.dtype or t.shape != u.shape:
+            return False
+    return True
 
 
 def diff_chunk(old_words: torch.Tensor, new_words: torch.Tensor, start: int, stop: int, word_size: int,
@@ -854,11 +869,54 @@ def _nonneg(rec: dict, key: str) -> int:
     return v
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodedBlob:
+    """A delta blob's chunks decoded and validated, its ``ans`` chunks as columns (no object per chunk; with the
+    compiled kernels): chunk ``i`` is words ``[starts[i], stops[i])`` of tensor ``tensors[i]`` (``dtypes[i]``,
+    ``word_sizes[i]``-byte words) with ``counts[i]`` changes; where ``at[i] >= 0`` those changes are
+    ``columns[word_sizes[i]]``'s (positions, raw flags, values) ``[at[i] : at[i] + counts[i]]`` (absolute
+    positions, strictly increasing), else the chunk is ``others[i]`` (dense, base-conditioned, format 1).
+    :meth:`patch` / :meth:`patches`: the same chunks as :class:`ChunkPatch` objects (views of the columns)."""
+
+    tensors: list[str]
+    dtypes: list[str]
+    starts: np.ndarray  # int64, per chunk
+    stops: np.ndarray
+    counts: np.ndarray
+    word_sizes: np.ndarray
+    at: np.ndarray  # int64: offset of the chunk's changes in its word size's columns, -1: in ``others``
+    columns: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    others: dict[int, ChunkPatch]
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def patch(self, i: int) -> ChunkPatch:
+        other = self.others.get(i)
+        if other is not None:
+            return other
+        a = int(self.at[i])
+        b = a + int(self.counts[i])
+        pos, raw, vals = self.columns[int(self.word_sizes[i])]
+        ch = _changes(positions=pos[a:b], raw=raw[a:b], values=vals[a:b])
+        return _new_patch(self.tensors[i], self.dtypes[i], int(self.starts[i]), int(self.stops[i]), ch)
+
+    def patches(self) -> list[ChunkPatch]:
+        return [self.patch(i) for i in range(len(self.tensors))]
+
+
 def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | None = None) -> list[ChunkPatch]:
     """Every chunk of a delta blob, decoded and validated. Raises FormatError on any malformed input.
 
     The header and stream lengths are checked first, in order; the chunks are then decoded
     independently, on ``executor``'s threads when one is given (numpy and zstd release the GIL)."""
+    return decode_blob_columns(data, executor=executor).patches()
+
+
+def decode_blob_columns(data: bytes | bytearray | memoryview, *, executor: Executor | None = None) -> DecodedBlob:
+    """:func:`decode_blob` as a :class:`DecodedBlob`: the same checks, the same errors, the ans chunks' changes
+    left in the flat arrays their compiled decode wrote (with the reference kernels every chunk is a
+    :class:`ChunkPatch` in ``others``)."""
     reader = BlobReader(data)
     cursors: dict[str, int] = {}
 
@@ -881,6 +939,9 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
     ans_rows: list[tuple[int, int, int, int, int, int, int, int]] = []
     dtypes: dict[str, tuple] = {}  # dtype name -> (info, word size, numpy word dtype, raw stream name)
     sizes: dict[str, int] = {}  # stream -> its size in items (ans chunks' cursors move without slicing)
+    c_names: list[str] = []  # every chunk's tensor, dtype name, start, stop, count, word size
+    c_dtypes: list[str] = []
+    c_ints: list[tuple[int, int, int, int]] = []
     for rec in reader.chunks:
         if rec.keys() != keys:
             raise FormatError(f"blob chunk fields must be {sorted(keys)} (blob format version {reader.version}), "
@@ -904,6 +965,9 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
         if type(mode) is not str or mode not in modes:
             raise FormatError(f"blob chunk: unknown mode {mode!r} (format {reader.version} has "
                               f"{', '.join(sorted(modes))})")
+        c_names.append(name)
+        c_dtypes.append(info.name)
+        c_ints.append((start, stop, count, w))
         if mode == "dense":
             if count != length or any(_nonneg(rec, k) for k in sorted(keys - _CHUNK_BASE)):
                 raise FormatError("blob chunk: a dense chunk changes every word and has no position or value streams")
@@ -960,20 +1024,33 @@ def decode_blob(data: bytes | bytearray | memoryview, *, executor: Executor | No
     for stream in reader.stream_names:
         if stream not in cursors:
             raise FormatError(f"blob stream {stream!r} has bytes no chunk uses")
-    out: list[ChunkPatch | None] = [None] * len(jobs)
+    ints = np.array(c_ints, dtype=np.int64).reshape(-1, 4)
+    at = np.full(len(jobs), -1, dtype=np.int64)
+    columns: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    others: dict[int, ChunkPatch] = {}
     if ans_batch:  # (format 2 blobs have no gap/bitmap chunks, so errors still come in chunk order)
         raws = {w: reader.stream(f"raw{w}", numpy_word_dtype(w)) for w in {r[-1] for r in ans_rows}}
-        decoded = decode_ans_rows(tables[0], reader.stream("ans"), raws, ans_rows, executor=executor)
-        new = _new_patch
-        for (i, name, dtname, stop), (_, _, _, _, start, _, _, _), ch in zip(ans_batch, ans_rows, decoded):
-            out[i] = new(name, dtname, start, stop, ch)
+        if kernels.cpu_kernels() is not None:
+            which = np.fromiter((b[0] for b in ans_batch), dtype=np.int64, count=len(ans_batch))
+            got = decode_ans_columns(tables[0], reader.stream("ans"), raws,
+                                     np.array(ans_rows, dtype=np.int64).reshape(-1, 8), executor=executor)
+            for w, (idx, offsets, pos, rawf, vals) in got.items():
+                at[which[idx]] = offsets[:-1]
+                columns[w] = (pos, rawf, vals)
+        else:
+            decoded = decode_ans_rows(tables[0], reader.stream("ans"), raws, ans_rows, executor=executor)
+            new = _new_patch
+            for (i, name, dtname, stop), (_, _, _, _, start, _, _, _), ch in zip(ans_batch, ans_rows, decoded):
+                others[i] = new(name, dtname, start, stop, ch)
     todo = [i for i, job in enumerate(jobs) if job is not None]
     for i, p in zip(todo, map_parts(lambda i: jobs[i](), todo, executor)):
-        out[i] = p
-    return out
+        others[i] = p
+    return DecodedBlob(tensors=c_names, dtypes=c_dtypes, starts=ints[:, 0], stops=ints[:, 1], counts=ints[:, 2],
+                       word_sizes=ints[:, 3], at=at, columns=columns, others=others)
 
 
 _patch = maker(ChunkPatch)
+_changes = maker(Changes)
 
 
 _record, _chunk_ref, _chunk_diff = maker(TensorRecord), maker(ChunkRef), maker(ChunkDiff)

@@ -175,6 +175,11 @@ def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHead
     if n > MAX_HEADER_BYTES or 8 + n > size or 8 + n > len(buf):
         raise FormatError(f"{where}header of {n} bytes runs past the end of the {size}-byte data (truncated?)")
     text = bytes(buf[8 : 8 + n])
+    global _LAST_HEADER
+    last = _LAST_HEADER
+    if last is not None and last[1] == size and last[0] == text:  # the same header again (a step's two files)
+        h = last[2]
+        return TensorHeader(entries=h.entries, metadata=dict(h.metadata), data_start=h.data_start, size=size)
     parsed = _fast_json(text)
     if parsed is not None:
         header, meta = parsed
@@ -224,7 +229,15 @@ def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHead
         at = e.stop
     if at != size:
         raise FormatError(f"{where}{size - at} bytes after the last tensor (a torn write?)")
-    return TensorHeader(entries=tuple(entries), metadata=dict(meta), data_start=base, size=size)
+    out = TensorHeader(entries=tuple(entries), metadata=dict(meta), data_start=base, size=size)
+    _LAST_HEADER = (text, size, TensorHeader(entries=out.entries, metadata=dict(meta), data_start=base, size=size))
+    return out
+
+
+#: (header text, buffer size, its checked TensorHeader): the last header parsed. Consecutive checkpoints of one
+#: trainer have the same header byte for byte (``publish --base``, ``diff``: 0.37 s a file at 70,000 tensors);
+#: a header is a pure function of its text and the buffer's size, so the second is the first's.
+_LAST_HEADER: tuple[bytes, int, TensorHeader] | None = None
 
 
 def _tensor(whole: torch.Tensor, e: TensorEntry) -> torch.Tensor:

@@ -374,3 +374,54 @@ def test_a_parsed_manifest_is_verified_and_sent_with_the_table_it_came_with(monk
     obj["table"] = base64.b64encode(bytes(raw)).decode()
     with pytest.raises((SignatureError, FormatError)):
         parse_manifest(json.dumps(obj).encode(), verifier=KEY)
+
+
+def test_a_manifest_parsed_without_its_records_verifies_and_refuses_their_use(monkeypatch):
+    """``records=False`` (a publisher checking its base against the origin's head): the table is not unpacked,
+    the fields and the signature are checked as always, and reading a record raises instead of seeing none."""
+    from deltasync import manifest as manifest_mod
+
+    for m in (DELTA.compact().sign(KEY), KEYFRAME.compact().sign(KEY)):
+        wire = m.to_json()
+        manifest_mod._PARSED.clear()
+        with monkeypatch.context() as p:
+            p.setattr(manifest_mod, "unpack_table", lambda *a, **k: pytest.fail("the table was unpacked"))
+            head = parse_manifest(wire, verifier=KEY, records=False)
+        assert (head.state_fp, head.version, head.kind, head.blobs) == (m.state_fp, m.version, m.kind, m.blobs)
+        manifest_mod._TABLES.clear()  # its table text is its own, not only remembered
+        assert head.to_json() == wire
+        head.verify_signature(KEY)
+        for use in (lambda: len(head.tensors), lambda: list(head.tensors), lambda: head.tensors[0],
+                    lambda: head.changed_words):
+            with pytest.raises(RuntimeError, match="without its tensor records"):
+                use()
+        obj = json.loads(wire)
+        obj["state_fp"] = "0" * 16
+        with pytest.raises(SignatureError):
+            parse_manifest(json.dumps(obj).encode(), verifier=KEY, records=False)
+        obj = json.loads(wire)
+        obj["table"] = 7
+        with pytest.raises(FormatError, match="table must be a base64 string"):
+            parse_manifest(json.dumps(obj).encode(), records=False)
+
+
+def test_a_body_parsed_again_is_the_same_manifest_and_still_verified(monkeypatch):
+    """The last few bodies parsed are kept by their bytes (a subscriber parsed one keyframe manifest four
+    times: 0.35 s each at 70,000 tensors); a repeat unpacks nothing, is verified against the verifier asked
+    for each time, and still serializes to its wire bytes after the remembered tables moved on."""
+    from deltasync import manifest as manifest_mod
+
+    wire = DELTA.compact().sign(KEY).to_json()
+    first = parse_manifest(wire, verifier=KEY)
+    with monkeypatch.context() as p:
+        p.setattr(manifest_mod, "unpack_table", lambda *a, **k: pytest.fail("the table was unpacked again"))
+        manifest_mod._TABLES.clear()
+        again = parse_manifest(bytearray(wire), verifier=KEY)
+        assert again is first and again.to_json() == wire
+        assert parse_manifest(wire, records=False) is first  # a parse with its records serves one without
+        with pytest.raises(SignatureError):
+            parse_manifest(wire, verifier=b"another key of 32 bytes........")
+    tampered = wire.replace(b'"version":8', b'"version":9')
+    assert tampered != wire
+    with pytest.raises(SignatureError):
+        parse_manifest(tampered, verifier=KEY)

@@ -93,3 +93,23 @@ def test_big_integers_fall_back_to_the_stdlib_error():
     body = b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,' + str(1 << 70).encode() + b']}}'
     with pytest.raises(FormatError, match="do not fit"):
         parse_header(_file(body, b"x"))
+
+
+def test_the_same_header_twice_is_parsed_once(monkeypatch):
+    """A step's two checkpoints have the same header byte for byte: the second parse is the first's result
+    (0.37 s a file at 70,000 tensors), with its own metadata dict; another size or header is parsed anew."""
+    state = {f"w{i}": torch.randn(3, 2) for i in range(5)}
+    buf = save(state, metadata={"step": "1"})
+    first = parse_header(buf)
+    calls = []
+    real = tensorfile._fast_json
+    monkeypatch.setattr(tensorfile, "_fast_json", lambda text: calls.append(1) or real(text))
+    again = parse_header(bytearray(buf))
+    assert again == first and not calls
+    assert again.metadata is not first.metadata
+    again.metadata["x"] = "y"
+    assert parse_header(buf).metadata == {"step": "1"}
+    with pytest.raises(FormatError, match="after the last tensor"):
+        parse_header(buf + b"\0" * 8)  # the same header text, another size: checked anew
+    other = save({**state, "w0": torch.randn(3, 3)}, metadata={"step": "1"})
+    assert [e.shape for e in parse_header(other).entries][0] == (3, 3) and calls
