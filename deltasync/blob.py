@@ -140,25 +140,35 @@ class BlobWriter:
             self._parts.setdefault(name, []).append(arr)
 
     def finish(self) -> bytes:
-        cctx = self._cctx or thread_compressor(self._level)
-        frames: list[bytes] = []
-        table: dict[str, list[int]] = {}
-        offset = 0
-        for name in sorted(self._parts):
-            arr = np.concatenate(self._parts[name]) if len(self._parts[name]) > 1 else self._parts[name][0]
-            if name in WORD_STREAMS:
-                arr = shuffle_planes(arr)
-            raw = arr.view(np.uint8).tobytes() if arr.dtype != np.uint8 else arr.tobytes()
-            frame = cctx.compress(raw)
-            table[name] = [offset, len(frame), len(raw)]
-            frames.append(frame)
-            offset += len(frame)
-        header = json.dumps({"streams": table, "chunks": self.chunks}, separators=(",", ":"), sort_keys=True).encode()
-        if self.version >= 2:
-            header = cctx.compress(header)  # per-chunk records repeat names and keys: ~6x smaller
-        out = b"".join([_PREFIX.pack(MAGIC, self.version, len(header)), header, *frames])
+        out = pack_blob(self._parts, json.dumps(self.chunks, separators=(",", ":"), sort_keys=True),
+                        version=self.version, cctx=self._cctx or thread_compressor(self._level))
         self.reset()
         return out
+
+
+def pack_blob(parts: dict[str, list[np.ndarray]], chunks_json: str, *, version: int,
+              cctx: zstandard.ZstdCompressor) -> bytes:
+    """A blob's bytes: ``parts`` (stream name -> its non-empty pieces, in chunk order) compressed a frame a stream,
+    under the header of those streams and of the chunk records whose compact, key-sorted JSON array is
+    ``chunks_json`` (what :meth:`BlobWriter.finish` writes; ``deltasync.columnar`` renders the records itself)."""
+    frames: list[bytes] = []
+    table: dict[str, list[int]] = {}
+    offset = 0
+    for name in sorted(parts):
+        arr = np.concatenate(parts[name]) if len(parts[name]) > 1 else parts[name][0]
+        if name in WORD_STREAMS:
+            arr = shuffle_planes(arr)
+        raw = arr.view(np.uint8).tobytes() if arr.dtype != np.uint8 else arr.tobytes()
+        frame = cctx.compress(raw)
+        table[name] = [offset, len(frame), len(raw)]
+        frames.append(frame)
+        offset += len(frame)
+    # json.dumps({"streams": table, "chunks": records}, separators=(",", ":"), sort_keys=True), the records given
+    header = ('{"chunks":' + chunks_json + ',"streams":' + json.dumps(table, separators=(",", ":"), sort_keys=True)
+              + "}").encode()
+    if version >= 2:
+        header = cctx.compress(header)  # per-chunk records repeat names and keys: ~6x smaller
+    return b"".join([_PREFIX.pack(MAGIC, version, len(header)), header, *frames])
 
 
 class BlobReader:

@@ -1,0 +1,473 @@
+"""The columnar fast path of :func:`~deltasync.codec.diff_states` and :func:`~deltasync.codec.encode_diff`.
+
+A state of 70k small tensors (a large MoE in per-expert naming) cost ~5x what the same bytes cost in a
+few tensors: the per-chunk path builds a ``ChunkDiff`` per tensor, fingerprints it in Python, and calls
+two compiled kernels, adds a dict record and a ``ChunkRef`` per chunk. Here, for the common case (host
+tensors, the compiled kernels, blob format 2, packing by tensor), the diff stays as the compare kernel
+returns it: one positions / old / new array per word size and a table of chunks (:class:`FlatDiff`,
+numpy columns), fingerprints are summed with numpy over the tensors, and the encoder codes every blob's
+chunks in a few compiled calls (:mod:`deltasync.kernels.ansbatch`), blobs on the caller's executor,
+rendering the blob headers' chunk records as text and building the manifest's records from columns.
+
+The output is the per-chunk path's, byte for byte (manifest and blobs; ``tests/core/test_columnar.py``).
+A :class:`~deltasync.codec.StateDiff` made here still offers ``chunks`` (built on first use) to every
+other consumer (budgets, the base-conditioned coding, format 1, packing by cells).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from itertools import repeat
+
+import numpy as np
+
+from . import kernels
+from .blob import blob_id, pack_blob
+from .dtypes import HostTensor, dtype_info, numpy_word_dtype
+from .entropy import _RAW_LIMIT, AnsTables
+from .fingerprint import record_prefixes, state_fingerprint_of_lines
+from .kernels import rans
+from .kernels.fpkeys import C0, MASK64, T_NP
+from .manifest import SPANS_META_PREFIX, BlobRef, Manifest
+from .parts import TASKS, map_parts, split_counts
+from .tensortable import new_chunk, new_record
+from .zctx import compressor
+
+__all__ = ["ENABLED", "FlatDiff", "diff_flat", "encode_flat", "takes_flat"]
+
+#: False: ``diff_states`` and ``encode_diff`` take the per-chunk path (tests compare the two, byte for byte)
+ENABLED = True
+
+PIECE_WORDS = 1 << 21  # words compared per task (whole chunks; small tensors share a task), as codec's
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FlatDiff:
+    """A state diff as columns: the changed chunks in packing order (tensors by name, then by start), each
+    a range ``[lo, hi)`` of its word size's ``pos`` / ``old`` / ``new`` arrays (``pos`` shared by all word
+    sizes: ``base[w]`` is where word size ``w``'s changes begin in it)."""
+
+    names: list[str]  # every tensor, sorted
+    dtypes: list[str]  # each tensor's dtype name
+    shapes: list[tuple[int, ...]]
+    tensor: np.ndarray  # int64 per chunk: index into names
+    start: np.ndarray  # int64 per chunk: word span [start, stop) in its tensor
+    stop: np.ndarray
+    word_size: np.ndarray  # int64 per chunk
+    lo: np.ndarray  # int64 per chunk: its changes are pos[lo:hi] (old/new[w][lo - base[w]:hi - base[w]])
+    hi: np.ndarray
+    pos: np.ndarray  # int64: absolute word positions, word size by word size
+    old: dict[int, np.ndarray]  # word size -> unsigned words before
+    new: dict[int, np.ndarray]  # ... and after
+    base: dict[int, int]  # word size -> offset of its changes in pos
+    words: np.ndarray  # int64 per tensor: its word count
+
+    def chunk_diffs(self) -> dict[str, list]:
+        """``StateDiff.chunks``: tensor name -> its ChunkDiffs."""
+        from .codec import ChunkDiff
+
+        out: dict[str, list] = {}
+        names, pos, base = self.names, self.pos, self.base
+        for t, s, e, w, a, b in zip(self.tensor.tolist(), self.start.tolist(), self.stop.tolist(),
+                                    self.word_size.tolist(), self.lo.tolist(), self.hi.tolist()):
+            off = base[w]
+            c = ChunkDiff(start=s, stop=e, positions=pos[a:b], old=self.old[w][a - off : b - off],
+                          new=self.new[w][a - off : b - off])
+            out.setdefault(names[t], []).append(c)
+        return out
+
+
+class LazyChunks(Mapping):
+    """``StateDiff.chunks`` of a :class:`FlatDiff`: the ChunkDiffs built on first use (the fast encoder never
+    asks for them)."""
+
+    __slots__ = ("_flat", "_chunks")
+
+    def __init__(self, flat: FlatDiff) -> None:
+        self._flat = flat
+        self._chunks: dict | None = None
+
+    def _get(self) -> dict:
+        if self._chunks is None:
+            self._chunks = self._flat.chunk_diffs()
+        return self._chunks
+
+    def __getitem__(self, key):
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __contains__(self, key) -> bool:
+        return key in self._get()
+
+    def get(self, key, default=None):
+        return self._get().get(key, default)
+
+
+# -- diff ----------------------------------------------------------------------------------------------
+
+_INFOS: dict = {}  # tensor dtype (a name or a torch dtype) -> (dtype name, word size, lanes a word, is float)
+
+
+def _info(dtype):
+    got = _INFOS.get(dtype)
+    if got is None:
+        info = dtype_info(dtype)
+        got = _INFOS[dtype] = (info.name, info.word_size, max(info.word_size // 2, 1), info.is_float)
+    return got
+
+
+def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None, chunk_words: int,
+              update_old: bool, progress: Callable[[int, int], None] | None, executor: Executor | None):
+    """:func:`codec.diff_states` as a :class:`~deltasync.codec.StateDiff` holding a :class:`FlatDiff`, or None
+    where this path does not apply (a tensor off the host, no compiled kernels): the caller then takes the
+    per-chunk path. The same fingerprints and changes."""
+    from .codec import StateDiff, _check_layout, _on_host, _span_words, tensor_chunk_ranges
+
+    k = kernels.cpu_kernels()
+    if k is None or not ENABLED:
+        return None
+    if old.keys() != new.keys():
+        _check_layout(old, new)  # raises
+    names = sorted(new)
+    dtypes: list[str] = []
+    shapes: list[tuple[int, ...]] = []
+    jobs: dict[int, list] = {}  # word size -> [(address old, address new, words, first, last)]
+    owners: dict[int, list[int]] = {}  # word size -> tensor of each job
+    words_of = np.zeros(len(names), np.int64)
+    lanes_per = np.zeros(len(names), np.int64)
+    wsize_of = np.zeros(len(names), np.int64)
+    range_cache: dict = {}
+    addr = k.address
+    info = _info
+    for t, name in enumerate(names):
+        o_t, n_t = old[name], new[name]
+        if type(o_t) is HostTensor and type(n_t) is HostTensor:
+            if o_t.dtype != n_t.dtype or o_t.shape != n_t.shape:
+                _check_layout(old, new)
+            dt, shape, ow, nw = n_t.dtype, n_t.shape, o_t.words, n_t.words
+            dname, w, per, _ = info(dt)
+        else:
+            if not (_on_host(o_t) and _on_host(n_t)):
+                return None
+            if o_t.dtype != n_t.dtype or tuple(o_t.shape) != tuple(n_t.shape):
+                _check_layout(old, new)
+            if update_old and not o_t.is_contiguous():
+                raise ValueError(f"{name}: update_old needs a contiguous old tensor")
+            dname, w, per, _ = info(n_t.dtype)
+            shape = tuple(n_t.shape)
+            ds = dtype_info(dname)
+            ow, nw = _span_words(o_t, ds), _span_words(n_t, ds)
+        if not (ow.flags.c_contiguous and nw.flags.c_contiguous) or (update_old and not ow.flags.writeable):
+            return None
+        dtypes.append(dname)
+        shapes.append(shape)
+        n = nw.size
+        words_of[t] = n
+        lanes_per[t] = per
+        wsize_of[t] = w
+        key = (shape, n)
+        ranges = range_cache.get(key)
+        if ranges is None:
+            ranges = range_cache[key] = tensor_chunk_ranges(shape, n, chunk_words)
+        if not ranges:
+            continue
+        js = jobs.get(w)
+        if js is None:
+            js = jobs[w] = []
+            owners[w] = []
+        a, b = addr(ow), addr(nw)
+        if len(ranges) == 1:
+            js.append((a, b, n, 0, n))
+            owners[w].append(t)
+        else:
+            js.extend([(a, b, n, s, e) for s, e in ranges])
+            owners[w].extend([t] * len(ranges))
+    want = base_fps is None
+    table = T_NP
+    tasks = []  # (word size, job table rows)
+    tables = {}
+    for w, js in jobs.items():
+        tab = tables[w] = np.array(js, dtype=np.int64).reshape(-1, 5)
+        span = tab[:, 4] - tab[:, 3]
+        ends = np.cumsum(span)
+        cut = np.flatnonzero(np.diff((ends - 1) // PIECE_WORDS)) + 1 if tab.shape[0] > 1 else np.zeros(0, np.int64)
+        bounds = [0, *cut.tolist(), tab.shape[0]]
+        tasks.extend((w, tab[a:b]) for a, b in zip(bounds, bounds[1:]))
+    total = int((words_of * wsize_of).sum())
+    likes = {w: (np.empty(0, numpy_word_dtype(w)), np.empty(0, numpy_word_dtype(w) if w <= 2 else np.uint16))
+             for w in jobs}
+
+    def run(task):
+        w, rows = task
+        like, lane_like = likes[w]
+        cap = 1024 + int((rows[:, 4] - rows[:, 3]).sum()) // 1024
+        pos, ow, nw, offsets, fpds, totals = k.diff_jobs(rows, like, lane_like, table, 0 if w == 1 else w // 2, want,
+                                                         update_old, cap)
+        n = int(offsets[-1])
+        return pos[:n], ow[:n], nw[:n], offsets, fpds, totals
+
+    results = executor.map(run, tasks) if executor is not None and len(tasks) > 1 else map(run, tasks)
+    got: dict[int, list] = {w: [] for w in jobs}
+    done = 0
+    for (w, rows), r in zip(tasks, results):
+        got[w].append(r)
+        if progress:
+            done += int((rows[:, 4] - rows[:, 3]).sum()) * w
+            progress(done, total)
+    # columns per job, word size by word size, then the changed chunks among them
+    fpd_t = np.zeros(len(names), np.uint64)
+    lane_t = np.zeros(len(names), np.uint64)
+    cols = []
+    pos_parts = []
+    olds, news, base = {}, {}, {}
+    at = 0
+    for w in sorted(got):
+        rs = got[w]
+        counts = np.concatenate([np.diff(r[3]) for r in rs])
+        fpds = np.concatenate([r[4] for r in rs])
+        owner = np.asarray(owners[w], np.int64)
+        first = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+        ts = owner[first]
+        fpd_t[ts] = np.add.reduceat(fpds, first)  # uint64: sums mod 2**64
+        if want:
+            lane_t[ts] = np.add.reduceat(np.concatenate([r[5] for r in rs]), first)
+        pos_parts.extend(r[0] for r in rs)
+        olds[w] = np.concatenate([r[1] for r in rs]) if len(rs) > 1 else rs[0][1]
+        news[w] = np.concatenate([r[2] for r in rs]) if len(rs) > 1 else rs[0][2]
+        base[w] = at
+        ends = np.cumsum(counts) + at
+        at = int(ends[-1]) if ends.size else at
+        keep = counts > 0
+        tab = tables[w]
+        cols.append((owner[keep], tab[keep, 3], tab[keep, 4], np.full(int(keep.sum()), w, np.int64),
+                     (ends - counts)[keep], ends[keep]))
+    pos = np.concatenate(pos_parts) if len(pos_parts) != 1 else pos_parts[0]
+    if cols:
+        tensor, start, stop, wsz, lo, hi = (np.concatenate(c) for c in zip(*cols))
+        if len(cols) > 1:  # word sizes interleave: packing order is by tensor, then start
+            order = np.lexsort((start, tensor))
+            tensor, start, stop, wsz, lo, hi = (a[order] for a in (tensor, start, stop, wsz, lo, hi))
+    else:
+        tensor = start = stop = wsz = lo = hi = np.zeros(0, np.int64)
+    flat = FlatDiff(names=names, dtypes=dtypes, shapes=shapes, tensor=tensor, start=start, stop=stop, word_size=wsz,
+                    lo=lo, hi=hi, pos=pos, old=olds, new=news, base=base, words=words_of)
+    if want:
+        before = lane_t + words_of.astype(np.uint64) * lanes_per.astype(np.uint64) * np.uint64(C0)
+        fps_before = dict(zip(names, before.tolist()))
+    else:
+        fps_before = dict(base_fps)
+        try:
+            before = np.array([base_fps[n] for n in names], dtype=np.uint64)
+        except OverflowError:
+            before = np.array([base_fps[n] & MASK64 for n in names], dtype=np.uint64)
+    after = before + fpd_t
+    layout = dict(zip(names, zip(dtypes, shapes)))
+    return StateDiff(layout=layout, chunks=LazyChunks(flat), fps_before=fps_before,
+                     fps_after=dict(zip(names, after.tolist())), flat=flat)
+
+
+# -- encode --------------------------------------------------------------------------------------------
+
+def takes_flat(diff, options) -> bool:
+    """Does :func:`encode_flat` encode ``diff`` under ``options`` (a :class:`FlatDiff`, blob format 2, packing
+    by tensor, the compiled kernels)?"""
+    return (ENABLED and getattr(diff, "flat", None) is not None and options.blob_format == 2
+            and options.pack == "tensor" and kernels.cpu_kernels() is not None)
+
+
+_PLAIN = re.compile(r'[^ -~]|["\\]')  # a name holding none of these is its own JSON string body
+
+
+def _quoted(names: list[str]) -> list[str]:
+    """Each name as ``json.dumps`` spells it."""
+    if _PLAIN.search("".join(names)) is None:
+        return ['"' + n + '"' for n in names]
+    return [json.dumps(n) for n in names]
+
+
+def _hex(values: np.ndarray) -> list[str]:
+    """Each uint64 as 16 lowercase hex digits."""
+    text = values.astype(">u8").tobytes().hex()
+    return [text[i : i + 16] for i in range(0, len(text), 16)]
+
+
+def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: Mapping[str, str] | None,
+                executor: Executor | None):
+    """:func:`codec.encode_diff` of a diff :func:`takes_flat` takes: the same manifest and blobs."""
+    from .codec import MIN_CELL_WORDS, SHARD_CELLS, Encoded, _cell
+    from .kernels import ansbatch
+
+    flat: FlatDiff = diff.flat
+    names, dtypes, shapes = flat.names, flat.dtypes, flat.shapes
+    C = flat.tensor.size
+    tensor, start, stop, wsz, lo, hi = flat.tensor, flat.start, flat.stop, flat.word_size, flat.lo, flat.hi
+    count = hi - lo
+    pos = flat.pos
+    n_all = pos.size
+    sym = np.empty(n_all, np.uint8)
+    bigneg = np.empty(n_all, np.bool_)
+    bigmag = np.empty(n_all, np.uint64)
+    nb = np.zeros(C, np.int64)
+    nr = np.zeros(C, np.int64)
+    gl = np.zeros((C, rans.N_GAP), np.int64)
+    vl = np.zeros((C, rans.N_VAL), np.int64)
+    raws: dict[int, np.ndarray] = {}
+    dt_codes = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}
+    t_code = np.fromiter((dt_codes[d] for d in dtypes), np.int64, len(dtypes))
+    is_float = np.array([dtype_info(d).is_float for d in dt_codes], np.bool_)[t_code][tensor]
+    # symbols, word size by word size, in parts on the executor's threads (nogil)
+    work = []
+    for w in sorted(flat.old):
+        idx = np.flatnonzero(wsz == w) if len(flat.old) > 1 else np.arange(C)
+        if idx.size == 0:
+            continue
+        off = flat.base[w]
+        n_w = flat.old[w].size
+        raws[w] = np.empty(n_w, flat.old[w].dtype)
+        views = (pos[off : off + n_w], flat.old[w], flat.new[w], sym[off : off + n_w], bigneg[off : off + n_w],
+                 bigmag[off : off + n_w], raws[w])
+        lo_w = lo[idx] - off
+        hi_w = hi[idx] - off
+        st_w = start[idx]
+        fl_w = is_float[idx]
+        nb_w = np.zeros(idx.size, np.int64)
+        nr_w = np.zeros(idx.size, np.int64)
+        gl_w = np.zeros((idx.size, rans.N_GAP), np.int64) if len(flat.old) > 1 else gl
+        vl_w = np.zeros((idx.size, rans.N_VAL), np.int64) if len(flat.old) > 1 else vl
+        parts = split_counts(count[idx].tolist(), TASKS) if executor is not None and idx.size > 1 else [(0, idx.size)]
+        for a, b in parts:
+            work.append((w, views, lo_w[a:b], hi_w[a:b], st_w[a:b], fl_w[a:b], nb_w[a:b], nr_w[a:b], gl_w[a:b],
+                         vl_w[a:b]))
+        if len(flat.old) > 1:
+            work.append(("scatter", idx, nb_w, nr_w, gl_w, vl_w))
+        else:
+            work.append(("scatter", None, nb_w, nr_w, None, None))
+
+    def symbols(item):
+        w, (p, o, n, s, bn, bm, rw), a, b, st, fl, nbv, nrv, g, v = item
+        return ansbatch.word_symbols_chunks(p, o, n, a, b, st, fl, _RAW_LIMIT[w], s, bn, bm, rw, nbv, nrv, g, v)
+
+    sym_work = [x for x in work if x[0] != "scatter"]
+    bad = list(executor.map(symbols, sym_work)) if executor is not None and len(sym_work) > 1 else \
+        [symbols(x) for x in sym_work]
+    if any(x >= 0 for x in bad):
+        raise ValueError("a zero step is not a change")
+    for x in work:
+        if x[0] == "scatter":
+            _, idx, nb_w, nr_w, gl_w, vl_w = x
+            if idx is None:
+                nb[:], nr[:] = nb_w, nr_w
+            else:
+                nb[idx], nr[idx], gl[idx], vl[idx] = nb_w, nr_w, gl_w, vl_w
+    # dense chunks (rewritten: every word changed, most of them raw) and each chunk's raw bytes in its blob
+    length = stop - start
+    dense = (count == length) & (2 * nr > count)
+    nbytes = np.where(dense, length * wsz, 2 * count + nr * wsz)
+    # the row cell of each chunk of a tensor cut into cells (codec.tensor_chunk_ranges: 2+ dims, 2+ rows, at
+    # least SHARD_CELLS * MIN_CELL_WORDS words); 0 for the others
+    cell = np.zeros(C, np.int64)
+    tw = flat.words[tensor]
+    for j in np.flatnonzero(tw >= SHARD_CELLS * MIN_CELL_WORDS).tolist():
+        shape = shapes[int(tensor[j])]
+        if len(shape) >= 2 and shape[0] >= 2:
+            cell[j] = _cell(shape, int(tw[j]), int(start[j]))
+    keys = tensor * SHARD_CELLS + cell
+    blob_of = ansbatch.blob_cuts(keys, nbytes, options.cell_blob_min, options.blob_target) if C else \
+        np.zeros(0, np.int64)
+    nblobs = int(blob_of[-1]) + 1 if C else 0
+    firsts = np.searchsorted(blob_of, np.arange(nblobs + 1))
+    quoted = _quoted(names)
+    dquoted = {d: json.dumps(d) for d in dt_codes}
+    level, blob_version = options.level, options.blob_format
+
+    def blob(b: int) -> tuple[bytes, str]:
+        c0, c1 = int(firsts[b]), int(firsts[b + 1])
+        dn = dense[c0:c1]
+        parts: dict[str, list[np.ndarray]] = {}
+        na = np.zeros(c1 - c0, np.int64)
+        ans = np.flatnonzero(~dn) + c0
+        if ans.size:
+            g = gl[ans].sum(axis=0)
+            v = vl[ans].sum(axis=0)
+            tables = AnsTables.from_freqs(rans.normalize(g), rans.normalize(v))
+            (gf, gc, _), (vf, vc, _) = tables.g, tables.v
+            words, na_ans = ansbatch.encode_chunks(pos, lo[ans], hi[ans], start[ans], nb[ans], sym, bigneg, bigmag,
+                                                   gf, gc, vf, vc)
+            na[ans - c0] = na_ans
+            parts["ansm"] = [tables.to_bytes()]
+            parts["ans"] = [words.astype("<u2", copy=False).view(np.uint8)]
+            for w in sorted(raws):
+                sel = ans[wsz[ans] == w] if len(raws) > 1 else ans
+                k = nr[sel]
+                n = int(k.sum())
+                if n:
+                    off = flat.base[w]
+                    starts = lo[sel] - off
+                    ends = np.cumsum(k)
+                    idx = np.arange(n, dtype=np.int64) + np.repeat(starts - (ends - k), k)
+                    parts[f"raw{w}"] = [raws[w][idx]]
+        if dn.any():
+            for j in (np.flatnonzero(dn) + c0).tolist():
+                w = int(wsz[j])
+                off = flat.base[w]
+                parts.setdefault(f"dense{w}", []).append(flat.new[w][int(lo[j]) - off : int(hi[j]) - off])
+        rng = slice(c0, c1)
+        modes = ["dense" if x else "ans" for x in dn.tolist()]
+        nr_b = np.where(dn, 0, nr[rng]).tolist()
+        recs = [f'{{"count":{n},"dtype":{dquoted[dtypes[t]]},"mode":"{m}","na":{a},"nr":{r},"start":{s},'
+                f'"stop":{e},"tensor":{quoted[t]}}}'
+                for n, t, m, a, r, s, e in zip(count[rng].tolist(), tensor[rng].tolist(), modes, na.tolist(), nr_b,
+                                               start[rng].tolist(), stop[rng].tolist())]
+        data = pack_blob(parts, "[" + ",".join(recs) + "]", version=blob_version, cctx=compressor(level))
+        return data, blob_id(data)
+
+    made = list(map_parts(blob, range(nblobs), executor,
+                          weight=lambda b: int(count[int(firsts[b]) : int(firsts[b + 1])].sum())))
+    blobs: dict[str, bytes] = {}
+    for data, bid in made:
+        blobs.setdefault(bid, data)
+    ids = [bid for _, bid in made]
+    # the manifest's records, from columns
+    bid_of = [ids[b] for b in blob_of.tolist()]
+    index = (np.arange(C, dtype=np.int64) - firsts[blob_of]).tolist() if C else []
+    refs = list(map(new_chunk, bid_of, index, repeat(None), start.tolist(), stop.tolist()))
+    N = len(names)
+    chunks_of: list[tuple] = [()] * N
+    changed = [0] * N
+    if C:
+        heads = np.flatnonzero(np.r_[True, tensor[1:] != tensor[:-1]])
+        bounds = [*heads.tolist(), C]
+        sums = np.add.reduceat(count, heads).tolist()
+        for i, t in enumerate(tensor[heads].tolist()):
+            chunks_of[t] = tuple(refs[bounds[i] : bounds[i + 1]])
+            changed[t] = sums[i]
+    fps_before = np.array([diff.fps_before[n] & MASK64 for n in names], np.uint64) if N else np.zeros(0, np.uint64)
+    fps_after = np.array([diff.fps_after[n] for n in names], np.uint64) if N else np.zeros(0, np.uint64)
+    hb, ha = _hex(fps_before), _hex(fps_after)
+    records = list(map(new_record, names, dtypes, shapes, hb, ha, changed, chunks_of))
+    meta = dict(meta or {})
+    if len(blobs) > 1:  # with one blob there is nothing to select: no spans
+        spans = [f"{s}:{e}" for s, e in zip(start.tolist(), stop.tolist())]
+        prefix = SPANS_META_PREFIX
+        if C:
+            for i, t in enumerate(tensor[heads].tolist()):
+                a, b = bounds[i], bounds[i + 1]
+                meta[prefix + names[t]] = spans[a] if b - a == 1 else ",".join(spans[a:b])
+    prefixes = record_prefixes(zip(names, dtypes, shapes))
+    manifest = Manifest(
+        model=model, version=version, parent=parent, kind="delta", tensors=tuple(records),
+        blobs=tuple(BlobRef(id=b, size=len(d)) for b, d in blobs.items()),
+        state_fp=state_fingerprint_of_lines(prefixes, ha), state_fp_before=state_fingerprint_of_lines(prefixes, hb),
+        meta=meta,
+    )
+    return Encoded(manifest=manifest, blobs=blobs, fps=dict(diff.fps_after))
+

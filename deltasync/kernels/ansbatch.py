@@ -1,0 +1,123 @@
+"""The encode side of format 2's ``ans`` chunks over many chunks per compiled call (numba, GIL released).
+
+:mod:`deltasync.kernels.rans` codes one chunk a call (``word_symbols``, ``encode_chunk_pos``): on a state of
+70k small tensors that is 140k calls and as many sets of small arrays. Here the chunks of a columnar diff
+(:mod:`deltasync.columnar`: one positions / old / new array per word size, each chunk a ``[lo, hi)`` range of
+them) go through in a few calls: :func:`word_symbols_chunks` writes every chunk's symbols into arrays laid
+out like the positions, :func:`blob_cuts` places the blob boundaries, :func:`encode_chunks` codes a blob's
+messages one after the other. The bytes are those of the per-chunk kernels (the same arithmetic, or a call
+to them); ``tests/core/test_columnar.py`` checks it.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .cache import load_cached_directly
+from .rans import RAW, _step_symbol, bit_length, encode_chunk_pos
+
+_U = np.uint64
+
+
+@numba.njit(cache=True, nogil=True)
+def word_symbols_chunks(pos, old, new, lo, hi, start, is_float, raw_limit, sym, bigneg, bigmag, raws, nb, nr, gl, vl):
+    """:func:`rans.word_symbols` of chunks ``j`` = ``pos/old/new[lo[j]:hi[j]]`` (chunk start ``start[j]``, float
+    dtype ``is_float[j]``), written in place: value symbols at the changes' own indices in ``sym``; a chunk's
+    BIG signs / magnitudes and raw words at ``bigneg/bigmag/raws[lo[j]:lo[j] + nb[j]]`` (``nr[j]`` raw words);
+    its gap-bucket and symbol counts in rows ``gl[j]``, ``vl[j]``. Returns the first chunk holding a zero step
+    (equal old and new words: not a change), or -1."""
+    bits = old.itemsize * 8
+    top = _U(bits - 1)
+    half = _U(1) << top
+    mask = ~_U(0) if bits == 64 else (_U(1) << _U(bits)) - _U(1)
+    lim = _U(raw_limit)
+    bad = -1
+    for j in range(lo.size):
+        a0 = lo[j]
+        b0 = hi[j]
+        flt = is_float[j]
+        k = a0  # next BIG entry
+        r = a0  # next raw word
+        prev = start[j] - 1
+        for i in range(a0, b0):
+            p = pos[i]
+            gl[j, bit_length(_U(p - prev - 1))] += 1
+            prev = p
+            a = _U(old[i])
+            b = _U(new[i])
+            d = (b - a) & mask
+            neg = d >= half
+            mag = ((~d + _U(1)) & mask) if neg else d
+            if mag > lim or (flt and ((a ^ b) >> top) & _U(1)):
+                s = RAW
+                raws[r] = new[i]
+                r += 1
+            elif mag == 0:
+                if bad < 0:
+                    bad = j
+                s = 0
+            else:
+                s, k = _step_symbol(mag, neg, bigneg, bigmag, k)
+            sym[i] = s
+            vl[j, s] += 1
+        nb[j] = k - a0
+        nr[j] = r - a0
+    return bad
+
+
+@numba.njit(cache=True, nogil=True)
+def blob_cuts(keys, nbytes, cell_min, target):
+    """The blob of each chunk, in packing order, as ``ChunkPacker`` closes them: before a chunk whose key (its
+    tensor and row cell) differs from the previous chunk's once the open blob holds ``cell_min`` bytes, and
+    after a chunk that brings it to ``target``. ``nbytes``: what each chunk adds to the blob's raw bytes."""
+    out = np.empty(keys.size, np.int64)
+    b = 0
+    raw = 0
+    pending = 0
+    last = np.int64(-1)
+    for j in range(keys.size):
+        if keys[j] != last and pending and raw >= cell_min:
+            b += 1
+            raw = 0
+            pending = 0
+        last = keys[j]
+        raw += nbytes[j]
+        pending += 1
+        out[j] = b
+        if raw >= target:
+            b += 1
+            raw = 0
+            pending = 0
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_chunks(pos, lo, hi, start, nb, sym, bigneg, bigmag, gf, gc, vf, vc):
+    """The rANS messages of chunks ``j`` (positions ``pos[lo[j]:hi[j]]``, starting at ``start[j]``, their symbols
+    at the same indices of ``sym`` and their ``nb[j]`` BIG entries from ``lo[j]`` of ``bigneg/bigmag``) under one
+    blob's tables, one after the other: (uint16 words, words of each message). Each message is
+    :func:`rans.encode_chunk_pos`'s."""
+    J = lo.size
+    total = 0
+    for j in range(J):
+        total += hi[j] - lo[j]
+    out = np.empty(3 * total + 4 * J + 64, np.uint16)
+    na = np.empty(J, np.int64)
+    at = 0
+    for j in range(J):
+        a = lo[j]
+        b = hi[j]
+        m = encode_chunk_pos(pos[a:b], start[j], sym[a:b], bigneg[a : a + nb[j]], bigmag[a : a + nb[j]],
+                             gf, gc, vf, vc)
+        if at + m.size > out.size:
+            grown = np.empty(max(2 * out.size, at + m.size + 64), np.uint16)
+            grown[:at] = out[:at]
+            out = grown
+        out[at : at + m.size] = m
+        na[j] = m.size
+        at += m.size
+    return out[:at], na
+
+
+load_cached_directly(globals())  # the kernels above load their cached code directly
