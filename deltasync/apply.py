@@ -31,14 +31,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codec import DENSE_FP, ChunkPatch, chunk_spans, decode_blob
+from .codec import DENSE_FP, ChunkPatch, DecodedBlob, chunk_spans, decode_blob_columns
 from . import kernels
 from .dtypes import dtype_info, host_words, numpy_word_dtype, signed_word_dtype, word_view
 from .blob import verify_blob
 from .parts import split_counts
 from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError
-from .fingerprint import fingerprint_delta, words_range_delta, fp_hex, state_fingerprint, tensor_fingerprint, update_fingerprint
+from .fingerprint import (fingerprint_delta, words_range_delta, fp_hex, state_fingerprint, state_fingerprint_of_lines,
+                          tensor_fingerprint, update_fingerprint)
+from .kernels.fpkeys import MASK64
 from .manifest import Manifest
+from .values import Changes
 
 BlobSource = Mapping[str, bytes] | Callable[[str], bytes]
 
@@ -70,7 +73,7 @@ def get_blob(blobs: BlobSource, bid: str, size: int) -> bytes:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PreparedDelta:
     manifest: Manifest
-    patches: dict[str, list[ChunkPatch]]  # tensor name -> chunks in word order
+    patches: Mapping[str, list[ChunkPatch]]  # tensor name -> chunks in word order (a ColumnarPatches: as columns)
     decoded_bytes: int
     skipped: frozenset[str] = frozenset()  # tensors left out by ``prepare_delta(only=...)``
 
@@ -88,15 +91,20 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
         unknown = set(only) - {ref.id for ref in manifest.blobs}
         if unknown:
             raise FormatError(f"v{manifest.version} has no blobs {sorted(unknown)[:3]} (asked for in only=)")
-    decoded: dict[str, list[ChunkPatch]] = {}
+    decs: dict[str, DecodedBlob] = {}
     total = 0
     skipped: set[str] = set()
     for ref in manifest.blobs:
         if only is not None and ref.id not in only:
             continue
         data = get_blob(blobs, ref.id, ref.size)
-        decoded[ref.id] = decode_blob(data, executor=executor)
+        decs[ref.id] = decode_blob_columns(data, executor=executor)
         total += len(data)
+    if only is None and all(not d.others for d in decs.values()):
+        cols = _columns_of(manifest, decs)  # None: a check failed; the reference below says which
+        if cols is not None:
+            return PreparedDelta(manifest=manifest, patches=cols, decoded_bytes=total)
+    decoded = {bid: d.patches() for bid, d in decs.items()}
     used: set[tuple[str, int]] = set()
     patches: dict[str, list[ChunkPatch]] = {}
     spans = chunk_spans(manifest) if only is not None else {}
@@ -151,7 +159,146 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
     return PreparedDelta(manifest=manifest, patches=patches, decoded_bytes=total, skipped=frozenset(skipped))
 
 
+class ColumnarPatches(Mapping):
+    """``PreparedDelta.patches`` of a delta whose chunks are all columns (``ans`` chunks decoded by the compiled
+    kernels, :class:`~deltasync.codec.DecodedBlob`): no object per chunk. Tensor ``names[t]`` (dtype
+    ``dtypes[t]``) has chunk rows ``[first[t], first[t + 1])``, in word order; row ``r`` is words
+    ``[starts[r], stops[r])`` of tensor ``tensor[r]`` with ``counts[r]`` changes at ``[at[r], at[r] + counts[r])``
+    of ``columns[word_sizes[r]]`` (positions, raw flags, values). As a mapping: name -> ChunkPatch list (views of
+    the columns, made on demand) for the callers that take chunks one by one."""
+
+    __slots__ = ("names", "dtypes", "first", "tensor", "starts", "stops", "counts", "word_sizes", "at", "columns",
+                 "_where", "_made")
+
+    def __init__(self, *, names, dtypes, first, tensor, starts, stops, counts, word_sizes, at, columns) -> None:
+        self.names, self.dtypes, self.first, self.tensor = names, dtypes, first, tensor
+        self.starts, self.stops, self.counts, self.word_sizes, self.at = starts, stops, counts, word_sizes, at
+        self.columns = columns
+        self._where: dict[str, int] | None = None
+        self._made: dict[str, list[ChunkPatch]] = {}
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __contains__(self, name) -> bool:
+        if self._where is None:
+            self._where = {n: t for t, n in enumerate(self.names)}
+        return name in self._where
+
+    def __getitem__(self, name: str) -> list[ChunkPatch]:
+        made = self._made.get(name)
+        if made is not None:
+            return made
+        if self._where is None:
+            self._where = {n: t for t, n in enumerate(self.names)}
+        t = self._where[name]
+        out = []
+        for r in range(int(self.first[t]), int(self.first[t + 1])):
+            a = int(self.at[r])
+            b = a + int(self.counts[r])
+            pos, raw, vals = self.columns[int(self.word_sizes[r])]
+            out.append(ChunkPatch(tensor=name, dtype=self.dtypes[t], start=int(self.starts[r]), stop=int(self.stops[r]),
+                                  changes=Changes(positions=pos[a:b], raw=raw[a:b], values=vals[a:b])))
+        self._made[name] = out
+        return out
+
+
+def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPatches | None:
+    """prepare_delta's checks of every chunk against the manifest, as arrays: the chunks in manifest order as a
+    :class:`ColumnarPatches`, or None when any check fails (the caller's reference loop then raises the error)."""
+    recs = [r for r in manifest.tensors if r.chunks]
+    if len(recs) != len(manifest.tensors) and any(r.changed for r in manifest.tensors if not r.chunks):
+        return None
+    blob_ids = list(decs)
+    bpos = {b: i for i, b in enumerate(blob_ids)}
+    sizes = np.array([len(decs[b]) for b in blob_ids], dtype=np.int64)
+    row0 = np.zeros(len(blob_ids) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=row0[1:])
+    try:
+        refs = [(bpos[c.blob], c.index) for rec in recs for c in rec.chunks]
+    except KeyError:
+        return None
+    n_refs = np.array([len(rec.chunks) for rec in recs], dtype=np.int64)
+    if not refs:
+        return None
+    ref_blob, ref_index = zip(*refs)
+    if None in ref_index:
+        return None
+    ref_blob = np.array(ref_blob, dtype=np.int64)
+    ref_index = np.array(ref_index, dtype=np.int64)
+    if (ref_index < 0).any() or (ref_index >= sizes[ref_blob]).any():
+        return None
+    g = row0[ref_blob] + ref_index  # each reference's row among all blobs' chunks
+    if np.unique(g).size != g.size or g.size != int(row0[-1]):
+        return None  # a chunk used twice or not at all
+    # every blob's chunk columns, one after the other (the changes: one flat array per word size)
+    all_names: list[str] = []
+    all_dtypes: list[str] = []
+    for b in blob_ids:
+        all_names += decs[b].tensors
+        all_dtypes += decs[b].dtypes
+    cat = {k: np.concatenate([getattr(decs[b], k) for b in blob_ids])
+           for k in ("starts", "stops", "counts", "word_sizes")}
+    at_parts = []
+    flat: dict[int, list] = {}
+    base: dict[int, int] = {}
+    for b in blob_ids:
+        d = decs[b]
+        at = d.at.copy()
+        for w, (pos, raw, vals) in d.columns.items():
+            at[d.word_sizes == w] += base.get(w, 0)
+            base[w] = base.get(w, 0) + pos.size
+            flat.setdefault(w, []).append((pos, raw, vals))
+        at_parts.append(at)
+    at_all = np.concatenate(at_parts)
+    # the checks of prepare_delta's reference loop, as arrays
+    dtype_names: dict[str, str] = {}
+    words_of: dict[tuple, int] = {}
+    want_names, want_dtypes, words, changed = [], [], [], []
+    for rec in recs:
+        dn = dtype_names.get(rec.dtype)
+        if dn is None:
+            dn = dtype_names[rec.dtype] = dtype_info(rec.dtype).name
+        key = (rec.dtype, rec.shape)
+        nw = words_of.get(key)
+        if nw is None:
+            nw = words_of[key] = rec.words
+        want_dtypes.append(dn)
+        words.append(nw)
+        changed.append(rec.changed)
+    names = [rec.name for rec in recs]
+    gl = g.tolist()
+    if [all_names[i] for i in gl] != [n for n, k in zip(names, n_refs.tolist()) for _ in range(k)]:
+        return None
+    if [all_dtypes[i] for i in gl] != [d for d, k in zip(want_dtypes, n_refs.tolist()) for _ in range(k)]:
+        return None
+    first = np.zeros(len(recs) + 1, dtype=np.int64)
+    np.cumsum(n_refs, out=first[1:])
+    tensor = np.repeat(np.arange(len(recs), dtype=np.int64), n_refs)
+    starts, stops, counts = cat["starts"][g], cat["stops"][g], cat["counts"][g]
+    later = np.ones(g.size, dtype=np.bool_)
+    later[first[:-1]] = False  # each tensor's first chunk starts at 0 or later: its start is never negative
+    if (starts[1:][later[1:]] < stops[:-1][later[1:]]).any():
+        return None
+    if (stops > np.array(words, dtype=np.int64)[tensor]).any():
+        return None
+    try:
+        want_changed = np.array(changed, dtype=np.int64)
+    except OverflowError:
+        return None
+    if (np.add.reduceat(counts, first[:-1]) != want_changed).any():
+        return None
+    columns = {w: tuple(np.concatenate(part) if len(parts) > 1 else parts[0][j] for j, part in
+                        enumerate(zip(*parts))) for w, parts in flat.items()}
+    return ColumnarPatches(names=names, dtypes=want_dtypes, first=first, tensor=tensor, starts=starts, stops=stops,
+                           counts=counts, word_sizes=cat["word_sizes"][g], at=at_all[g], columns=columns)
+
+
 _BATCHED = "batched"  # marks an undo entry of _patch_batched
+_COLUMNS = "columns"  # marks an undo entry of _patch_columns
 
 
 class _Undo:
@@ -166,6 +313,14 @@ class _Undo:
 
     def rollback(self) -> None:
         for entry in reversed(self.entries):
+            if entry[0] is _COLUMNS:  # jobs of patch_jobs run again, each writing its old words back (raw)
+                _, jobs, old, offsets, w, keep = entry
+                back = jobs.copy()
+                ones = np.ones(int(jobs[:, 5].max()), dtype=np.uint8)
+                back[:, 3] = ones.ctypes.data
+                back[:, 4] = old.ctypes.data + offsets[:-1] * w
+                kernels.patch_jobs(back, old[:0], np.empty(old.size, old.dtype), np.zeros(back.shape[0], np.uint64), w)
+                continue
             if entry[0] is _BATCHED:  # a contiguous CPU tensor patched in place: its words shared with numpy
                 _, t, positions, old = entry
                 kernels.scatter_words(host_words(t), positions, old)
@@ -254,8 +409,17 @@ def _info(dtype: torch.dtype):
     return info
 
 
-def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Mapping[str, int]) -> None:
-    """Refuse unless the tracked state is exactly the delta's base."""
+def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Mapping[str, int], *,
+               layout: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
+               state_lines: tuple[list[str], list[str]] | None = None) -> None:
+    """Refuse unless the tracked state is exactly the delta's base.
+
+    ``layout``: the tensors' (dtype name, shape) by name, as the caller knows them (a mapped file's header),
+    with ``state_lines``: their names sorted and :func:`~deltasync.fingerprint.record_prefixes`, made once per
+    layout: the checks then compare lists and arrays, no torch call per tensor (a failing check is made again
+    tensor by tensor below, for its message)."""
+    if layout is not None and state_lines is not None and _base_matches(manifest, layout, state_lines, fps):
+        return
     for rec in manifest.tensors:
         t = tensors.get(rec.name)
         if t is None:
@@ -274,6 +438,31 @@ def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Map
         raise BaseMismatchError(
             f"target state {have} is not v{manifest.parent} ({manifest.state_fp_before}): not the delta's base "
             "(already applied, diverged, or another tensor set: resync from a keyframe)")
+
+
+def _base_matches(manifest: Manifest, layout: Mapping[str, tuple[str, tuple[int, ...]]],
+                  state_lines: tuple[list[str], list[str]], fps: Mapping[str, int]) -> bool:
+    """:func:`check_base`'s checks, as list and array comparisons: True when all hold."""
+    recs = manifest.tensors
+    names = [r.name for r in recs]
+    if [layout.get(n) for n in names] != [(r.dtype, r.shape) for r in recs]:
+        return False
+    have = [fps.get(n) for n in names]
+    if None in have:
+        return False
+    before = [(h, r.fp_before) for h, r in zip(have, recs) if r.fp_before is not None]
+    if before:
+        want = _fp_words([b for _, b in before])
+        if want is None or (np.array([h & MASK64 for h, _ in before], dtype=np.uint64) != want).any():
+            return False
+    sorted_names, prefixes = state_lines
+    if len(sorted_names) != len(layout):
+        return False
+    try:
+        lines = [fp_hex(fps[n]) for n in sorted_names]
+    except KeyError:
+        return False
+    return state_fingerprint_of_lines(prefixes, lines) == manifest.state_fp_before
 
 
 class StagedPatch:
@@ -310,7 +499,8 @@ def apply_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
 
 def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | None = None, *, verify: str = "incremental",
                    executor: Executor | None = None, check: Callable[[], None] | None = None,
-                   base_checked: bool = False, disjoint: bool = False) -> StagedPatch:
+                   base_checked: bool = False, disjoint: bool = False,
+                   addresses: Callable[[list[str]], tuple | None] | None = None) -> StagedPatch:
     """Patch ``target`` in place from v(parent) to v(version), keeping the undo log (a :class:`StagedPatch`).
 
     ``fps``: the target's current fingerprints as tracked by the caller; computed
@@ -324,7 +514,9 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
     :func:`check_base` on these tensors and ``fps`` already (before its own I/O): not again (a state fingerprint
     over every tensor: ~1 s at 200,000 tensors). ``disjoint``: the caller's tensors are known not to share
     memory (a mapped file's, whose header was checked for overlaps): no alias search (its cache check alone
-    reads every tensor's address, shape and strides: ~0.3 s at 70,000 tensors).
+    reads every tensor's address, shape and strides: ~0.3 s at 70,000 tensors). ``addresses``: names -> (word
+    addresses, word counts, word sizes) as int64 arrays of the caller's host tensors (a mapped file knows them
+    without a torch call per tensor), for a delta prepared as columns (:class:`ColumnarPatches`).
     """
     manifest = prepared.manifest
     records = {t.name: t for t in manifest.tensors}
@@ -354,6 +546,23 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
             raise IntegrityError(
                 f"{name}: fingerprint after patching is {fp_hex(fp)}, manifest says {records[name].fp_after}; rolled back")
         return fp
+
+    cols = prepared.patches if type(prepared.patches) is ColumnarPatches else None
+    if cols is not None and verify == "incremental" and not any(n in cols for n in aliases):
+        try:
+            done = _patch_columns(tensors, cols, fps, records, undo, executor, check, addresses)
+        except BaseException as e:
+            undo.rollback()
+            if isinstance(e, DeltaSyncError):
+                raise
+            if isinstance(e, Exception):
+                raise ApplyError(f"patching v{manifest.version} failed ({type(e).__name__}: {e}); rolled back") from e
+            raise
+        if done is not None:
+            new_fps.update(done)
+            for alias, primary in aliases.items():
+                new_fps[alias] = new_fps[primary]
+            return StagedPatch(new_fps, undo)
 
     # tied weights: the primary's patch writes the shared words once
     work = [(name, chunks) for name, chunks in prepared.patches.items() if name not in aliases]
@@ -559,6 +768,120 @@ def _patch_batched(tensors: Mapping[str, torch.Tensor], work: list[tuple[str, li
                 f"{name}: fingerprint after patching is {fp_hex(fp)}, manifest says {records[name].fp_after}; rolled back")
         out[name] = fp
     return out
+
+
+def host_addresses(tensors: Mapping[str, torch.Tensor], names: list[str]) -> tuple | None:
+    """(word addresses, word counts, word sizes) of the named tensors as int64 arrays, or None unless every one
+    is a contiguous CPU tensor."""
+    ts = [tensors[n] for n in names]
+    for t in ts:
+        if not t.is_cpu or not t.is_contiguous():
+            return None
+    n = len(ts)
+    sizes: dict[torch.dtype, tuple[int, int]] = {}
+    for t in ts:
+        if t.dtype not in sizes:
+            sizes[t.dtype] = (_info(t.dtype).word_size, t.element_size())
+    ws = np.fromiter((sizes[t.dtype][0] for t in ts), dtype=np.int64, count=n)
+    per = np.fromiter((sizes[t.dtype][1] for t in ts), dtype=np.int64, count=n)
+    numel = np.fromiter((t.numel() for t in ts), dtype=np.int64, count=n)
+    addr = np.fromiter((t.data_ptr() for t in ts), dtype=np.int64, count=n)
+    return addr, numel * per // ws, ws
+
+
+def _fp_words(hexes: list[str]) -> np.ndarray | None:
+    """16-hex-digit fingerprints as uint64, or None if any is not exactly that."""
+    try:
+        raw = bytes.fromhex("".join(hexes))
+    except ValueError:
+        return None
+    if len(raw) != 8 * len(hexes):
+        return None
+    return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
+
+
+def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, fps: Mapping[str, int],
+                   records: Mapping[str, object], undo: _Undo, executor: Executor | None,
+                   check: Callable[[], None] | None, addresses) -> dict[str, int] | None:
+    """:func:`_patch_batched` of a delta prepared as columns: the kernel's job rows made by numpy from the
+    columns and a table of the tensors' addresses (``addresses(names)``, else :func:`host_addresses`), the
+    fingerprints summed and compared as arrays. The same words, fingerprints, undo and first failure. None
+    (nothing done) unless the compiled kernels are selected and every tensor is contiguous host memory."""
+    if kernels.cpu_kernels() is None:
+        return None
+    names = cols.names
+    table = addresses(names) if addresses is not None else host_addresses(tensors, names)
+    if table is None:
+        return None
+    addr, nwords, wsz = table
+    wsizes = np.unique(cols.word_sizes).tolist()
+    if (wsz[cols.tensor] != cols.word_sizes).any():
+        return None  # not the words the chunks were decoded as: the reference path (check_base says so first)
+    base = np.array([fps[n] & MASK64 for n in names], dtype=np.uint64)
+    fpd_all = np.zeros(cols.tensor.size, dtype=np.uint64)
+    bad: tuple[int, str] | None = None  # (tensor index, message) of the first out-of-range position
+    for w in wsizes:
+        if check is not None:  # between word sizes: each one's chunks are in the undo log by now
+            check()
+        sel = np.flatnonzero(cols.word_sizes == w) if len(wsizes) > 1 else np.arange(cols.tensor.size)
+        ti = cols.tensor[sel]
+        pos, raw, vals = cols.columns[w]
+        at = cols.at[sel]
+        counts = cols.counts[sel]
+        jobs = np.empty((sel.size, 6), dtype=np.int64)
+        jobs[:, 0] = addr[ti]
+        jobs[:, 1] = nwords[ti]
+        jobs[:, 2] = pos.ctypes.data + at * 8
+        jobs[:, 3] = raw.ctypes.data + at
+        jobs[:, 4] = vals.ctypes.data + at * w
+        jobs[:, 5] = counts
+        offsets = np.zeros(sel.size + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        wdt = numpy_word_dtype(w)
+        like = np.empty(0, wdt)
+        old = np.empty(int(offsets[-1]), wdt)
+        fpds = np.zeros(sel.size, np.uint64)
+        parts = [(0, sel.size)]
+        if executor is not None and sel.size > 1 and offsets[-1] >= BATCH_PART_MIN:
+            parts = split_counts(counts.tolist(), PATCH_TASKS)
+
+        def run(r, jobs=jobs, old=old, fpds=fpds, offsets=offsets, like=like, w=w):
+            a, b = r
+            return kernels.patch_jobs(jobs[a:b], like, old[offsets[a]:], fpds[a:b], w)
+
+        if len(parts) > 1:
+            futures = [executor.submit(run, r) for r in parts]
+            try:
+                wait(futures)
+            finally:
+                wait(futures)  # every worker done writing before anything is rolled back (even on an interrupt)
+            results = [f.result() for f in futures]
+        else:
+            results = [run(parts[0])]
+        keep = (pos, raw, vals)  # the addressed arrays stay alive with the undo entry
+        for (a, b), (j, k) in zip(parts, results):
+            end = b if j < 0 else a + j
+            if end > a:  # every written chunk into the undo log first, then anything that may raise
+                undo.entries.append((_COLUMNS, jobs[a:end], old[offsets[a]:offsets[end]],
+                                     offsets[a:end + 1] - offsets[a], w, keep))
+                fpd_all[sel[a:end]] = fpds[a:end]
+            if j >= 0:
+                i = int(ti[a + j])
+                if bad is None or i < bad[0]:
+                    p_bad = int(pos[int(at[a + j]) + k])
+                    bad = (i, f"change position {p_bad} is outside a tensor of {int(jobs[a + j, 1])} words")
+    after = base + np.add.reduceat(fpd_all, cols.first[:-1])  # uint64: wraps like update_fingerprint
+    want = _fp_words([records[n].fp_after for n in names])
+    wrong = np.flatnonzero(after != want) if want is not None else np.array(
+        [i for i, n in enumerate(names) if fp_hex(int(after[i])) != records[n].fp_after], dtype=np.int64)
+    first_wrong = int(wrong[0]) if wrong.size else len(names)
+    if bad is not None and bad[0] <= first_wrong:
+        raise IndexError(bad[1])
+    if first_wrong < len(names):
+        name = names[first_wrong]
+        raise IntegrityError(f"{name}: fingerprint after patching is {fp_hex(int(after[first_wrong]))}, manifest "
+                             f"says {records[name].fp_after}; rolled back")
+    return dict(zip(names, after.tolist()))
 
 
 CHECK_EVERY = 64  # stage_prepared(check=): tensors between two calls of the caller's check (signals, deadlines)

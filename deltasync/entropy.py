@@ -252,9 +252,34 @@ def decode_ans_rows(tables, ans: np.ndarray, raws: dict, rows: list, *, executor
             for r in rows], executor=executor)
     if not rows:
         return []
-    table = np.array(rows, dtype=np.int64).reshape(-1, 8)
+    result: list = [None] * len(rows)
+    new, put = _object_new, _setattr
+    for w, (idx, offsets, pos, rawf, vals) in decode_ans_columns(
+            tables, ans, raws, np.array(rows, dtype=np.int64).reshape(-1, 8), executor=executor).items():
+        bounds = offsets.tolist()
+        for row, i in enumerate(idx.tolist()):
+            a, b = bounds[row], bounds[row + 1]
+            ch = new(Changes)  # Changes(positions=..., raw=..., values=...) without the frozen keyword __init__
+            put(ch, "positions", pos[a:b])
+            put(ch, "raw", rawf[a:b])
+            put(ch, "values", vals[a:b])
+            result[i] = ch
+    return result
+
+
+def decode_ans_columns(tables, ans: np.ndarray, raws: dict, table: np.ndarray, *, executor=None) -> dict:
+    """The chunks of ``table`` (int64 rows ``(at, na, count, length, start, r0, nr, word_size)``) decoded by the
+    compiled kernels (selected: the caller's check) into flat arrays, one set per word size: ``{word size: (row
+    indices, offsets, positions, raw flags, values)}``, the changes of row ``indices[j]`` at
+    ``[offsets[j], offsets[j + 1])`` (absolute positions, strictly increasing in each chunk). The same errors as
+    :func:`decode_ans_chunks`: the first failing chunk in row order raises FormatError."""
+    k = cpu_kernels()
+    out: dict = {}
+    if not table.shape[0]:
+        return out
+    rows = table
     at, na, r0, nr, ws = table[:, 0], table[:, 1], table[:, 5], table[:, 6], table[:, 7]
-    wsizes = sorted({r[7] for r in rows})
+    wsizes = np.unique(ws).tolist()
     multi = len(wsizes) > 1
     sizes = np.array([raws[w].size for w in ws.tolist()], np.int64) if multi else raws[wsizes[0]].size
     if ((at < 0) | (at + 2 * na > ans.size) | (r0 < 0) | (r0 + nr > sizes)).any():
@@ -263,15 +288,13 @@ def decode_ans_rows(tables, ans: np.ndarray, raws: dict, rows: list, *, executor
         raise FormatError(f"blob stream 'ans' has {ans.size} bytes, not a whole number of 16-bit words")
     words16 = ans.view("<u2") if ans.size else np.zeros(0, np.uint16)
     gtab, vtab = _packed_tables(tables)
-    result: list = [None] * len(rows)
     failures: list[tuple[int, int, int]] = []  # (chunk index, code, detail)
-    new, put = _object_new, _setattr
     for w in wsizes:
         if multi:
             idx = np.flatnonzero(ws == w)
             sub = table[idx]
         else:
-            idx = np.arange(len(rows))
+            idx = np.arange(rows.shape[0])
             sub = table
         counts = sub[:, 2]
         offsets = np.zeros(sub.shape[0] + 1, np.int64)
@@ -294,19 +317,11 @@ def decode_ans_rows(tables, ans: np.ndarray, raws: dict, rows: list, *, executor
             return k.ans_decode_chunks(words16, jobs[r[0] : r[1]], gtab, vtab, raw_words, pos, rawf, vals, w * 8)
 
         got = list(executor.map(run, ranges)) if len(ranges) > 1 else [run(ranges[0])]
-        idx = idx.tolist()
         for (a, _), (code, j, detail) in zip(ranges, got):
             if code != 0:
-                failures.append((idx[a + j], int(code), int(detail)))
-        bounds = offsets.tolist()
-        for row, i in enumerate(idx):
-            a, b = bounds[row], bounds[row + 1]
-            ch = new(Changes)  # Changes(positions=..., raw=..., values=...) without the frozen keyword __init__
-            put(ch, "positions", pos[a:b])
-            put(ch, "raw", rawf[a:b])
-            put(ch, "values", vals[a:b])
-            result[i] = ch
+                failures.append((int(idx[a + j]), int(code), int(detail)))
+        out[w] = (idx, offsets, pos, rawf, vals)
     if failures:
         i, code, detail = min(failures)
-        raise _ans_error(code, detail, rows[i][6], rows[i][7])
-    return result
+        raise _ans_error(code, detail, int(rows[i, 6]), int(rows[i, 7]))
+    return out

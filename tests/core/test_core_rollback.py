@@ -10,13 +10,15 @@ import pytest
 import torch
 
 import deltasync.apply as apply_mod
-from deltasync.apply import apply_delta, apply_prepared, prepare_delta
+from deltasync.apply import apply_delta, apply_prepared, prepare_delta, stage_prepared
 from deltasync.codec import ChunkPatch, EncodeOptions, encode_delta
 from deltasync.dtypes import DTYPES
 from deltasync.errors import (
     ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, SignatureError,
 )
 from deltasync.manifest import parse_manifest
+from deltasync import kernels
+from deltasync.fingerprint import tensor_fingerprint
 from deltasync.values import Changes
 from core_support import from_words, tensor_bytes, words_of
 
@@ -196,6 +198,8 @@ def test_failure_midway_is_rolled_back(monkeypatch, exc, fail_at):
     old, new = make_states(5)
     enc = encode_delta(old, new, model="m", version=2, parent=1, options=SMALL)
     prepared = prepare_delta(enc.manifest, enc.blobs)
+    # the chunk-by-chunk path (a plain dict of chunks: no columns), whose per-chunk fingerprint update fails
+    prepared = dataclasses.replace(prepared, patches=dict(prepared.patches))
     n_chunks = sum(len(v) for v in prepared.patches.values())
     assert n_chunks > fail_at
     real = apply_mod.update_fingerprint
@@ -214,6 +218,36 @@ def test_failure_midway_is_rolled_back(monkeypatch, exc, fail_at):
     with pytest.raises(expected):
         apply_prepared(target, prepared)
     assert snapshot(target) == before
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("device lost"), KeyboardInterrupt()], ids=["error", "interrupt"])
+def test_failure_after_the_columnar_patch_is_rolled_back(exc):
+    """A delta prepared as columns (apply.ColumnarPatches) patched word size by word size by the compiled jobs
+    kernel; the caller's check fails between two word sizes (a signal, a deadline): everything is undone."""
+    if kernels.cpu_kernels() is None:
+        pytest.skip("the columnar path needs the compiled kernels")
+    old, new = make_states(5)
+    for state in (old, new):
+        del state["c"]  # its dense chunk is not a column
+    enc = encode_delta(old, new, model="m", version=2, parent=1, options=SMALL)
+    prepared = prepare_delta(enc.manifest, enc.blobs)
+    assert type(prepared.patches) is apply_mod.ColumnarPatches
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) == 3:  # before the stage, before the first word size, before the second: fail
+            raise exc
+
+    target = copy_state(old)
+    before = snapshot(target)
+    with pytest.raises(ApplyError if isinstance(exc, Exception) else KeyboardInterrupt):
+        stage_prepared(target, prepared, check=check)
+    assert len(calls) == 3
+    assert snapshot(target) == before
+    # and the same delta, uninterrupted, lands exactly
+    fps = apply_prepared(target, prepared)
+    assert snapshot(target) == snapshot(new) and fps == {n: tensor_fingerprint(t) for n, t in new.items()}
 
 
 # -- wrong base ---------------------------------------------------------------------------------------
