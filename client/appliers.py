@@ -122,7 +122,7 @@ class TensorApplier:
         """Match the stream's tensor names (a manifest's) before anything is written: tied names it leaves
         out are left out here too; anything else that differs raises BaseMismatchError naming the fix."""
         names = set(names)
-        have = live_tensors(self.target)
+        have = self._names()
         extra = sorted(names - set(have))
         missing = sorted(set(have) - names)
         untied = [n for n in missing if not (self.tied.get(n, frozenset()) & names)]
@@ -139,6 +139,10 @@ class TensorApplier:
                 "stream carries; publish the full state_dict() (tied copies included), or tie them in the target "
                 "(e.g. Hugging Face's model.tie_weights()) so they share memory with a tensor the stream carries")
         self.left_out = frozenset(missing)
+
+    def _names(self):
+        """The target's tensor names (what :meth:`fit_stream` matches the stream's against)."""
+        return live_tensors(self.target)
 
     def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in self.tensors().items()}

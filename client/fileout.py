@@ -239,6 +239,7 @@ async def follow_file(opts: FileOptions) -> FileOutcome:
     fresh = target is None  # the first version is streamed in below
     if target is None:
         target = await _first_version(opts)
+        gc.freeze()  # the keyframe's records and the file's layout (~10**6 objects at 70k tensors) live on
     version = target.version  # None, or the keyframe just streamed in (the subscriber scans it once)
     if fresh and opts.until is not None and version is not None and version >= opts.until:
         target.close()  # until V, and the keyframe just streamed in (verified, renamed into place) is V: done
@@ -262,6 +263,7 @@ async def follow_file(opts: FileOptions) -> FileOutcome:
     target.check = interrupt.check
     try:
         await sub.start()
+        timeline.debug("mono=%.6f subscriber-started cpu=%.3f", time.monotonic(), time.process_time())
         # Everything imported and opened so far (torch, numba, the file's map: ~10**6 objects) lives as long as
         # the process: out of the cyclic GC's sight, a step no longer pays full collections over it (they were
         # half of a `--out` process's CPU from a step's manifest to exit, the collection at exit included).

@@ -509,14 +509,18 @@ def write_state_file(path: str | os.PathLike, state: Mapping[str, torch.Tensor],
 
 _META_PREFIX = b'{"__metadata__":'  # how build_header's JSON starts when it has metadata
 
-def _entry_of(name: str, dtype: str, shape: tuple[int, ...], meta: dict[str, str]) -> tuple[str, list[int], int]:
-    """(tag, stored shape, bytes) of a tensor as stored here; exotic dtypes become tagged ``U8``."""
-    info = dtype_info(dtype)
+_TAG_OF: dict[str, str] = {}  # dtype name -> its safetensors tag (the first ST_DTYPES names)
+for _tag, _name in ST_DTYPES.items():
+    _TAG_OF.setdefault(_name, _tag)
+
+
+def _entry_of(name: str, info, shape: tuple[int, ...], meta: dict[str, str]) -> tuple[str, list[int], int]:
+    """(tag, stored shape, bytes) of a tensor of dtype ``info`` as stored here; exotic dtypes become tagged ``U8``."""
     numel = 1
     for s in shape:
         numel *= s
-    if info.name in _NATIVE:
-        tag = next(t for t, n in ST_DTYPES.items() if n == info.name)
+    tag = _TAG_OF.get(info.name)
+    if tag is not None:
         return tag, list(shape), numel * info.element_size
     meta[DTYPE_META_PREFIX + name] = info.name
     return "U8", [*shape, info.element_size], numel * info.element_size
@@ -535,12 +539,13 @@ def build_header(layout: Mapping[str, tuple[str, tuple[int, ...]]], metadata: Ma
     to exactly this many bytes (FormatError if the header does not fit); else the smallest aligned
     length with at least ``reserve`` spare bytes (room to rewrite the header in place later)."""
     meta = dict(metadata or {})
-    order = sorted(layout, key=lambda n: (-dtype_info(layout[n][0]).element_size, n))
+    infos = {d: dtype_info(d) for d in {d for d, _ in layout.values()}}  # 70k tensors, a few dtypes
+    order = sorted(layout, key=lambda n: (-infos[layout[n][0]].element_size, n))
     entries: dict[str, dict] = {}
     at = 0
     for name in order:
         dtype, shape = layout[name]
-        tag, stored, nbytes = _entry_of(name, dtype, tuple(shape), meta)
+        tag, stored, nbytes = _entry_of(name, infos[dtype], tuple(shape), meta)
         entries[name] = {"dtype": tag, "shape": stored, "data_offsets": [at, at + nbytes]}
         at += nbytes
     body = json.dumps({"__metadata__": meta, **entries} if meta else entries, separators=(",", ":")).encode()
@@ -549,6 +554,18 @@ def build_header(layout: Mapping[str, tuple[str, tuple[int, ...]]], metadata: Ma
     if 8 + len(body) > length:
         raise FormatError(f"a header of {8 + len(body)} bytes does not fit the {length} reserved for it")
     header = _LEN.pack(length - 8) + body + b" " * (length - 8 - len(body))
+    # what parse_header makes of these bytes in a buffer of exactly this data (the file about to be written with
+    # them: ``subscribe --out``'s new file is mapped right after; its parse was 0.6 s at 70,000 tensors)
+    global _LAST_HEADER
+    if not all(type(v) is str for v in meta.values()) or any(
+            k.startswith(DTYPE_META_PREFIX) for k in (metadata or {})):
+        return header, {name: length + e["data_offsets"][0] for name, e in entries.items()}  # parse_header judges it
+    make = _entry
+    _LAST_HEADER = (header[8:], length + at, TensorHeader(
+        entries=tuple(make(name=name, dtype=infos[layout[name][0]].name, shape=tuple(layout[name][1]),
+                           start=length + e["data_offsets"][0], stop=length + e["data_offsets"][1])
+                      for name, e in entries.items()),
+        metadata={k: v for k, v in meta.items()}, data_start=length, size=length + at))
     return header, {name: length + e["data_offsets"][0] for name, e in entries.items()}
 
 

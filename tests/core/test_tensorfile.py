@@ -113,3 +113,24 @@ def test_the_same_header_twice_is_parsed_once(monkeypatch):
         parse_header(buf + b"\0" * 8)  # the same header text, another size: checked anew
     other = save({**state, "w0": torch.randn(3, 3)}, metadata={"step": "1"})
     assert [e.shape for e in parse_header(other).entries][0] == (3, 3) and calls
+
+
+@pytest.mark.parametrize("meta", [{"deltasync.version": "3"}, {}, {"x": "y", "deltasync.dtype.odd": "float8_e8m0fnu"}])
+def test_a_built_header_is_what_parsing_it_gives(meta):
+    """build_header leaves what parse_header makes of its bytes (a new ``--out`` file is mapped right after it
+    is laid out: the parse was 0.6 s at 70,000 tensors); the same header, parsed from scratch, is equal."""
+    layout = {f"t{i}": (("bfloat16", "float32", "float8_e8m0fnu", "int8", "complex128")[i % 5], (i % 3 + 1, 2))
+              for i in range(40)}
+    header, offsets = build_header(layout, meta, align=64, reserve=100)
+    size = len(header) + max(offsets[n] - len(header) + tensorfile.dtype_info(d).element_size * s[0] * s[1]
+                             for n, (d, s) in layout.items())
+    buf = header + bytes(size - len(header))
+    seeded = tensorfile._LAST_HEADER
+    tensorfile._LAST_HEADER = None
+    fresh = parse_header(buf)
+    if any(k.startswith("deltasync.dtype.") for k in meta):  # a caller's own dtype entry: parsing judges it
+        assert seeded is None or seeded[0] != header[8:]
+        return
+    assert seeded is not None and seeded[0] == header[8:] and seeded[1] == size
+    assert seeded[2] == fresh
+    assert {e.name: e.start for e in fresh.entries} == offsets
