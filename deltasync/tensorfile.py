@@ -99,6 +99,7 @@ class TensorHeader:
 
 _TAGS = {tag: (name, dtype_info(name).element_size) for tag, name in ST_DTYPES.items()}  # tag -> (name, bytes)
 _entry, _host_tensor = maker(TensorEntry), maker(HostTensor)  # built without __init__: 70k a file
+_entry_at = maker(TensorEntry, positional=True)
 
 
 def _first_duplicate(pairs: list[tuple[str, object]]) -> str:
@@ -189,9 +190,14 @@ def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHead
         raise FormatError(f"{where}__metadata__ is not an object of strings")
     base = 8 + n
     data_len = size - base
+    exotic = any(k.startswith(DTYPE_META_PREFIX) for k in meta)  # else no entry has a real dtype to look up
+    entries = None if exotic else _entries_fast(header, base, data_len)
+    if entries is not None:
+        out = TensorHeader(entries=entries, metadata=dict(meta), data_start=base, size=size)
+        _LAST_HEADER = (text, size, TensorHeader(entries=entries, metadata=dict(meta), data_start=base, size=size))
+        return out
     entries = []
     make, tags = _entry, _TAGS
-    exotic = any(k.startswith(DTYPE_META_PREFIX) for k in meta)  # else no entry has a real dtype to look up
     for name, e in header.items():
         if type(e) is not dict or e.keys() != _ENTRY_KEYS:
             raise FormatError(f"{where}entry {name!r} is malformed (expected {sorted(_ENTRY_KEYS)})")
@@ -232,6 +238,55 @@ def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHead
     out = TensorHeader(entries=tuple(entries), metadata=dict(meta), data_start=base, size=size)
     _LAST_HEADER = (text, size, TensorHeader(entries=out.entries, metadata=dict(meta), data_start=base, size=size))
     return out
+
+
+_BIG = 1 << 60  # offsets and element counts a header's columns are checked in int64 below (any larger: the loop)
+
+
+def _entries_fast(header: dict, base: int, data_len: int) -> tuple[TensorEntry, ...] | None:
+    """:func:`parse_header`'s entries of a header without exotic dtypes, checked column by column (list
+    comprehensions and numpy: ~3x the loop's speed at 70,000 tensors), or None where any rule fails or a value
+    is out of the columns' range: the loop then finds the first fault and names it."""
+    vals = list(header.values())
+    keys = _ENTRY_KEYS
+    if not all(type(e) is dict and e.keys() == keys for e in vals):
+        return None
+    tags = [e["dtype"] for e in vals]
+    if not all(type(t) is str for t in tags):
+        return None
+    kinds = [_TAGS.get(t) for t in tags]
+    shapes = [e["shape"] for e in vals]
+    offsets = [e["data_offsets"] for e in vals]
+    if None in kinds or not all(type(x) is list for x in shapes) or not all(
+            type(o) is list and len(o) == 2 and type(o[0]) is int and type(o[1]) is int for o in offsets):
+        return None
+    flat = [x for sh in shapes for x in sh]
+    if not all(type(x) is int and 0 <= x < _BIG for x in flat):
+        return None
+    numels = [1] * len(shapes)
+    for i, sh in enumerate(shapes):
+        if len(sh) != 1:
+            k = 1
+            for x in sh:
+                k *= x
+            numels[i] = k
+        else:
+            numels[i] = sh[0]
+    if vals and (max(numels) >= _BIG or max(max(o) for o in offsets) >= _BIG or min(min(o) for o in offsets) < 0):
+        return None
+    off = np.array(offsets, dtype=np.int64).reshape(-1, 2)
+    esize = np.array([k[1] for k in kinds], dtype=np.int64)
+    begin, end = off[:, 0], off[:, 1]
+    if vals and (np.any(end < begin) or np.any(end - begin != np.array(numels, dtype=np.int64) * esize)
+                 or int(end.max()) > data_len):
+        return None
+    order = np.lexsort((end, begin))
+    b, e = begin[order], end[order]
+    if (int(b[0]) if vals else 0) != 0 or np.any(b[1:] != e[:-1]) or (int(e[-1]) if vals else 0) != data_len:
+        return None
+    make = _entry_at
+    return tuple(map(make, header.keys(), [k[0] for k in kinds], map(tuple, shapes), (begin + base).tolist(),
+                     (end + base).tolist()))
 
 
 #: (header text, buffer size, its checked TensorHeader): the last header parsed. Consecutive checkpoints of one
