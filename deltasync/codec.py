@@ -48,6 +48,8 @@ from .values import Changes
 if TYPE_CHECKING:
     import torch
 
+    from .columnar import FlatDiff
+
 DEFAULT_CHUNK_WORDS = 4 << 20
 DEFAULT_BLOB_TARGET = 32 << 20
 SHARD_CELLS = 8  # row cells per big tensor: chunk (and blob) boundaries fall on its 1/2, 1/4 and 1/8 row splits
@@ -183,9 +185,10 @@ class StateDiff:
     """Everything :func:`encode_diff` needs, in host memory O(changed words)."""
 
     layout: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype name, shape)
-    chunks: dict[str, list[ChunkDiff]]
+    chunks: Mapping[str, list[ChunkDiff]]  # a dict, or built on first use from ``flat``
     fps_before: dict[str, int]
     fps_after: dict[str, int]
+    flat: "FlatDiff | None" = None  # the same changes as columns (deltasync.columnar), where diff_states made them
 
     @property
     def changed(self) -> int:
@@ -288,6 +291,13 @@ def diff_states(
     compiled kernels, in the same pass as the compare, so checking a base costs no second read).
     ``executor``: compare on its threads (the compiled CPU kernels release the GIL); the result is the
     same as without."""
+    if kernels.cpu_kernels() is not None:  # host tensors: the changes as columns (deltasync.columnar), same result
+        from .columnar import diff_flat
+
+        got = diff_flat(old, new, base_fps=base_fps, chunk_words=chunk_words, update_old=update_old,
+                        progress=progress, executor=executor)
+        if got is not None:
+            return got
     _check_layout(old, new)
     names = sorted(new)
     fps_before = dict(base_fps) if base_fps is not None else {}
@@ -751,6 +761,12 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
             raise ValueError("the base-conditioned coding needs the base: pass base= (the state before) or "
                              "ranks=diff_ranks(diff, base)")
         ranks = diff_ranks(diff, base)
+    if diff.flat is not None:
+        from .columnar import encode_flat, takes_flat
+
+        if takes_flat(diff, options):  # blob format 2 packed by tensor: whole blobs a compiled call, same bytes
+            return encode_flat(diff, model=model, version=version, parent=parent, options=options, meta=meta,
+                               executor=executor)
     packer = ChunkPacker(options, executor=executor)
     names = sorted(diff.layout)
     # A blob holding at least ``cell_blob_min`` raw bytes closes where a tensor or one of its row cells

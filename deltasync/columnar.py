@@ -16,8 +16,9 @@ other consumer (budgets, the base-conditioned coding, format 1, packing by cells
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
-import re
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -65,6 +66,8 @@ class FlatDiff:
     new: dict[int, np.ndarray]  # ... and after
     base: dict[int, int]  # word size -> offset of its changes in pos
     words: np.ndarray  # int64 per tensor: its word count
+    fp_before: np.ndarray  # uint64 per tensor: its fingerprint before (StateDiff.fps_before's, masked)
+    fp_after: np.ndarray  # ... and after
 
     def chunk_diffs(self) -> dict[str, list]:
         """``StateDiff.chunks``: tensor name -> its ChunkDiffs."""
@@ -130,7 +133,7 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
     """:func:`codec.diff_states` as a :class:`~deltasync.codec.StateDiff` holding a :class:`FlatDiff`, or None
     where this path does not apply (a tensor off the host, no compiled kernels): the caller then takes the
     per-chunk path. The same fingerprints and changes."""
-    from .codec import StateDiff, _check_layout, _on_host, _span_words, tensor_chunk_ranges
+    from .codec import MIN_CELL_WORDS, SHARD_CELLS, StateDiff, _check_layout, _on_host, _span_words, tensor_chunk_ranges
 
     k = kernels.cpu_kernels()
     if k is None or not ENABLED:
@@ -140,57 +143,68 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
     names = sorted(new)
     dtypes: list[str] = []
     shapes: list[tuple[int, ...]] = []
-    jobs: dict[int, list] = {}  # word size -> [(address old, address new, words, first, last)]
+    rows: dict[int, list[int]] = {}  # word size -> its jobs' rows, flat: address old, address new, words, first, last
     owners: dict[int, list[int]] = {}  # word size -> tensor of each job
-    words_of = np.zeros(len(names), np.int64)
-    lanes_per = np.zeros(len(names), np.int64)
-    wsize_of = np.zeros(len(names), np.int64)
+    words_l: list[int] = []
+    wsize_l: list[int] = []
     range_cache: dict = {}
+    small = min(chunk_words, SHARD_CELLS * MIN_CELL_WORDS - 1)  # a tensor of 1..small words is one chunk
     addr = k.address
-    info = _info
-    for t, name in enumerate(names):
-        o_t, n_t = old[name], new[name]
-        if type(o_t) is HostTensor and type(n_t) is HostTensor:
-            if o_t.dtype != n_t.dtype or o_t.shape != n_t.shape:
-                _check_layout(old, new)
-            dt, shape, ow, nw = n_t.dtype, n_t.shape, o_t.words, n_t.words
-            dname, w, per, _ = info(dt)
+    infos, host_type = _INFOS, HostTensor
+    last_w, r, own = 0, None, None
+    for t, name in enumerate(names):  # the Python a tensor costs here is most of the diff of a 70k-tensor state
+        o_t = old[name]
+        n_t = new[name]
+        if type(o_t) is host_type and type(n_t) is host_type:
+            dt = n_t.dtype
+            shape = n_t.shape
+            if o_t.dtype != dt or o_t.shape != shape:
+                _check_layout(old, new)  # raises
+            ow = o_t.words
+            nw = n_t.words
+            got = infos.get(dt) or _info(dt)
         else:
             if not (_on_host(o_t) and _on_host(n_t)):
                 return None
             if o_t.dtype != n_t.dtype or tuple(o_t.shape) != tuple(n_t.shape):
-                _check_layout(old, new)
+                _check_layout(old, new)  # raises
             if update_old and not o_t.is_contiguous():
                 raise ValueError(f"{name}: update_old needs a contiguous old tensor")
-            dname, w, per, _ = info(n_t.dtype)
+            got = _info(n_t.dtype)
             shape = tuple(n_t.shape)
-            ds = dtype_info(dname)
+            ds = dtype_info(got[0])
             ow, nw = _span_words(o_t, ds), _span_words(n_t, ds)
         if not (ow.flags.c_contiguous and nw.flags.c_contiguous) or (update_old and not ow.flags.writeable):
             return None
-        dtypes.append(dname)
+        dtypes.append(got[0])
         shapes.append(shape)
+        w = got[1]
         n = nw.size
-        words_of[t] = n
-        lanes_per[t] = per
-        wsize_of[t] = w
-        key = (shape, n)
-        ranges = range_cache.get(key)
-        if ranges is None:
-            ranges = range_cache[key] = tensor_chunk_ranges(shape, n, chunk_words)
-        if not ranges:
-            continue
-        js = jobs.get(w)
-        if js is None:
-            js = jobs[w] = []
-            owners[w] = []
-        a, b = addr(ow), addr(nw)
-        if len(ranges) == 1:
-            js.append((a, b, n, 0, n))
-            owners[w].append(t)
-        else:
-            js.extend([(a, b, n, s, e) for s, e in ranges])
-            owners[w].extend([t] * len(ranges))
+        words_l.append(n)
+        wsize_l.append(w)
+        if w != last_w:
+            r = rows.get(w)
+            if r is None:
+                r = rows[w] = []
+                owners[w] = []
+            own = owners[w]
+            last_w = w
+        if 0 < n <= small:
+            r.extend((addr(ow), addr(nw), n, 0, n))
+            own.append(t)
+        elif n:
+            key = (shape, n)
+            ranges = range_cache.get(key)
+            if ranges is None:
+                ranges = range_cache[key] = tensor_chunk_ranges(shape, n, chunk_words)
+            a, b = addr(ow), addr(nw)
+            for s, e in ranges:
+                r.extend((a, b, n, s, e))
+            own.extend([t] * len(ranges))
+    words_of = np.array(words_l, np.int64)
+    wsize_of = np.array(wsize_l, np.int64)
+    lanes_per = np.maximum(wsize_of // 2, 1)
+    jobs = {w: x for w, x in rows.items() if x}
     want = base_fps is None
     table = T_NP
     tasks = []  # (word size, job table rows)
@@ -258,8 +272,6 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
             tensor, start, stop, wsz, lo, hi = (a[order] for a in (tensor, start, stop, wsz, lo, hi))
     else:
         tensor = start = stop = wsz = lo = hi = np.zeros(0, np.int64)
-    flat = FlatDiff(names=names, dtypes=dtypes, shapes=shapes, tensor=tensor, start=start, stop=stop, word_size=wsz,
-                    lo=lo, hi=hi, pos=pos, old=olds, new=news, base=base, words=words_of)
     if want:
         before = lane_t + words_of.astype(np.uint64) * lanes_per.astype(np.uint64) * np.uint64(C0)
         fps_before = dict(zip(names, before.tolist()))
@@ -271,6 +283,9 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
             before = np.array([base_fps[n] & MASK64 for n in names], dtype=np.uint64)
     after = before + fpd_t
     layout = dict(zip(names, zip(dtypes, shapes)))
+    flat = FlatDiff(names=names, dtypes=dtypes, shapes=shapes, tensor=tensor, start=start, stop=stop, word_size=wsz,
+                    lo=lo, hi=hi, pos=pos, old=olds, new=news, base=base, words=words_of,
+                    fp_before=before, fp_after=after)
     return StateDiff(layout=layout, chunks=LazyChunks(flat), fps_before=fps_before,
                      fps_after=dict(zip(names, after.tolist())), flat=flat)
 
@@ -284,20 +299,30 @@ def takes_flat(diff, options) -> bool:
             and options.pack == "tensor" and kernels.cpu_kernels() is not None)
 
 
-_PLAIN = re.compile(r'[^ -~]|["\\]')  # a name holding none of these is its own JSON string body
-
-
 def _quoted(names: list[str]) -> list[str]:
-    """Each name as ``json.dumps`` spells it."""
-    if _PLAIN.search("".join(names)) is None:
+    """Each name as ``json.dumps`` spells it (a printable ASCII name without quotes or backslashes: itself, quoted)."""
+    text = "".join(names)
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
         return ['"' + n + '"' for n in names]
     return [json.dumps(n) for n in names]
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off meanwhile (back on after, if it was on)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _hex(values: np.ndarray) -> list[str]:
     """Each uint64 as 16 lowercase hex digits."""
-    text = values.astype(">u8").tobytes().hex()
-    return [text[i : i + 16] for i in range(0, len(text), 16)]
+    return values.astype(">u8").tobytes().hex(" ", 8).split(" ") if values.size else []
 
 
 def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: Mapping[str, str] | None,
@@ -439,29 +464,32 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
     # the manifest's records, from columns
     bid_of = [ids[b] for b in blob_of.tolist()]
     index = (np.arange(C, dtype=np.int64) - firsts[blob_of]).tolist() if C else []
-    refs = list(map(new_chunk, bid_of, index, repeat(None), start.tolist(), stop.tolist()))
-    N = len(names)
-    chunks_of: list[tuple] = [()] * N
-    changed = [0] * N
-    if C:
-        heads = np.flatnonzero(np.r_[True, tensor[1:] != tensor[:-1]])
-        bounds = [*heads.tolist(), C]
-        sums = np.add.reduceat(count, heads).tolist()
-        for i, t in enumerate(tensor[heads].tolist()):
-            chunks_of[t] = tuple(refs[bounds[i] : bounds[i + 1]])
-            changed[t] = sums[i]
-    fps_before = np.array([diff.fps_before[n] & MASK64 for n in names], np.uint64) if N else np.zeros(0, np.uint64)
-    fps_after = np.array([diff.fps_after[n] for n in names], np.uint64) if N else np.zeros(0, np.uint64)
-    hb, ha = _hex(fps_before), _hex(fps_after)
-    records = list(map(new_record, names, dtypes, shapes, hb, ha, changed, chunks_of))
-    meta = dict(meta or {})
-    if len(blobs) > 1:  # with one blob there is nothing to select: no spans
-        spans = [f"{s}:{e}" for s, e in zip(start.tolist(), stop.tolist())]
-        prefix = SPANS_META_PREFIX
-        if C:
-            for i, t in enumerate(tensor[heads].tolist()):
-                a, b = bounds[i], bounds[i + 1]
-                meta[prefix + names[t]] = spans[a] if b - a == 1 else ",".join(spans[a:b])
+    with _gc_paused():  # 70k refs, tuples and records: the collector's passes over them cost more than making them
+        refs = list(map(new_chunk, bid_of, index, repeat(None), start.tolist(), stop.tolist()))
+        N = len(names)
+        chunks_of: list[tuple] = [()] * N
+        changed = [0] * N
+        heads = np.flatnonzero(np.r_[True, tensor[1:] != tensor[:-1]]) if C else np.zeros(0, np.int64)
+        owners = tensor[heads].tolist()
+        single = heads.size == C  # one chunk a changed tensor (most states)
+        if single:
+            for t, r, n in zip(owners, refs, count.tolist()):
+                chunks_of[t] = (r,)
+                changed[t] = n
+        else:
+            bounds = [*heads.tolist(), C]
+            sums = np.add.reduceat(count, heads).tolist()
+            for i, t in enumerate(owners):
+                chunks_of[t] = tuple(refs[bounds[i] : bounds[i + 1]])
+                changed[t] = sums[i]
+        hb, ha = _hex(flat.fp_before), _hex(flat.fp_after)
+        records = list(map(new_record, names, dtypes, shapes, hb, ha, changed, chunks_of))
+        meta = dict(meta or {})
+        if len(blobs) > 1 and C:  # with one blob there is nothing to select: no spans
+            spans = list(map("{}:{}".format, start.tolist(), stop.tolist()))
+            if not single:
+                spans = [spans[a] if b - a == 1 else ",".join(spans[a:b]) for a, b in zip(bounds, bounds[1:])]
+            meta.update(zip(map(SPANS_META_PREFIX.__add__, map(names.__getitem__, owners)), spans))
     prefixes = record_prefixes(zip(names, dtypes, shapes))
     manifest = Manifest(
         model=model, version=version, parent=parent, kind="delta", tensors=tuple(records),

@@ -1,0 +1,193 @@
+"""The columnar fast path of diff_states / encode_diff (deltasync.columnar, issue 22) against the per-chunk path:
+the same manifest (format 2 and compact), the same blobs, the same fingerprints, on states of many small tensors
+of mixed dtypes and shapes; the diff's lazy ``chunks`` the same ChunkDiffs; the paths it leaves to the per-chunk
+code (format 1, base-conditioned, packing by cells) fed from it."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from deltasync import columnar
+from deltasync.codec import EncodeOptions, diff_states, encode_delta, encode_diff
+from deltasync.deltafile import pack_delta_file
+from deltasync.dtypes import HostTensor, dtype_info, host_words
+from deltasync.kernels import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the columnar path needs the compiled kernels")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "uint8": torch.uint8,
+          "float64": torch.float64}
+
+
+def _states(n: int = 3000, seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Two versions of a state of ``n`` small tensors (bf16 mostly, a few float32, an int32, a uint8 and a
+    float64; 1-d and 2-d), one big 2-d tensor cut into row cells, one rewritten tensor, unchanged tensors,
+    single-change tensors, one changed in a step that flips signs (raw words) for most words but not all."""
+    rng = np.random.default_rng(seed)
+    old: dict[str, torch.Tensor] = {}
+    new: dict[str, torch.Tensor] = {}
+
+    def put(name, dtype, shape, kind):
+        if dtype in ("uint8", "int32"):
+            t = torch.from_numpy(rng.integers(0, 100, shape).astype(np.int64)).to(DTYPES[dtype])
+        else:
+            t = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(DTYPES[dtype])
+        u = t.clone()
+        w = host_words(u)  # u's words, shared
+        wdt = w.dtype
+        if kind == "rewrite":  # every word differs, its sign flipped: raw words, a dense chunk
+            w[:] = ~w
+        elif kind.startswith("raw"):  # every word changes, ``raw<k>`` of them by a sign flip (raw words), the others by +1
+            w[:] = w + wdt.type(1)
+            k = int(kind[3:])
+            w[:k] = w[:k] ^ wdt.type(1 << (8 * wdt.itemsize - 1))
+        elif kind == "single":
+            p = int(rng.integers(0, w.size))
+            w[p] = w[p] + wdt.type(1)
+        elif kind == "sparse":
+            k = max(1, w.size // 100)
+            p = rng.choice(w.size, size=k, replace=False)
+            w[p] = w[p] + rng.integers(1, 40, k).astype(wdt)
+            big = p[: k // 5]
+            w[big] = w[big] ^ wdt.type(1 << (8 * wdt.itemsize - 1))  # sign flips: raw words
+        old[name], new[name] = t, u
+
+    shapes = [(64,), (3, 40), (128, 64), (7,), (1, 300), (1024,)]
+    kinds = ["sparse"] * 6 + ["single", "same"]
+    for i in range(n):
+        dtype = "bfloat16" if i % 50 else ("float32" if i % 100 else "float64")
+        put(f"model.layers.{i // 64}.mlp.experts.{i % 64}.w{i % 3}.weight", dtype, shapes[i % len(shapes)],
+            kinds[i % len(kinds)])
+    put("model.embed.int_table", "int32", (50, 20), "sparse")
+    put("model.embed.bytes", "uint8", (4000,), "sparse")
+    put("model.lm_head.weight", "bfloat16", (1024, 640), "sparse")  # 655k words: cut into 8 row cells
+    put("model.layers.0.rewritten", "bfloat16", (32, 32), "rewrite")
+    put("model.layers.1.all_steps", "int32", (40,), "raw0")  # all words changed, no raw word: ans
+    put("model.layers.1.half_raw", "int32", (40,), "raw20")  # half of them raw: still ans
+    put("model.layers.1.most_raw", "int32", (40,), "raw21")  # more than half: dense
+    put("model.norm.weight", "bfloat16", (0,), "same")  # empty
+    return old, new
+
+
+def _host(state: dict[str, torch.Tensor]) -> dict[str, HostTensor]:
+    return {n: HostTensor(dtype=dtype_info(t.dtype).name, shape=tuple(t.shape), words=host_words(t))
+            for n, t in state.items()}
+
+
+def _encode(old, new, options, *, fast: bool, executor=None, base_fps=None):
+    columnar.ENABLED = fast
+    try:
+        diff = diff_states(old, new, base_fps=base_fps, chunk_words=options.chunk_words, executor=executor)
+        assert (diff.flat is not None) == fast
+        return diff, encode_diff(diff, model="m", version=2, parent=1, options=options, meta={"k": "v"},
+                                 base=old, executor=executor)
+    finally:
+        columnar.ENABLED = True
+
+
+def _same(a, b) -> None:
+    ma, mb = a.manifest, b.manifest
+    assert ma == mb
+    assert ma.meta == mb.meta and list(ma.meta) == list(mb.meta)
+    assert [(c.start, c.stop) for t in ma.tensors for c in t.chunks] == \
+        [(c.start, c.stop) for t in mb.tensors for c in t.chunks]
+    assert list(a.blobs) == list(b.blobs) and a.blobs == b.blobs
+    assert a.fps == b.fps
+    assert ma.to_json() == mb.to_json()
+    assert pack_delta_file(ma.compact(), a.blobs) == pack_delta_file(mb.compact(), b.blobs)
+
+
+OPTIONS = [
+    EncodeOptions(),  # one blob for this state
+    EncodeOptions(blob_target=20_000, cell_blob_min=4_000),  # many blobs, cut inside tensors: spans in meta
+    EncodeOptions(blob_target=1 << 20, cell_blob_min=0, chunk_words=500),  # many chunks a tensor, a blob a tensor
+]
+
+
+@pytest.mark.parametrize("opt", range(len(OPTIONS)))
+@pytest.mark.parametrize("threads", [0, 2])
+def test_fast_path_bytes_match_reference(opt, threads):
+    old, new = _states()
+    options = OPTIONS[opt]
+    pool = ThreadPoolExecutor(threads) if threads else None
+    try:
+        for a, b in ((old, new), (_host(old), _host(new))):
+            d_ref, ref = _encode(a, b, options, fast=False, executor=pool)
+            d_fast, fast = _encode(a, b, options, fast=True, executor=pool)
+            assert len(fast.manifest.tensors) == len(a) and fast.manifest.changed_words > 0
+            if opt:
+                assert len(fast.blobs) > 1
+            _same(ref, fast)
+            assert d_fast.fps_before == d_ref.fps_before and d_fast.fps_after == d_ref.fps_after
+            assert d_fast.layout == d_ref.layout
+    finally:
+        if pool is not None:
+            pool.shutdown()
+
+
+def test_dense_chunk_and_modes_present():
+    """The state exercises what it should: a dense chunk and ans chunks."""
+    from deltasync.blob import BlobReader
+
+    old, new = _states(400)
+    enc = encode_delta(_host(old), _host(new), model="m", version=2, parent=1)
+    modes = {c["mode"] for data in enc.blobs.values() for c in BlobReader(data).chunks}
+    assert modes == {"ans", "dense"}
+
+
+def test_lazy_chunks_and_base_fps_and_update_old():
+    """diff_states' columnar result: its ``chunks`` the per-chunk path's ChunkDiffs; with given base
+    fingerprints; with update_old (the publisher's reference patched in place: the same words after)."""
+    old, new = _states(600, seed=3)
+    chunk_words = 700
+    ref_copy = {n: t.clone() for n, t in old.items()}
+    fast_copy = {n: t.clone() for n, t in old.items()}
+    columnar.ENABLED = False
+    try:
+        ref = diff_states(ref_copy, new, chunk_words=chunk_words, update_old=True)
+        fps = dict(ref.fps_before)
+    finally:
+        columnar.ENABLED = True
+    fast = diff_states(fast_copy, new, chunk_words=chunk_words, update_old=True, base_fps=fps)
+    assert fast.flat is not None
+    assert fast.fps_before == ref.fps_before and fast.fps_after == ref.fps_after
+    assert all(np.array_equal(host_words(fast_copy[n]), host_words(new[n])) for n in new)
+    assert sorted(fast.chunks) == sorted(ref.chunks)
+    for name, cs in ref.chunks.items():
+        got = fast.chunks[name]
+        assert [(c.start, c.stop) for c in got] == [(c.start, c.stop) for c in cs]
+        for x, y in zip(got, cs):
+            np.testing.assert_array_equal(x.positions, y.positions)
+            np.testing.assert_array_equal(x.old, y.old)
+            np.testing.assert_array_equal(x.new, y.new)
+    assert fast.changed == ref.changed and fast.host_bytes == ref.host_bytes
+
+
+@pytest.mark.parametrize("options", [EncodeOptions(format=1), EncodeOptions(coding="base-conditioned"),
+                                     EncodeOptions(pack="cells", blob_target=30_000, cell_blob_min=5_000)])
+def test_other_encodings_from_a_columnar_diff(options):
+    """What encode_flat does not take (format 1, base-conditioned, packing by cells) is coded from the
+    columnar diff's ChunkDiffs: the same bytes as from the per-chunk diff."""
+    old, new = _states(300, seed=5)
+    old, new = _host(old), _host(new)
+    _, ref = _encode(old, new, options, fast=False)
+    _, fast = _encode(old, new, options, fast=True)
+    _same(ref, fast)
+
+
+def test_names_that_need_json_escapes_and_an_unchanged_state():
+    old, new = _states(60, seed=7)
+    rename = {n: (n + ' "q"\\é\x7f' if i % 2 else n) for i, n in enumerate(sorted(old))}
+    old = {rename[n]: t for n, t in old.items()}
+    new = {rename[n]: t for n, t in new.items()}
+    _, ref = _encode(old, new, EncodeOptions(blob_target=4000), fast=False)
+    _, fast = _encode(old, new, EncodeOptions(blob_target=4000), fast=True)
+    _same(ref, fast)
+    _, ref = _encode(old, old, EncodeOptions(), fast=False)
+    _, fast = _encode(old, old, EncodeOptions(), fast=True)
+    _same(ref, fast)
+    assert not fast.blobs
