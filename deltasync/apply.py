@@ -100,7 +100,7 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
         data = get_blob(blobs, ref.id, ref.size)
         decs[ref.id] = decode_blob_columns(data, executor=executor)
         total += len(data)
-    if only is None and all(not d.others for d in decs.values()):
+    if only is None and any(d.columns for d in decs.values()):
         cols = _columns_of(manifest, decs)  # None: a check failed; the reference below says which
         if cols is not None:
             return PreparedDelta(manifest=manifest, patches=cols, decoded_bytes=total)
@@ -164,18 +164,45 @@ class ColumnarPatches(Mapping):
     kernels, :class:`~deltasync.codec.DecodedBlob`): no object per chunk. Tensor ``names[t]`` (dtype
     ``dtypes[t]``) has chunk rows ``[first[t], first[t + 1])``, in word order; row ``r`` is words
     ``[starts[r], stops[r])`` of tensor ``tensor[r]`` with ``counts[r]`` changes at ``[at[r], at[r] + counts[r])``
-    of ``columns[word_sizes[r]]`` (positions, raw flags, values). As a mapping: name -> ChunkPatch list (views of
-    the columns, made on demand) for the callers that take chunks one by one."""
+    of ``columns[word_sizes[r]]`` (positions, raw flags, values), or, where ``at[r] < 0``, the chunk is
+    ``others[r]`` (a dense or base-conditioned one). As a mapping: name -> ChunkPatch list (views of the columns,
+    made on demand) for the callers that take chunks one by one."""
 
     __slots__ = ("names", "dtypes", "first", "tensor", "starts", "stops", "counts", "word_sizes", "at", "columns",
-                 "_where", "_made")
+                 "others", "_where", "_made", "_pure")
 
-    def __init__(self, *, names, dtypes, first, tensor, starts, stops, counts, word_sizes, at, columns) -> None:
+    def __init__(self, *, names, dtypes, first, tensor, starts, stops, counts, word_sizes, at, columns,
+                 others=None) -> None:
         self.names, self.dtypes, self.first, self.tensor = names, dtypes, first, tensor
         self.starts, self.stops, self.counts, self.word_sizes, self.at = starts, stops, counts, word_sizes, at
         self.columns = columns
+        self.others: dict[int, ChunkPatch] = others or {}
         self._where: dict[str, int] | None = None
         self._made: dict[str, list[ChunkPatch]] = {}
+        self._pure: tuple | None = None
+
+    def pure(self) -> tuple["ColumnarPatches", np.ndarray, list[int]]:
+        """(the tensors whose chunks are all columns, as ColumnarPatches; their indices here; the indices of the
+        others, in order): the columnar paths take the first, the chunk-by-chunk ones the rest."""
+        if self._pure is not None:
+            return self._pure
+        n = len(self.names)
+        if not self.others:
+            self._pure = (self, np.arange(n, dtype=np.int64), [])
+            return self._pure
+        keep = np.ones(n, dtype=np.bool_)
+        keep[self.tensor[np.fromiter(self.others, dtype=np.int64, count=len(self.others))]] = False
+        rows = keep[self.tensor]
+        kept = np.flatnonzero(keep)
+        first = np.zeros(kept.size + 1, dtype=np.int64)
+        np.cumsum(np.diff(self.first)[keep], out=first[1:])
+        renumber = np.cumsum(keep) - 1
+        sub = ColumnarPatches(names=[self.names[t] for t in kept.tolist()], dtypes=[self.dtypes[t] for t in kept.tolist()],
+                              first=first, tensor=renumber[self.tensor[rows]], starts=self.starts[rows],
+                              stops=self.stops[rows], counts=self.counts[rows], word_sizes=self.word_sizes[rows],
+                              at=self.at[rows], columns=self.columns)
+        self._pure = (sub, kept, np.flatnonzero(~keep).tolist())
+        return self._pure
 
     def __len__(self) -> int:
         return len(self.names)
@@ -197,6 +224,10 @@ class ColumnarPatches(Mapping):
         t = self._where[name]
         out = []
         for r in range(int(self.first[t]), int(self.first[t + 1])):
+            other = self.others.get(r)
+            if other is not None:
+                out.append(other)
+                continue
             a = int(self.at[r])
             b = a + int(self.counts[r])
             pos, raw, vals = self.columns[int(self.word_sizes[r])]
@@ -249,7 +280,7 @@ def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPat
         d = decs[b]
         at = d.at.copy()
         for w, (pos, raw, vals) in d.columns.items():
-            at[d.word_sizes == w] += base.get(w, 0)
+            at[(d.word_sizes == w) & (d.at >= 0)] += base.get(w, 0)
             base[w] = base.get(w, 0) + pos.size
             flat.setdefault(w, []).append((pos, raw, vals))
         at_parts.append(at)
@@ -293,8 +324,13 @@ def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPat
         return None
     columns = {w: tuple(np.concatenate(part) if len(parts) > 1 else parts[0][j] for j, part in
                         enumerate(zip(*parts))) for w, parts in flat.items()}
+    at = at_all[g]
+    others = {}
+    if any(d.others for d in decs.values()):
+        for r in np.flatnonzero(at < 0).tolist():
+            others[r] = decs[blob_ids[int(ref_blob[r])]].others[int(ref_index[r])]
     return ColumnarPatches(names=names, dtypes=want_dtypes, first=first, tensor=tensor, starts=starts, stops=stops,
-                           counts=counts, word_sizes=cat["word_sizes"][g], at=at_all[g], columns=columns)
+                           counts=counts, word_sizes=cat["word_sizes"][g], at=at, columns=columns, others=others)
 
 
 _BATCHED = "batched"  # marks an undo entry of _patch_batched
@@ -550,7 +586,24 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
     cols = prepared.patches if type(prepared.patches) is ColumnarPatches else None
     if cols is not None and verify == "incremental" and not any(n in cols for n in aliases):
         try:
-            done = _patch_columns(tensors, cols, fps, records, undo, executor, check, addresses)
+            pure, kept, rest = cols.pure()  # the tensors whose chunks are all columns; the others (dense chunks)
+            got = _patch_columns(tensors, pure, fps, records, undo, executor, check, addresses)
+            if got is not None:
+                done, failure = got
+                first = (int(kept[failure[0]]), failure[1]) if failure is not None else None
+                for k, t in enumerate(rest):  # chunk by chunk, in order, up to the first failure
+                    if first is not None and t > first[0]:
+                        break
+                    if check is not None and not k % CHECK_EVERY:
+                        check()
+                    name = cols.names[t]
+                    try:
+                        done[name] = patch_one(name, cols[name])
+                    except Exception as e:  # noqa: BLE001 - raised below, after the columns' failure if earlier
+                        first = (t, e) if first is None or t < first[0] else first
+                        break
+                if first is not None:
+                    raise first[1]
         except BaseException as e:
             undo.rollback()
             if isinstance(e, DeltaSyncError):
@@ -558,7 +611,7 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
             if isinstance(e, Exception):
                 raise ApplyError(f"patching v{manifest.version} failed ({type(e).__name__}: {e}); rolled back") from e
             raise
-        if done is not None:
+        if got is not None:
             new_fps.update(done)
             for alias, primary in aliases.items():
                 new_fps[alias] = new_fps[primary]
@@ -802,14 +855,18 @@ def _fp_words(hexes: list[str]) -> np.ndarray | None:
 
 def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, fps: Mapping[str, int],
                    records: Mapping[str, object], undo: _Undo, executor: Executor | None,
-                   check: Callable[[], None] | None, addresses) -> dict[str, int] | None:
-    """:func:`_patch_batched` of a delta prepared as columns: the kernel's job rows made by numpy from the
-    columns and a table of the tensors' addresses (``addresses(names)``, else :func:`host_addresses`), the
-    fingerprints summed and compared as arrays. The same words, fingerprints, undo and first failure. None
-    (nothing done) unless the compiled kernels are selected and every tensor is contiguous host memory."""
+                   check: Callable[[], None] | None, addresses) -> tuple[dict[str, int], tuple | None] | None:
+    """:func:`_patch_batched` of a delta prepared as columns (every chunk a column: ``ColumnarPatches.pure``): the
+    kernel's job rows made by numpy from the columns and a table of the tensors' addresses (``addresses(names)``,
+    else :func:`host_addresses`), the fingerprints summed and compared as arrays. The same words, fingerprints and
+    undo; returns ({name: fingerprint after}, None) or, at a failure, (those, (tensor index, the exception to
+    raise)): the first in tensor order, as :func:`_patch_batched` raises it. None (nothing done) unless the
+    compiled kernels are selected and every tensor is contiguous host memory."""
     if kernels.cpu_kernels() is None:
         return None
     names = cols.names
+    if not names:
+        return {}, None
     table = addresses(names) if addresses is not None else host_addresses(tensors, names)
     if table is None:
         return None
@@ -875,13 +932,15 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
     wrong = np.flatnonzero(after != want) if want is not None else np.array(
         [i for i, n in enumerate(names) if fp_hex(int(after[i])) != records[n].fp_after], dtype=np.int64)
     first_wrong = int(wrong[0]) if wrong.size else len(names)
+    done = dict(zip(names, after.tolist()))
     if bad is not None and bad[0] <= first_wrong:
-        raise IndexError(bad[1])
+        return done, (bad[0], IndexError(bad[1]))
     if first_wrong < len(names):
         name = names[first_wrong]
-        raise IntegrityError(f"{name}: fingerprint after patching is {fp_hex(int(after[first_wrong]))}, manifest "
-                             f"says {records[name].fp_after}; rolled back")
-    return dict(zip(names, after.tolist()))
+        return done, (first_wrong, IntegrityError(
+            f"{name}: fingerprint after patching is {fp_hex(int(after[first_wrong]))}, manifest says "
+            f"{records[name].fp_after}; rolled back"))
+    return done, None
 
 
 CHECK_EVERY = 64  # stage_prepared(check=): tensors between two calls of the caller's check (signals, deadlines)
