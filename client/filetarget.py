@@ -725,10 +725,19 @@ class FileTarget(TensorApplier):
             return
         dtypes = {d for d, _ in self._layout.values()}
         warm_kernels(dtypes)
+        one = np.ones(1, dtype=np.int64)
         for w in sorted({dtype_info(d).word_size for d in dtypes}):
             words = np.zeros(8, dtype=f"<u{w}")
             kernels.journal_gather(words, np.arange(2, dtype=np.int64), 0, 8, np.empty(2, "<u4"),
                                    np.empty(2, words.dtype))
+            whole = words.view()
+            whole.flags.writeable = False  # as _journal_columns reads the map: through its read-only buffer
+            kernels.journal_columns(whole, np.arange(2, dtype=np.int64), one * 0, one * 2, one * 0, one * 8, one * 0,
+                                    np.empty(2, "<u4"), np.empty(2, words.dtype))
+        # what a delta's stage reads of this file's layout, made once per file (not in the first delta's time)
+        if self.file is not None:
+            self._table()
+        self._state_lines()
 
     def stage_delta(self, prepared: PreparedDelta, fps: Mapping[str, int], *, verify: str) -> _JournaledPatch:
         self._written_fps = None
@@ -860,22 +869,18 @@ class FileTarget(TensorApplier):
                 table[:, 1] = words
                 table[:, 2] = starts
                 table[:, 3] = counts
-                pos = _gather_columns(cols.columns[w][0], cols.at[sel], counts, n)
-                begin = np.repeat(starts, counts)
-                rel = pos - begin
-                bad = np.flatnonzero((rel < 0) | (rel >= np.repeat(stops - starts, counts)))
-                if bad.size:
-                    k = int(bad[0])
-                    c = int(np.searchsorted(np.cumsum(counts), k, side="right"))
-                    raise FormatError(f"{self.path}: change position {int(pos[k])} leaves its chunk "
-                                      f"[{int(starts[c])}:{int(stops[c])}] of {int(words[c])} words")
                 o = at + 32 * sel.size
-                payload[o : o + 4 * n].view("<u4")[:] = rel
-                pos += np.repeat(first[t] // w, counts)  # the changes' words in the whole file
-                o += _pad8(4 * n)
-                as_words = whole[: whole.size // w * w].view(f"<u{w}")
-                kernels.gather_words(as_words, pos, payload[o : o + w * n].view(f"<u{w}"))
-                del as_words
+                rel = payload[o : o + 4 * n].view("<u4")
+                old = payload[o + _pad8(4 * n) : o + _pad8(4 * n) + w * n].view(f"<u{w}")
+                flat, where = cols.columns[w][0], cols.at[sel]
+                as_words = whole[: whole.size // w * w].view(f"<u{w}")  # the whole file as words: one gather
+                try:
+                    j, k = kernels.journal_columns(as_words, flat, where, counts, starts, stops, first[t] // w, rel, old)
+                finally:
+                    del as_words
+                if j >= 0:
+                    raise FormatError(f"{self.path}: change position {int(flat[int(where[j]) + k])} leaves its chunk "
+                                      f"[{int(starts[j])}:{int(stops[j])}] of {int(words[j])} words")
             self._fill_chunks(payload, parts)
             payload[total:] = whole[:hdr]
             base = whole.ctypes.data
@@ -908,9 +913,11 @@ class FileTarget(TensorApplier):
     def _plan_chunks(self, items, total: int) -> tuple[list[dict], list[tuple], int]:
         """The journal regions of ``items`` ((name, chunks) pairs) from payload offset ``total`` on: (regions,
         (host words, chunk, region) to fill, the payload's end)."""
-        host_of = self.file.host  # numpy words viewing the map: no torch view per tensor
-        starts = {e.name: e.start for e in self.file.header.entries} if items else {}
         regions: list[dict] = []
+        if not items:
+            return regions, [], total
+        host_of = self.file.host  # numpy words viewing the map: no torch view per tensor
+        starts = {e.name: e.start for e in self.file.header.entries}
         parts: list[tuple] = []  # (host words, chunk) in region order
         check = self.check  # a signal or a deadline stops it here too: nothing is written yet
         for i, (name, chunks) in enumerate(items):
@@ -989,16 +996,6 @@ class FileTarget(TensorApplier):
         except OSError as e:
             raise StorageError(f"cannot remove the undo journal beside {self.path}: {e.strerror or e}") from e
         fsync_dir(self.path.parent)
-
-
-def _gather_columns(flat: np.ndarray, at: np.ndarray, counts: np.ndarray, n: int) -> np.ndarray:
-    """``concatenate([flat[a : a + c] for a, c in zip(at, counts)])`` (a copy, int64) without a slice per chunk."""
-    if not n:
-        return np.zeros(0, dtype=np.int64)
-    ends = np.cumsum(counts)
-    if at[0] == 0 and (at[1:] == ends[:-1]).all():  # the chunks' changes back to back already (one blob)
-        return flat[:n].astype(np.int64, copy=True)
-    return flat[np.arange(n, dtype=np.int64) + np.repeat(at - (ends - counts), counts)].astype(np.int64, copy=False)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

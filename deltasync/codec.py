@@ -934,6 +934,17 @@ def decode_blob_columns(data: bytes | bytearray | memoryview, *, executor: Execu
     left in the flat arrays their compiled decode wrote (with the reference kernels every chunk is a
     :class:`ChunkPatch` in ``others``)."""
     reader = BlobReader(data)
+    fast = _ans_blob_rows(reader)
+    if fast is not None:  # every chunk an ans chunk, every record and stream length checked as arrays
+        names, dtype_names, rows, tables, raws = fast
+        at = np.full(len(names), -1, dtype=np.int64)
+        columns: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for w, (idx, offsets, pos, rawf, vals) in decode_ans_columns(tables, reader.stream("ans"), raws, rows,
+                                                                     executor=executor).items():
+            at[idx] = offsets[:-1]
+            columns[w] = (pos, rawf, vals)
+        return DecodedBlob(tensors=names, dtypes=dtype_names, starts=rows[:, 4], stops=rows[:, 4] + rows[:, 3],
+                           counts=rows[:, 2], word_sizes=rows[:, 7], at=at, columns=columns, others={})
     cursors: dict[str, int] = {}
 
     def take(stream: str, n: int, dtype: np.dtype | None = None) -> np.ndarray:
@@ -1067,6 +1078,69 @@ def decode_blob_columns(data: bytes | bytearray | memoryview, *, executor: Execu
 
 _patch = maker(ChunkPatch)
 _changes = maker(Changes)
+
+
+def _ans_blob_rows(reader: BlobReader):
+    """A format-2/3 blob whose chunks are all ``ans`` chunks, its records checked as columns: (tensor names,
+    dtype names, int64 kernel rows ``(at, na, count, length, start, r0, nr, word size)``, its tables, its raw
+    word streams); None for any other blob or where any check fails (the record-by-record loop then raises
+    the error, in chunk order). The same checks as that loop: fields, types, ranges, stream lengths."""
+    if reader.version < 2 or kernels.cpu_kernels() is None:
+        return None
+    chunks = reader.chunks
+    n = len(chunks)
+    if not n:
+        return None
+    try:
+        keys = _CHUNK_KEYS_V2
+        if not all(r.keys() == keys for r in chunks) or {r["mode"] for r in chunks} != {"ans"}:
+            return None
+        names = [r["tensor"] for r in chunks]
+        dtns = [r["dtype"] for r in chunks]
+        if set(map(type, names)) != {str} or set(map(type, dtns)) != {str}:
+            return None
+        cols = [[r[k] for r in chunks] for k in ("start", "stop", "count", "na", "nr")]
+        if any(set(map(type, c)) != {int} for c in cols):
+            return None
+        arr = np.array(cols, dtype=np.int64)
+        if (arr < 0).any() or (arr > MAX_WORDS).any():
+            return None
+        start, stop, count, na, nr = arr
+        length = stop - start
+        if ((length <= 0) | (count == 0) | (count > length)).any():
+            return None
+        infos = {d: dtype_info(d) for d in set(dtns)}
+        canon = {d: i.name for d, i in infos.items()}
+        ws = np.array([infos[d].word_size for d in dtns], dtype=np.int64)
+        wsizes = np.unique(ws).tolist()
+        if not set(reader.stream_names) <= {"ans", "ansm", *(f"raw{w}" for w in wsizes)}:
+            return None  # a stream no chunk uses
+        ans = reader.stream("ans")
+        if int(na.sum()) * 2 != ans.size:
+            return None
+        raws = {}
+        r0 = np.zeros(n, dtype=np.int64)
+        for w in wsizes:
+            raw = reader.stream(f"raw{w}", numpy_word_dtype(w))
+            sel = np.flatnonzero(ws == w) if len(wsizes) > 1 else slice(None)
+            k = nr[sel]
+            if int(k.sum()) != raw.size:
+                return None
+            r0[sel] = np.cumsum(k) - k
+            raws[w] = raw
+        tables = AnsTables.parse(reader.stream("ansm"))
+    except Exception:  # noqa: BLE001 - anything odd: the record-by-record loop says what, in its order
+        return None
+    rows = np.empty((n, 8), dtype=np.int64)
+    rows[:, 0] = np.cumsum(2 * na) - 2 * na
+    rows[:, 1] = na
+    rows[:, 2] = count
+    rows[:, 3] = length
+    rows[:, 4] = start
+    rows[:, 5] = r0
+    rows[:, 6] = nr
+    rows[:, 7] = ws
+    return names, [canon[d] for d in dtns], rows, tables, raws
 
 
 _record, _chunk_ref, _chunk_diff = maker(TensorRecord), maker(ChunkRef), maker(ChunkDiff)

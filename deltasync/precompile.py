@@ -191,5 +191,10 @@ def _word_kernels(word_size: int, is_float: bool) -> None:
     kernels.copy_range_delta(o.copy()[:64], n[:64], 0, word_size)
     kernels.gather_words(o, pos, np.empty(pos.size, wdt))
     kernels.scatter_words(o.copy(), pos, ow)
-    # subscribe --out's undo journal: the old words at the changed positions
+    # subscribe --out's undo journal: the old words at the changed positions, chunk by chunk and as columns (jrnl03)
     kernels.journal_gather(o, pos, 0, WORDS, np.empty(pos.size, "<u4"), np.empty(pos.size, wdt))
+    row = np.zeros(1, dtype=np.int64)
+    whole = o.view()
+    whole.flags.writeable = False  # the mapped file's words, read through its read-only buffer
+    kernels.journal_columns(whole, pos, row, row + pos.size, row, row + WORDS, row, np.empty(pos.size, "<u4"),
+                            np.empty(pos.size, wdt))

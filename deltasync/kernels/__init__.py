@@ -537,3 +537,33 @@ def journal_gather(words: np.ndarray, positions: np.ndarray, start: int, stop: i
     np.subtract(positions, start, out=rel, casting="unsafe")
     np.take(words, positions, out=old)
     return -1
+
+
+def journal_columns(words: np.ndarray, flat: np.ndarray, at: np.ndarray, counts: np.ndarray, starts: np.ndarray,
+                    stops: np.ndarray, first: np.ndarray, rel: np.ndarray, old: np.ndarray) -> tuple[int, int]:
+    """Many sparse chunks' undo records in one pass (jrnl03's group of one word size): for chunk row ``j``, its
+    changes ``flat[at[j] : at[j] + counts[j]]`` give ``rel = p - starts[j]`` (uint32) and ``old = words[first[j] +
+    p]``, row after row. Returns (-1, 0), or (row, index) of the first change outside its ``[starts, stops)``
+    (``rel``/``old`` are then unfinished). ``first + stops <= words.size`` and ``stops - starts <= REL_MAX`` per
+    row: the caller's; the rows' ranges of ``flat`` are checked here. Compiled when selected
+    (:mod:`deltasync.kernels.journal`)."""
+    if at.size and (int((at + counts).max()) > flat.size or int(at.min()) < 0):
+        raise ValueError("journal_columns: a chunk's changes leave the flat positions")
+    if int(counts.sum()) > min(rel.size, old.size):
+        raise ValueError("journal_columns: the output is shorter than the changes")
+    if cpu_kernels() is not None:
+        from . import journal
+
+        j, k = journal.journal_columns(words, flat, at, counts, starts, stops, first, rel, old)
+        return int(j), int(k)
+    n = int(counts.sum())
+    ends = np.cumsum(counts)
+    pos = flat[np.arange(n, dtype=np.int64) + np.repeat(at - (ends - counts), counts)].astype(np.int64)
+    begin = np.repeat(starts, counts)
+    bad = np.flatnonzero((pos < begin) | (pos >= np.repeat(stops, counts)))
+    if bad.size:
+        j = int(np.searchsorted(ends, int(bad[0]), side="right"))
+        return j, int(bad[0]) - int(ends[j] - counts[j])
+    np.subtract(pos, begin, out=rel[:n], casting="unsafe")
+    np.take(words, pos + np.repeat(first, counts), out=old[:n])
+    return -1, 0

@@ -255,3 +255,45 @@ def test_a_position_outside_its_tensor_in_process_is_rolled_back(delta):
     with pytest.raises(ApplyError, match="outside a tensor"):
         apply_prepared(target, prepared, _fps(old))
     assert _words(target) == _words(old)
+
+
+_RECORD_CASES = [("start", -1), ("start", 1.0), ("start", True), ("start", "0"), ("stop", 0), ("count", 0),
+                 ("count", 10**6), ("na", 1), ("nr", 1), ("dtype", "float128"), ("dtype", 7), ("dtype", "int64"),
+                 ("tensor", None), ("mode", "dense"), ("mode", ["ans"]), ("extra", 1), ("nr", "drop"),
+                 ("count", 2**60)]
+
+
+@pytest.mark.parametrize("field,value", _RECORD_CASES, ids=[f"{f}={v!r}" for f, v in _RECORD_CASES])
+def test_a_malformed_ans_record_fails_as_the_record_loop_says(delta, monkeypatch, field, value):
+    """decode_blob checks a blob of ans chunks as columns (codec._ans_blob_rows): a record it does not take goes
+    to the record-by-record loop, which raises the same FormatError as before (or decodes the same chunks)."""
+    from deltasync import codec
+
+    old, new, enc = delta
+    data = next(iter(enc.blobs.values()))
+    real = codec.BlobReader
+
+    def mutated(raw, **kw):
+        reader = real(raw, **kw)
+        rec = dict(reader.chunks[1])
+        if value == "drop":
+            del rec[field]
+        elif field in ("na", "nr") and type(value) is int and value == 1:
+            rec[field] = rec[field] + 1  # one item more than its streams hold
+        else:
+            rec[field] = value
+        reader.chunks = [reader.chunks[0], rec, *reader.chunks[2:]]
+        return reader
+
+    monkeypatch.setattr(codec, "BlobReader", mutated)
+
+    def outcome():
+        try:
+            return [(p.tensor, p.start, p.stop, p.count) for p in codec.decode_blob(data)]
+        except Exception as e:  # noqa: BLE001 - compared below
+            return type(e), str(e)
+
+    fast = outcome()
+    monkeypatch.setattr(codec, "_ans_blob_rows", lambda reader: None)
+    assert fast == outcome()
+    assert isinstance(fast, tuple) and issubclass(fast[0], FormatError), fast
