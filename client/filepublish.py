@@ -98,7 +98,8 @@ def start_compare(base: Mapping[str, torch.Tensor | HostTensor], state: Mapping[
 
 
 def _raw(state: Mapping[str, torch.Tensor | HostTensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
+    nbytes = getattr(state, "nbytes", None)  # a mapped file's HostState knows its data's size
+    return nbytes if isinstance(nbytes, int) else sum(t.numel() * t.element_size() for t in state.values())
 
 
 def check_base_file(base: Mapping[str, torch.Tensor | HostTensor], head: Manifest, *, where: str) -> dict[str, int]:

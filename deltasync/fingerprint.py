@@ -248,6 +248,9 @@ def fingerprint_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
 
 def state_fingerprint_of(tensors: Mapping[str, torch.Tensor], fps: Mapping[str, int] | None = None) -> str:
     fps = fps if fps is not None else fingerprint_state(tensors)
+    records = getattr(tensors, "records", None)  # a mapped file's HostState: its header's records, no pass over it
+    if records is not None:
+        return state_fingerprint((name, dtype, shape, fps[name]) for name, dtype, shape in records())
     return state_fingerprint(
         (name, dtype_info(t.dtype).name, tuple(t.shape), fps[name]) for name, t in tensors.items()
     )

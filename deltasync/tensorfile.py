@@ -313,10 +313,31 @@ def tensors_of(whole: torch.Tensor, header: TensorHeader) -> dict[str, torch.Ten
     return {e.name: _tensor(whole, e) for e in header.entries}
 
 
-def host_tensors_of(whole: np.ndarray, header: TensorHeader) -> dict[str, HostTensor]:
+class HostState(dict):
+    """:func:`host_tensors_of`'s mapping: name -> :class:`HostTensor`, in header order, that also knows the
+    header it was made from (``header``), so a state of many tensors can be described without a pass over
+    them (its layout, its bytes: :func:`deltasync.codec.same_layout`, :meth:`records`)."""
+
+    header: TensorHeader
+
+    def records(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype name, shape) of every tensor, in header order."""
+        if len(self) != len(self.header.entries):  # changed since it was made: as it is now
+            return [(n, t.dtype, t.shape) for n, t in self.items()]
+        return [(e.name, e.dtype, e.shape) for e in self.header.entries]
+
+    @property
+    def nbytes(self) -> int:
+        if len(self) != len(self.header.entries):
+            return sum(t.nbytes for t in self.values())
+        return self.header.size - self.header.data_start
+
+
+def host_tensors_of(whole: np.ndarray, header: TensorHeader) -> HostState:
     """Every tensor of a parsed buffer (``whole``: the buffer as a flat uint8 numpy array) as
     :class:`HostTensor` words viewing it (copied only where misaligned to its words). No torch."""
-    out: dict[str, HostTensor] = {}
+    out = HostState()
+    out.header = header
     make = _host_tensor
     kinds: dict[str, tuple] = {}  # dtype name -> (dtype name, word size, word dtype, the buffer as those words)
     for e in header.entries:

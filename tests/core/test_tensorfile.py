@@ -157,3 +157,29 @@ def test_the_column_checks_and_the_loop_agree(monkeypatch):
     tensorfile._LAST_HEADER = None
     with pytest.raises(FormatError, match="m.w: data offsets"):
         parse_header(_file(text, bytes(buf[8 + n :])))
+
+
+def test_a_mapped_state_knows_its_layout_from_its_header(tmp_path):
+    """MappedTensorFile.host is a HostState: its records, bytes and layout come from the header (a 140k-tensor
+    state was walked for each), and agree with a walk over its tensors; two files of one header have the same
+    layout without a walk, and a state changed since it was made is walked."""
+    from deltasync.codec import same_layout, state_layout
+    from deltasync.fingerprint import state_fingerprint, state_fingerprint_of
+    from deltasync.tensorfile import MappedTensorFile
+
+    state = {f"w{i}": torch.randn(i + 1, 3).to(torch.bfloat16 if i % 2 else torch.float32) for i in range(9)}
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.safetensors").write_bytes(save(state))
+    with MappedTensorFile(tmp_path / "a.safetensors") as fa, MappedTensorFile(tmp_path / "b.safetensors") as fb:
+        a, b = fa.host, fb.host
+        assert a.records() == [(n, t.dtype, t.shape) for n, t in a.items()]
+        assert a.nbytes == sum(t.nbytes for t in a.values())
+        assert a.header.entries is b.header.entries and same_layout(a, b)
+        fps = {n: i for i, n in enumerate(a)}
+        assert state_fingerprint_of(a, fps) == state_fingerprint(
+            (n, state_layout(a)[n][0], state_layout(a)[n][1], fps[n]) for n in a)
+        c = fa.host.__class__(b)
+        c.header = b.header
+        del c["w0"]
+        assert not same_layout(a, c) and c.records() == [(n, t.dtype, t.shape) for n, t in c.items()]
+        assert c.nbytes == a.nbytes - a["w0"].nbytes
