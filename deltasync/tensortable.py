@@ -99,45 +99,40 @@ def _text(items: list[str], what: str) -> bytes:
 
 def pack_table(records, kind: str, blob_ids: list[str]) -> bytes:
     """The compressed table of ``records`` (TensorRecords, sorted by name) of a manifest whose blob list
-    is ``blob_ids`` (chunk references are stored as positions in it)."""
+    is ``blob_ids`` (chunk references are stored as positions in it). Column by column (comprehensions and
+    numpy: a 70k-tensor manifest is packed at every publish)."""
     n = len(records)
     where = {b: i for i, b in enumerate(blob_ids)}
     names = [r.name for r in records]
     dtype_names: dict[str, int] = {}
-    codes = np.empty(n, dtype=np.uint8)
-    ndims = np.empty(n, dtype=np.uint8)
-    dims: list[int] = []
-    fps = np.empty(n, dtype=np.uint64)
-    changed = np.empty(n, dtype=np.uint64)
-    counts = np.empty(n, dtype=np.uint32)
-    cblob: list[int] = []
+    for d in [r.dtype for r in records]:  # codes in order of first appearance
+        if d not in dtype_names:
+            dtype_names[d] = len(dtype_names)
+    codes = np.fromiter((dtype_names[r.dtype] for r in records), dtype=np.uint8, count=n)
+    shapes = [r.shape for r in records]
+    ndims = np.fromiter(map(len, shapes), dtype=np.uint8, count=n)
+    dims = [d for sh in shapes for d in sh]
+    fps = np.frombuffer(bytes.fromhex("".join([r.fp_after for r in records])), dtype=">u8") if n else \
+        np.zeros(0, np.uint64)
+    changed = np.fromiter((r.changed for r in records), dtype=np.uint64, count=n)
+    chunk_lists = [r.chunks for r in records]
+    counts = np.fromiter(map(len, chunk_lists), dtype=np.uint32, count=n)
+    chunks = [c for cs in chunk_lists for c in cs]
+    cblob = [where[c.blob] for c in chunks]
+    has_spans = kind == "delta"
+    keys_named = True
     cindex: list[int] = []
     spans: list[int] = []
     keys: list[str] = []
-    has_spans = kind == "delta"
-    keys_named = True
-    for i, r in enumerate(records):
-        code = dtype_names.get(r.dtype)
-        if code is None:
-            code = dtype_names[r.dtype] = len(dtype_names)
-        codes[i] = code
-        ndims[i] = len(r.shape)
-        dims.extend(r.shape)
-        fps[i] = int(r.fp_after, 16)
-        changed[i] = r.changed
-        counts[i] = len(r.chunks)
-        for c in r.chunks:
-            cblob.append(where[c.blob])
-            if kind == "delta":
-                cindex.append(c.index)
-                if c.start is None:
-                    has_spans = False
-                else:
-                    spans.append(c.start)
-                    spans.append(c.stop)
-            else:
-                keys.append(c.key)
-                keys_named = keys_named and c.key == r.name
+    if kind == "delta":
+        cindex = [c.index for c in chunks]
+        if any(c.start is None for c in chunks):
+            has_spans = False
+        else:
+            spans = [x for c in chunks for x in (c.start, c.stop)]
+    else:
+        keys = [c.key for c in chunks]
+        keys_named = all(c.key == r.name for r in records for c in r.chunks)
     flags = (_F_SPANS if has_spans and cindex else 0) | (0 if keys_named else _F_KEYS)
     parts = [
         _HEAD.pack(_MAGIC, _KINDS[kind], flags, TABLE_VERSION, n, len(cblob), len(dims)),
