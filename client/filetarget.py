@@ -831,7 +831,7 @@ class FileTarget(TensorApplier):
         cols, _, rest = everything.pure()  # tensors with a dense or base-conditioned chunk: chunk by chunk
         index, first, nbytes, wsize = self._table()
         try:
-            rows = np.fromiter((index[n] for n in cols.names), dtype=np.int64, count=len(cols.names))
+            rows = np.fromiter(map(index.__getitem__, cols.names), dtype=np.int64, count=len(cols.names))
         except KeyError:
             return None
         if (wsize[rows][cols.tensor] != cols.word_sizes).any():

@@ -27,13 +27,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import attrgetter, itemgetter
 
 import numpy as np
 import torch
 
 from .codec import DENSE_FP, ChunkPatch, DecodedBlob, chunk_spans, decode_blob_columns
 from . import kernels
-from .dtypes import dtype_info, host_words, numpy_word_dtype, signed_word_dtype, word_view
+from .dtypes import dtype_info, host_words, numpy_word_dtype, signed_word_dtype, word_count, word_view
 from .blob import verify_blob
 from .parts import split_counts
 from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError
@@ -243,23 +245,23 @@ def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPat
     recs = [r for r in manifest.tensors if r.chunks]
     if len(recs) != len(manifest.tensors) and any(r.changed for r in manifest.tensors if not r.chunks):
         return None
+    if not recs:
+        return None
     blob_ids = list(decs)
     bpos = {b: i for i, b in enumerate(blob_ids)}
     sizes = np.array([len(decs[b]) for b in blob_ids], dtype=np.int64)
     row0 = np.zeros(len(blob_ids) + 1, dtype=np.int64)
     np.cumsum(sizes, out=row0[1:])
+    chunk_lists = list(map(_get_chunks, recs))
+    n_list = list(map(len, chunk_lists))
+    n_refs = np.array(n_list, dtype=np.int64)
+    single = n_refs.size == int(n_refs.sum())  # one chunk a tensor (most tensors of a sparse step)
+    flat_refs = [c for cl in chunk_lists for c in cl] if not single else [cl[0] for cl in chunk_lists]
     try:
-        refs = [(bpos[c.blob], c.index) for rec in recs for c in rec.chunks]
-    except KeyError:
+        ref_blob = np.fromiter(map(bpos.__getitem__, map(_get_blob, flat_refs)), dtype=np.int64, count=len(flat_refs))
+        ref_index = np.fromiter(map(_get_index, flat_refs), dtype=np.int64, count=len(flat_refs))
+    except (KeyError, TypeError, ValueError, OverflowError):  # a blob not decoded, an index None or out of range
         return None
-    n_refs = np.array([len(rec.chunks) for rec in recs], dtype=np.int64)
-    if not refs:
-        return None
-    ref_blob, ref_index = zip(*refs)
-    if None in ref_index:
-        return None
-    ref_blob = np.array(ref_blob, dtype=np.int64)
-    ref_index = np.array(ref_index, dtype=np.int64)
     if (ref_index < 0).any() or (ref_index >= sizes[ref_blob]).any():
         return None
     g = row0[ref_blob] + ref_index  # each reference's row among all blobs' chunks
@@ -285,26 +287,31 @@ def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPat
             flat.setdefault(w, []).append((pos, raw, vals))
         at_parts.append(at)
     at_all = np.concatenate(at_parts)
-    # the checks of prepare_delta's reference loop, as arrays
-    dtype_names: dict[str, str] = {}
-    words_of: dict[tuple, int] = {}
-    want_names, want_dtypes, words, changed = [], [], [], []
-    for rec in recs:
-        dn = dtype_names.get(rec.dtype)
-        if dn is None:
-            dn = dtype_names[rec.dtype] = dtype_info(rec.dtype).name
-        key = (rec.dtype, rec.shape)
-        nw = words_of.get(key)
-        if nw is None:
-            nw = words_of[key] = rec.words
-        want_dtypes.append(dn)
-        words.append(nw)
-        changed.append(rec.changed)
-    names = [rec.name for rec in recs]
-    gl = g.tolist()
-    if [all_names[i] for i in gl] != [n for n, k in zip(names, n_refs.tolist()) for _ in range(k)]:
+    # the checks of prepare_delta's reference loop, as list and array compares
+    rec_dtypes = list(map(_get_dtype, recs))
+    keys = list(zip(rec_dtypes, map(_get_shape, recs)))
+    try:
+        infos = {d: dtype_info(d) for d in set(rec_dtypes)}
+        words_of = {k: word_count(k[1], infos[k[0]]) for k in set(keys)}
+    except Exception:  # noqa: BLE001 - the reference loop says what
         return None
-    if [all_dtypes[i] for i in gl] != [d for d, k in zip(want_dtypes, n_refs.tolist()) for _ in range(k)]:
+    canon = {d: i.name for d, i in infos.items()}
+    want_dtypes = list(map(canon.__getitem__, rec_dtypes))
+    words = np.fromiter(map(words_of.__getitem__, keys), dtype=np.int64, count=len(keys))
+    names = list(map(_get_name, recs))
+    got = itemgetter(*g.tolist())
+    got_names, got_dtypes = got(all_names), got(all_dtypes)
+    if len(g) == 1:
+        got_names, got_dtypes = (got_names,), (got_dtypes,)
+    if single:
+        if got_names != tuple(names) or got_dtypes != tuple(want_dtypes):
+            return None
+    elif (got_names != tuple(chain.from_iterable(map(repeat, names, n_list)))
+          or got_dtypes != tuple(chain.from_iterable(map(repeat, want_dtypes, n_list)))):
+        return None
+    try:
+        want_changed = np.fromiter(map(_get_changed, recs), dtype=np.int64, count=len(recs))
+    except (OverflowError, TypeError, ValueError):
         return None
     first = np.zeros(len(recs) + 1, dtype=np.int64)
     np.cumsum(n_refs, out=first[1:])
@@ -314,11 +321,7 @@ def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPat
     later[first[:-1]] = False  # each tensor's first chunk starts at 0 or later: its start is never negative
     if (starts[1:][later[1:]] < stops[:-1][later[1:]]).any():
         return None
-    if (stops > np.array(words, dtype=np.int64)[tensor]).any():
-        return None
-    try:
-        want_changed = np.array(changed, dtype=np.int64)
-    except OverflowError:
+    if (stops > words[tensor]).any():
         return None
     if (np.add.reduceat(counts, first[:-1]) != want_changed).any():
         return None
@@ -332,6 +335,11 @@ def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPat
     return ColumnarPatches(names=names, dtypes=want_dtypes, first=first, tensor=tensor, starts=starts, stops=stops,
                            counts=counts, word_sizes=cat["word_sizes"][g], at=at, columns=columns, others=others)
 
+
+_get_chunks, _get_blob, _get_index = attrgetter("chunks"), attrgetter("blob"), attrgetter("index")
+_get_dtype, _get_shape, _get_name, _get_changed = (attrgetter("dtype"), attrgetter("shape"), attrgetter("name"),
+                                                   attrgetter("changed"))
+_get_fp_before, _get_fp_after = attrgetter("fp_before"), attrgetter("fp_after")
 
 _BATCHED = "batched"  # marks an undo entry of _patch_batched
 _COLUMNS = "columns"  # marks an undo entry of _patch_columns
@@ -480,25 +488,43 @@ def _base_matches(manifest: Manifest, layout: Mapping[str, tuple[str, tuple[int,
                   state_lines: tuple[list[str], list[str]], fps: Mapping[str, int]) -> bool:
     """:func:`check_base`'s checks, as list and array comparisons: True when all hold."""
     recs = manifest.tensors
-    names = [r.name for r in recs]
-    if [layout.get(n) for n in names] != [(r.dtype, r.shape) for r in recs]:
+    names = list(map(_get_name, recs))
+    if list(map(layout.get, names)) != list(zip(map(_get_dtype, recs), map(_get_shape, recs))):
         return False
-    have = [fps.get(n) for n in names]
-    if None in have:
+    have = _fp_array(fps, names)
+    if have is None:
         return False
-    before = [(h, r.fp_before) for h, r in zip(have, recs) if r.fp_before is not None]
+    before = list(map(_get_fp_before, recs))
+    if None in before:  # format 3 lists fingerprints before only where asked: those compared
+        keep = [i for i, b in enumerate(before) if b is not None]
+        before, have = [before[i] for i in keep], have[keep]
     if before:
-        want = _fp_words([b for _, b in before])
-        if want is None or (np.array([h & MASK64 for h, _ in before], dtype=np.uint64) != want).any():
+        want = _fp_words(before)
+        if want is None or (have != want).any():
             return False
     sorted_names, prefixes = state_lines
     if len(sorted_names) != len(layout):
         return False
-    try:
-        lines = [fp_hex(fps[n]) for n in sorted_names]
-    except KeyError:
+    every = _fp_array(fps, sorted_names)
+    if every is None:
         return False
-    return state_fingerprint_of_lines(prefixes, lines) == manifest.state_fp_before
+    return state_fingerprint_of_lines(prefixes, list(map(_HEX16, every.tolist()))) == manifest.state_fp_before
+
+
+_HEX16 = "%016x".__mod__  # fp_hex of a fingerprint already in [0, 2**64)
+
+
+def _fp_array(fps: Mapping[str, int], names: list[str]) -> np.ndarray | None:
+    """The fingerprints of ``names`` as uint64 (masked as fp_hex masks them); None if one is missing."""
+    try:
+        return np.fromiter(map(fps.__getitem__, names), dtype=np.uint64, count=len(names))
+    except KeyError:
+        return None
+    except (OverflowError, TypeError, ValueError):  # a fingerprint outside [0, 2**64): masked first
+        try:
+            return np.array([fps[n] & MASK64 for n in names], dtype=np.uint64)
+        except (KeyError, TypeError):
+            return None
 
 
 class StagedPatch:
@@ -555,7 +581,7 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
     without a torch call per tensor), for a delta prepared as columns (:class:`ColumnarPatches`).
     """
     manifest = prepared.manifest
-    records = {t.name: t for t in manifest.tensors}
+    records = dict(zip(map(_get_name, manifest.tensors), manifest.tensors))
     tensors = live_tensors(target)
     fps = dict(fps) if fps is not None else {n: tensor_fingerprint(t) for n, t in tensors.items()}
     if not base_checked:
@@ -874,7 +900,9 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
     wsizes = np.unique(cols.word_sizes).tolist()
     if (wsz[cols.tensor] != cols.word_sizes).any():
         return None  # not the words the chunks were decoded as: the reference path (check_base says so first)
-    base = np.array([fps[n] & MASK64 for n in names], dtype=np.uint64)
+    base = _fp_array(fps, names)
+    if base is None:
+        return None
     fpd_all = np.zeros(cols.tensor.size, dtype=np.uint64)
     bad: tuple[int, str] | None = None  # (tensor index, message) of the first out-of-range position
     for w in wsizes:
@@ -928,7 +956,7 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
                     p_bad = int(pos[int(at[a + j]) + k])
                     bad = (i, f"change position {p_bad} is outside a tensor of {int(jobs[a + j, 1])} words")
     after = base + np.add.reduceat(fpd_all, cols.first[:-1])  # uint64: wraps like update_fingerprint
-    want = _fp_words([records[n].fp_after for n in names])
+    want = _fp_words(list(map(_get_fp_after, map(records.__getitem__, names))))
     wrong = np.flatnonzero(after != want) if want is not None else np.array(
         [i for i, n in enumerate(names) if fp_hex(int(after[i])) != records[n].fp_after], dtype=np.int64)
     first_wrong = int(wrong[0]) if wrong.size else len(names)
