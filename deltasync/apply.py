@@ -39,7 +39,8 @@ from .dtypes import dtype_info, host_words, numpy_word_dtype, signed_word_dtype,
 from .blob import verify_blob
 from .parts import split_counts
 from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError
-from .fingerprint import (fingerprint_delta, words_range_delta, fp_hex, state_fingerprint, state_fingerprint_of_lines,
+from .fingerprint import (fingerprint_delta, words_range_delta, fp_hex, record_prefixes, state_fingerprint,
+                          state_fingerprint_of_lines,
                           tensor_fingerprint, update_fingerprint)
 from .kernels.fpkeys import MASK64
 from .manifest import Manifest
@@ -462,6 +463,11 @@ def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Map
     with ``state_lines``: their names sorted and :func:`~deltasync.fingerprint.record_prefixes`, made once per
     layout: the checks then compare lists and arrays, no torch call per tensor (a failing check is made again
     tensor by tensor below, for its message)."""
+    if layout is None and kernels.cpu_kernels() is not None:  # the tensors' layout read once, checked as lists
+        layout = _layout_of(tensors)
+        if layout is not None:
+            names = sorted(layout)
+            state_lines = (names, record_prefixes((n, *layout[n]) for n in names))
     if layout is not None and state_lines is not None and _base_matches(manifest, layout, state_lines, fps):
         return
     for rec in manifest.tensors:
@@ -512,6 +518,18 @@ def _base_matches(manifest: Manifest, layout: Mapping[str, tuple[str, tuple[int,
 
 
 _HEX16 = "%016x".__mod__  # fp_hex of a fingerprint already in [0, 2**64)
+_get_torch_shape = attrgetter("shape")
+
+
+def _layout_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """{name: (dtype name, shape)} of torch tensors, a dtype looked up once per dtype; None for other objects."""
+    try:
+        dtypes = list(map(attrgetter("dtype"), tensors.values()))
+        names = {d: _info(d).name for d in set(dtypes)}
+        return dict(zip(tensors, zip(map(names.__getitem__, dtypes),
+                                     map(tuple, map(_get_torch_shape, tensors.values())))))
+    except Exception:  # noqa: BLE001 - the tensor-by-tensor check below says what
+        return None
 
 
 def _fp_array(fps: Mapping[str, int], names: list[str]) -> np.ndarray | None:
