@@ -148,6 +148,7 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
     words_l: list[int] = []
     wsize_l: list[int] = []
     range_cache: dict = {}
+    keep: list = []  # words made here (the jobs hold only their addresses)
     small = min(chunk_words, SHARD_CELLS * MIN_CELL_WORDS - 1)  # a tensor of 1..small words is one chunk
     addr = k.address
     infos, host_type = _INFOS, HostTensor
@@ -174,6 +175,7 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
             shape = tuple(n_t.shape)
             ds = dtype_info(got[0])
             ow, nw = _span_words(o_t, ds), _span_words(n_t, ds)
+            keep.append((ow, nw))  # a non-contiguous tensor's words are a copy: alive until compared
         if not (ow.flags.c_contiguous and nw.flags.c_contiguous) or (update_old and not ow.flags.writeable):
             return None
         dtypes.append(got[0])
@@ -260,11 +262,11 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
         base[w] = at
         ends = np.cumsum(counts) + at
         at = int(ends[-1]) if ends.size else at
-        keep = counts > 0
+        hit = counts > 0
         tab = tables[w]
-        cols.append((owner[keep], tab[keep, 3], tab[keep, 4], np.full(int(keep.sum()), w, np.int64),
-                     (ends - counts)[keep], ends[keep]))
-    pos = np.concatenate(pos_parts) if len(pos_parts) != 1 else pos_parts[0]
+        cols.append((owner[hit], tab[hit, 3], tab[hit, 4], np.full(int(hit.sum()), w, np.int64),
+                     (ends - counts)[hit], ends[hit]))
+    pos = pos_parts[0] if len(pos_parts) == 1 else np.concatenate(pos_parts) if pos_parts else np.zeros(0, np.int64)
     if cols:
         tensor, start, stop, wsz, lo, hi = (np.concatenate(c) for c in zip(*cols))
         if len(cols) > 1:  # word sizes interleave: packing order is by tensor, then start

@@ -70,6 +70,12 @@ def _states(n: int = 3000, seed: int = 0) -> tuple[dict[str, torch.Tensor], dict
     put("model.layers.1.half_raw", "int32", (40,), "raw20")  # half of them raw: still ans
     put("model.layers.1.most_raw", "int32", (40,), "raw21")  # more than half: dense
     put("model.norm.weight", "bfloat16", (0,), "same")  # empty
+    for i in range(6):  # not contiguous: their words are copies (of one size: a freed copy's memory is reused)
+        a = torch.from_numpy(rng.standard_normal((30, 50)).astype(np.float32)).to(torch.bfloat16)
+        b = a.clone()
+        b[3, 7 + i] += 1
+        b[20, 40] -= 1
+        old[f"model.z.transposed{i}"], new[f"model.z.transposed{i}"] = a.t(), b.t()
     return old, new
 
 
@@ -143,6 +149,7 @@ def test_lazy_chunks_and_base_fps_and_update_old():
     """diff_states' columnar result: its ``chunks`` the per-chunk path's ChunkDiffs; with given base
     fingerprints; with update_old (the publisher's reference patched in place: the same words after)."""
     old, new = _states(600, seed=3)
+    old = {n: t.contiguous() for n, t in old.items()}  # update_old needs contiguous tensors
     chunk_words = 700
     ref_copy = {n: t.clone() for n, t in old.items()}
     fast_copy = {n: t.clone() for n, t in old.items()}
@@ -191,3 +198,11 @@ def test_names_that_need_json_escapes_and_an_unchanged_state():
     _, fast = _encode(old, old, EncodeOptions(), fast=True)
     _same(ref, fast)
     assert not fast.blobs
+
+
+def test_a_state_of_empty_tensors():
+    old = {"a": torch.zeros(0, dtype=torch.bfloat16), "b": torch.zeros((3, 0), dtype=torch.float32)}
+    new = {n: t.clone() for n, t in old.items()}
+    _, ref = _encode(old, new, EncodeOptions(), fast=False)
+    _, fast = _encode(old, new, EncodeOptions(), fast=True)
+    _same(ref, fast)
