@@ -185,9 +185,10 @@ class _Reader:
             raise FormatError(f"manifest table: {what} is not UTF-8") from None
 
 
-def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits) -> tuple:
+def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits, build: bool = True) -> tuple | None:
     """Records of a compressed table (see :func:`pack_table`); ``limits``: the manifest module's limits
-    object (``max_tensors``, ``max_dims``, ...). FormatError on anything malformed."""
+    object (``max_tensors``, ``max_dims``, ...). FormatError on anything malformed. ``build=False``: every
+    check (a delta's chunks each referenced once included), no records made (None)."""
     try:
         data = decompressor().decompress(blob, max_output_size=MAX_TABLE_BYTES)
     except zstandard.ZstdError as e:
@@ -296,6 +297,12 @@ def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits) -> tupl
     if r.at != len(data):
         raise FormatError(f"manifest table: {len(data) - r.at} bytes past its end")
 
+    if not build:
+        if kind == "delta" and nchunks:
+            refs = np.unique(cblob * (limits.MAX_CHUNK_INDEX + 1) + cindex)  # < 2**20 * 2**32: no overflow
+            if refs.size != nchunks:
+                raise FormatError("manifest: a chunk is referenced twice")
+        return None
     # records, built without the frozen dataclasses' keyword __init__ (a few µs a tensor otherwise)
     dl, sl = dims.tolist(), starts.tolist()
     shapes = [tuple(dl[a:b]) for a, b in zip(sl, sl[1:])]

@@ -377,15 +377,20 @@ def test_a_parsed_manifest_is_verified_and_sent_with_the_table_it_came_with(monk
 
 
 def test_a_manifest_parsed_without_its_records_verifies_and_refuses_their_use(monkeypatch):
-    """``records=False`` (a publisher checking its base against the origin's head): the table is not unpacked,
-    the fields and the signature are checked as always, and reading a record raises instead of seeing none."""
+    """``records=False`` (a publisher checking its base against the origin's head, an origin's commit): no record
+    is made, the fields, the table and the signature are checked as always, and reading a record raises instead
+    of seeing none."""
+    import base64
+
     from deltasync import manifest as manifest_mod
 
     for m in (DELTA.compact().sign(KEY), KEYFRAME.compact().sign(KEY)):
         wire = m.to_json()
         manifest_mod._PARSED.clear()
         with monkeypatch.context() as p:
-            p.setattr(manifest_mod, "unpack_table", lambda *a, **k: pytest.fail("the table was unpacked"))
+            real = manifest_mod.unpack_table
+            p.setattr(manifest_mod, "unpack_table", lambda *a, build=True, **k: pytest.fail("records were made")
+                      if build else real(*a, build=build, **k))
             head = parse_manifest(wire, verifier=KEY, records=False)
         assert (head.state_fp, head.version, head.kind, head.blobs) == (m.state_fp, m.version, m.kind, m.blobs)
         manifest_mod._TABLES.clear()  # its table text is its own, not only remembered
@@ -402,6 +407,12 @@ def test_a_manifest_parsed_without_its_records_verifies_and_refuses_their_use(mo
         obj = json.loads(wire)
         obj["table"] = 7
         with pytest.raises(FormatError, match="table must be a base64 string"):
+            parse_manifest(json.dumps(obj).encode(), records=False)
+        obj = json.loads(wire)
+        raw = bytearray(base64.b64decode(obj["table"]))
+        raw[-1] ^= 1
+        obj["table"] = base64.b64encode(bytes(raw)).decode()
+        with pytest.raises(FormatError):  # the table is checked all the same
             parse_manifest(json.dumps(obj).encode(), records=False)
 
 

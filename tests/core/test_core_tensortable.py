@@ -150,3 +150,21 @@ def test_a_70k_tensor_step_manifest_is_under_a_megabyte():
     size = len(m.to_json())
     assert len(full.to_json()) > 15 << 20 and size < 1 << 20, size
     assert len(parse_manifest(m.to_json()).tensors) == sum(1 for t in full.tensors if t.changed)
+
+
+@pytest.mark.parametrize("records", [True, False], ids=["records", "checked-only"])
+def test_a_chunk_referenced_twice_is_refused_with_or_without_records(records):
+    """Two tensors naming one chunk of one blob: refused whether the records are made or the table only checked
+    (an origin commits with ``records=False``)."""
+    import dataclasses
+
+    a, b = _states()
+    m = encode_delta(a, b, model="m", version=1, parent=0, options=EncodeOptions(blob_target=64)).manifest.compact()
+    assert parse_manifest(m.to_json(), records=records).version == 1
+    recs = list(m.tensors)
+    first, second = recs[0], recs[1]
+    twin = dataclasses.replace(second.chunks[0], blob=first.chunks[0].blob, index=first.chunks[0].index)
+    recs[1] = dataclasses.replace(second, chunks=(twin,) + second.chunks[1:])
+    forged = dataclasses.replace(m, tensors=tuple(recs))
+    with pytest.raises(FormatError, match="referenced twice"):
+        parse_manifest(forged.to_json(), records=records)
