@@ -53,6 +53,7 @@ from .atomic import write_atomic
 from .dtypes import HostTensor, dtype_info, numpy_word_dtype, word_count
 from .errors import FormatError, IntegrityError
 from .frozen import maker
+from .gcpause import gc_paused
 
 if TYPE_CHECKING:
     import torch
@@ -181,6 +182,12 @@ def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHead
     if last is not None and last[1] == size and last[0] == text:  # the same header again (a step's two files)
         h = last[2]
         return TensorHeader(entries=h.entries, metadata=dict(h.metadata), data_start=h.data_start, size=size)
+    with gc_paused():  # 70k entries: the collector's passes over them cost more than making them
+        return _parse_text(text, where, n, size)
+
+
+def _parse_text(text: bytes, where: str, n: int, size: int) -> TensorHeader:
+    global _LAST_HEADER
     parsed = _fast_json(text)
     if parsed is not None:
         header, meta = parsed
@@ -336,6 +343,11 @@ class HostState(dict):
 def host_tensors_of(whole: np.ndarray, header: TensorHeader) -> HostState:
     """Every tensor of a parsed buffer (``whole``: the buffer as a flat uint8 numpy array) as
     :class:`HostTensor` words viewing it (copied only where misaligned to its words). No torch."""
+    with gc_paused():
+        return _host_tensors(whole, header)
+
+
+def _host_tensors(whole: np.ndarray, header: TensorHeader) -> HostState:
     out = HostState()
     out.header = header
     make = _host_tensor

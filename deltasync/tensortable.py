@@ -27,6 +27,7 @@ import zstandard
 from .dtypes import dtype_info, word_count
 from .errors import FormatError
 from .frozen import maker
+from .gcpause import gc_paused
 from .zctx import compressor, decompressor
 
 __all__ = ["ChunkRef", "TABLE_VERSION", "TensorRecord", "new_chunk", "new_record", "pack_table", "unpack_table"]
@@ -303,6 +304,14 @@ def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits, build: 
             if refs.size != nchunks:
                 raise FormatError("manifest: a chunk is referenced twice")
         return None
+    with gc_paused():  # 70k records, refs and tuples: the collector's passes over them cost more than making them
+        return _records(n, nchunks, kind, flags, names, infos, codes, dims, starts, fps, changed, counts, cblob,
+                        cstart, blob_ids, cindex if kind == "delta" else None, sstart if flags & _F_SPANS else None,
+                        sstop if flags & _F_SPANS else None, keys)
+
+
+def _records(n, nchunks, kind, flags, names, infos, codes, dims, starts, fps, changed, counts, cblob, cstart, blob_ids,
+             cindex, sstart, sstop, keys) -> tuple:
     # records, built without the frozen dataclasses' keyword __init__ (a few µs a tensor otherwise)
     dl, sl = dims.tolist(), starts.tolist()
     shapes = [tuple(dl[a:b]) for a, b in zip(sl, sl[1:])]
