@@ -34,7 +34,7 @@ from .fingerprint import record_prefixes, state_fingerprint_of_lines
 from .kernels import rans
 from .kernels.fpkeys import C0, MASK64, T_NP
 from .manifest import SPANS_META_PREFIX, BlobRef, Manifest
-from .parts import TASKS, map_parts, split_counts
+from .parts import map_parts
 from .tensortable import new_chunk, new_record
 from .zctx import compressor
 
@@ -49,8 +49,7 @@ PIECE_WORDS = 1 << 21  # words compared per task (whole chunks; small tensors sh
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FlatDiff:
     """A state diff as columns: the changed chunks in packing order (tensors by name, then by start), each
-    a range ``[lo, hi)`` of its word size's ``pos`` / ``old`` / ``new`` arrays (``pos`` shared by all word
-    sizes: ``base[w]`` is where word size ``w``'s changes begin in it)."""
+    a range ``[lo, hi)`` of one segment's positions / old / new arrays."""
 
     names: list[str]  # every tensor, sorted
     dtypes: list[str]  # each tensor's dtype name
@@ -59,12 +58,11 @@ class FlatDiff:
     start: np.ndarray  # int64 per chunk: word span [start, stop) in its tensor
     stop: np.ndarray
     word_size: np.ndarray  # int64 per chunk
-    lo: np.ndarray  # int64 per chunk: its changes are pos[lo:hi] (old/new[w][lo - base[w]:hi - base[w]])
+    seg: np.ndarray  # int64 per chunk: its segment (one compare task's output, one word size)
+    lo: np.ndarray  # int64 per chunk: its changes are [lo, hi) of its segment's arrays
     hi: np.ndarray
-    pos: np.ndarray  # int64: absolute word positions, word size by word size
-    old: dict[int, np.ndarray]  # word size -> unsigned words before
-    new: dict[int, np.ndarray]  # ... and after
-    base: dict[int, int]  # word size -> offset of its changes in pos
+    segs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # per segment: positions (int64, absolute in the
+    # tensor), the unsigned words before and after; as the compare kernel returned them (not copied)
     words: np.ndarray  # int64 per tensor: its word count
     fp_before: np.ndarray  # uint64 per tensor: its fingerprint before (StateDiff.fps_before's, masked)
     fp_after: np.ndarray  # ... and after
@@ -74,13 +72,11 @@ class FlatDiff:
         from .codec import ChunkDiff
 
         out: dict[str, list] = {}
-        names, pos, base = self.names, self.pos, self.base
-        for t, s, e, w, a, b in zip(self.tensor.tolist(), self.start.tolist(), self.stop.tolist(),
-                                    self.word_size.tolist(), self.lo.tolist(), self.hi.tolist()):
-            off = base[w]
-            c = ChunkDiff(start=s, stop=e, positions=pos[a:b], old=self.old[w][a - off : b - off],
-                          new=self.new[w][a - off : b - off])
-            out.setdefault(names[t], []).append(c)
+        names, segs = self.names, self.segs
+        for t, s, e, g, a, b in zip(self.tensor.tolist(), self.start.tolist(), self.stop.tolist(),
+                                    self.seg.tolist(), self.lo.tolist(), self.hi.tolist()):
+            p, o, n = segs[g]
+            out.setdefault(names[t], []).append(ChunkDiff(start=s, stop=e, positions=p[a:b], old=o[a:b], new=n[a:b]))
         return out
 
 
@@ -243,9 +239,7 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
     fpd_t = np.zeros(len(names), np.uint64)
     lane_t = np.zeros(len(names), np.uint64)
     cols = []
-    pos_parts = []
-    olds, news, base = {}, {}, {}
-    at = 0
+    segs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for w in sorted(got):
         rs = got[w]
         counts = np.concatenate([np.diff(r[3]) for r in rs])
@@ -256,24 +250,20 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
         fpd_t[ts] = np.add.reduceat(fpds, first)  # uint64: sums mod 2**64
         if want:
             lane_t[ts] = np.add.reduceat(np.concatenate([r[5] for r in rs]), first)
-        pos_parts.extend(r[0] for r in rs)
-        olds[w] = np.concatenate([r[1] for r in rs]) if len(rs) > 1 else rs[0][1]
-        news[w] = np.concatenate([r[2] for r in rs]) if len(rs) > 1 else rs[0][2]
-        base[w] = at
-        ends = np.cumsum(counts) + at
-        at = int(ends[-1]) if ends.size else at
+        seg = np.repeat(np.arange(len(segs), len(segs) + len(rs), dtype=np.int64), [r[3].size - 1 for r in rs])
+        lo = np.concatenate([r[3][:-1] for r in rs])
+        segs.extend((r[0], r[1], r[2]) for r in rs)
         hit = counts > 0
         tab = tables[w]
-        cols.append((owner[hit], tab[hit, 3], tab[hit, 4], np.full(int(hit.sum()), w, np.int64),
-                     (ends - counts)[hit], ends[hit]))
-    pos = pos_parts[0] if len(pos_parts) == 1 else np.concatenate(pos_parts) if pos_parts else np.zeros(0, np.int64)
+        cols.append((owner[hit], tab[hit, 3], tab[hit, 4], np.full(int(hit.sum()), w, np.int64), seg[hit], lo[hit],
+                     (lo + counts)[hit]))
     if cols:
-        tensor, start, stop, wsz, lo, hi = (np.concatenate(c) for c in zip(*cols))
+        tensor, start, stop, wsz, seg, lo, hi = (np.concatenate(c) for c in zip(*cols))
         if len(cols) > 1:  # word sizes interleave: packing order is by tensor, then start
             order = np.lexsort((start, tensor))
-            tensor, start, stop, wsz, lo, hi = (a[order] for a in (tensor, start, stop, wsz, lo, hi))
+            tensor, start, stop, wsz, seg, lo, hi = (a[order] for a in (tensor, start, stop, wsz, seg, lo, hi))
     else:
-        tensor = start = stop = wsz = lo = hi = np.zeros(0, np.int64)
+        tensor = start = stop = wsz = seg = lo = hi = np.zeros(0, np.int64)
     if want:
         before = lane_t + words_of.astype(np.uint64) * lanes_per.astype(np.uint64) * np.uint64(C0)
         fps_before = dict(zip(names, before.tolist()))
@@ -286,8 +276,7 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
     after = before + fpd_t
     layout = dict(zip(names, zip(dtypes, shapes)))
     flat = FlatDiff(names=names, dtypes=dtypes, shapes=shapes, tensor=tensor, start=start, stop=stop, word_size=wsz,
-                    lo=lo, hi=hi, pos=pos, old=olds, new=news, base=base, words=words_of,
-                    fp_before=before, fp_after=after)
+                    seg=seg, lo=lo, hi=hi, segs=segs, words=words_of, fp_before=before, fp_after=after)
     return StateDiff(layout=layout, chunks=LazyChunks(flat), fps_before=fps_before,
                      fps_after=dict(zip(names, after.tolist())), flat=flat)
 
@@ -336,65 +325,50 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
     flat: FlatDiff = diff.flat
     names, dtypes, shapes = flat.names, flat.dtypes, flat.shapes
     C = flat.tensor.size
-    tensor, start, stop, wsz, lo, hi = flat.tensor, flat.start, flat.stop, flat.word_size, flat.lo, flat.hi
+    tensor, start, stop, wsz, seg, lo, hi = (flat.tensor, flat.start, flat.stop, flat.word_size, flat.seg, flat.lo,
+                                             flat.hi)
     count = hi - lo
-    pos = flat.pos
-    n_all = pos.size
-    sym = np.empty(n_all, np.uint8)
-    bigneg = np.empty(n_all, np.bool_)
-    bigmag = np.empty(n_all, np.uint64)
+    segs = flat.segs
+    # per segment: value symbols, BIG signs and magnitudes, raw words, laid out like its positions
+    outs = [(np.empty(p.size, np.uint8), np.empty(p.size, np.bool_), np.empty(p.size, np.uint64), np.empty(p.size, o.dtype))
+            for p, o, _ in segs]
     nb = np.zeros(C, np.int64)
     nr = np.zeros(C, np.int64)
     gl = np.zeros((C, rans.N_GAP), np.int64)
     vl = np.zeros((C, rans.N_VAL), np.int64)
-    raws: dict[int, np.ndarray] = {}
     dt_codes = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}
     t_code = np.fromiter((dt_codes[d] for d in dtypes), np.int64, len(dtypes))
     is_float = np.array([dtype_info(d).is_float for d in dt_codes], np.bool_)[t_code][tensor]
-    # symbols, word size by word size, in parts on the executor's threads (nogil)
+    # symbols, segment by segment (a chunk's rows of nb/nr/gl/vl written in place where the chunks of each
+    # segment are contiguous: one word size), in parts on the executor's threads (nogil)
+    order = None if C < 2 or bool((seg[1:] >= seg[:-1]).all()) else np.argsort(seg, kind="stable")
+    bounds = np.searchsorted(seg if order is None else seg[order], np.arange(len(segs) + 1)).tolist()
     work = []
-    for w in sorted(flat.old):
-        idx = np.flatnonzero(wsz == w) if len(flat.old) > 1 else np.arange(C)
-        if idx.size == 0:
+    for g in range(len(segs)):
+        a, b = bounds[g], bounds[g + 1]
+        if a == b:
             continue
-        off = flat.base[w]
-        n_w = flat.old[w].size
-        raws[w] = np.empty(n_w, flat.old[w].dtype)
-        views = (pos[off : off + n_w], flat.old[w], flat.new[w], sym[off : off + n_w], bigneg[off : off + n_w],
-                 bigmag[off : off + n_w], raws[w])
-        lo_w = lo[idx] - off
-        hi_w = hi[idx] - off
-        st_w = start[idx]
-        fl_w = is_float[idx]
-        nb_w = np.zeros(idx.size, np.int64)
-        nr_w = np.zeros(idx.size, np.int64)
-        gl_w = np.zeros((idx.size, rans.N_GAP), np.int64) if len(flat.old) > 1 else gl
-        vl_w = np.zeros((idx.size, rans.N_VAL), np.int64) if len(flat.old) > 1 else vl
-        parts = split_counts(count[idx].tolist(), TASKS) if executor is not None and idx.size > 1 else [(0, idx.size)]
-        for a, b in parts:
-            work.append((w, views, lo_w[a:b], hi_w[a:b], st_w[a:b], fl_w[a:b], nb_w[a:b], nr_w[a:b], gl_w[a:b],
-                         vl_w[a:b]))
-        if len(flat.old) > 1:
-            work.append(("scatter", idx, nb_w, nr_w, gl_w, vl_w))
+        if order is None:
+            rows = (lo[a:b], hi[a:b], start[a:b], is_float[a:b], nb[a:b], nr[a:b], gl[a:b], vl[a:b])
         else:
-            work.append(("scatter", None, nb_w, nr_w, None, None))
+            idx = order[a:b]
+            rows = (lo[idx], hi[idx], start[idx], is_float[idx], np.zeros(b - a, np.int64), np.zeros(b - a, np.int64),
+                    np.zeros((b - a, rans.N_GAP), np.int64), np.zeros((b - a, rans.N_VAL), np.int64), idx)
+        work.append((g, rows))
 
     def symbols(item):
-        w, (p, o, n, s, bn, bm, rw), a, b, st, fl, nbv, nrv, g, v = item
-        return ansbatch.word_symbols_chunks(p, o, n, a, b, st, fl, _RAW_LIMIT[w], s, bn, bm, rw, nbv, nrv, g, v)
+        g, (a, b, st, fl, nbv, nrv, gv, vv, *_) = item
+        p, o, n = segs[g]
+        sy, bn, bm, rw = outs[g]
+        return ansbatch.word_symbols_chunks(p, o, n, a, b, st, fl, _RAW_LIMIT[o.itemsize], sy, bn, bm, rw, nbv, nrv,
+                                            gv, vv)
 
-    sym_work = [x for x in work if x[0] != "scatter"]
-    bad = list(executor.map(symbols, sym_work)) if executor is not None and len(sym_work) > 1 else \
-        [symbols(x) for x in sym_work]
+    bad = list(map_parts(symbols, work, executor, weight=lambda item: int(item[1][1][-1] - item[1][0][0])))
     if any(x >= 0 for x in bad):
         raise ValueError("a zero step is not a change")
-    for x in work:
-        if x[0] == "scatter":
-            _, idx, nb_w, nr_w, gl_w, vl_w = x
-            if idx is None:
-                nb[:], nr[:] = nb_w, nr_w
-            else:
-                nb[idx], nr[idx], gl[idx], vl[idx] = nb_w, nr_w, gl_w, vl_w
+    if order is not None:
+        for _, (_, _, _, _, nbv, nrv, gv, vv, idx) in work:
+            nb[idx], nr[idx], gl[idx], vl[idx] = nbv, nrv, gv, vv
     # dense chunks (rewritten: every word changed, most of them raw) and each chunk's raw bytes in its blob
     length = stop - start
     dense = (count == length) & (2 * nr > count)
@@ -427,26 +401,30 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
             v = vl[ans].sum(axis=0)
             tables = AnsTables.from_freqs(rans.normalize(g), rans.normalize(v))
             (gf, gc, _), (vf, vc, _) = tables.g, tables.v
-            words, na_ans = ansbatch.encode_chunks(pos, lo[ans], hi[ans], start[ans], nb[ans], sym, bigneg, bigmag,
-                                                   gf, gc, vf, vc)
-            na[ans - c0] = na_ans
             parts["ansm"] = [tables.to_bytes()]
-            parts["ans"] = [words.astype("<u2", copy=False).view(np.uint8)]
-            for w in sorted(raws):
-                sel = ans[wsz[ans] == w] if len(raws) > 1 else ans
+            # runs of consecutive ans chunks in one segment: a compiled call each (one run a segment the blob
+            # spans where word sizes do not interleave)
+            sg = seg[ans]
+            cuts = [0, *(np.flatnonzero(sg[1:] != sg[:-1]) + 1).tolist(), ans.size]
+            for x, y in zip(cuts, cuts[1:]):
+                sel = ans[x:y]
+                p, _, _ = segs[int(sg[x])]
+                sy, bn, bm, rw = outs[int(sg[x])]
+                a_lo = lo[sel]
+                words, na_run = ansbatch.encode_chunks(p, a_lo, hi[sel], start[sel], nb[sel], sy, bn, bm, gf, gc, vf,
+                                                       vc)
+                na[sel - c0] = na_run
+                parts.setdefault("ans", []).append(words.astype("<u2", copy=False).view(np.uint8))
                 k = nr[sel]
                 n = int(k.sum())
-                if n:
-                    off = flat.base[w]
-                    starts = lo[sel] - off
+                if n:  # the run's raw words, chunk after chunk
                     ends = np.cumsum(k)
-                    idx = np.arange(n, dtype=np.int64) + np.repeat(starts - (ends - k), k)
-                    parts[f"raw{w}"] = [raws[w][idx]]
+                    parts.setdefault(f"raw{rw.itemsize}", []).append(
+                        rw[np.arange(n, dtype=np.int64) + np.repeat(a_lo - (ends - k), k)])
         if dn.any():
             for j in (np.flatnonzero(dn) + c0).tolist():
-                w = int(wsz[j])
-                off = flat.base[w]
-                parts.setdefault(f"dense{w}", []).append(flat.new[w][int(lo[j]) - off : int(hi[j]) - off])
+                _, _, n_words = segs[int(seg[j])]
+                parts.setdefault(f"dense{int(wsz[j])}", []).append(n_words[int(lo[j]) : int(hi[j])])
         rng = slice(c0, c1)
         modes = ["dense" if x else "ans" for x in dn.tolist()]
         nr_b = np.where(dn, 0, nr[rng]).tolist()
