@@ -961,7 +961,7 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
             results = [f.result() for f in futures]
         else:
             results = [run(parts[0])]
-        keep = (pos, raw, vals)  # the addressed arrays stay alive with the undo entry
+        keep = (pos, raw, vals, tensors)  # what the jobs address stays alive with the undo entry (a map stays open)
         for (a, b), (j, k) in zip(parts, results):
             end = b if j < 0 else a + j
             if end > a:  # every written chunk into the undo log first, then anything that may raise
