@@ -206,3 +206,24 @@ def test_a_state_of_empty_tensors():
     _, ref = _encode(old, new, EncodeOptions(), fast=False)
     _, fast = _encode(old, new, EncodeOptions(), fast=True)
     _same(ref, fast)
+
+
+@pytest.mark.parametrize("one_size", [True, False])
+def test_many_compare_segments(monkeypatch, one_size):
+    """Compare tasks of a few thousand words: the changes come in many segments (one word size: each blob's
+    chunks in runs of a segment; mixed: chunks ordered across segments)."""
+    monkeypatch.setattr(columnar, "PIECE_WORDS", 3000)
+    old, new = _states(800, seed=11)
+    if one_size:
+        old = {n: t for n, t in old.items() if t.dtype == torch.bfloat16}
+        new = {n: new[n] for n in old}
+    pool = ThreadPoolExecutor(2)
+    try:
+        for options in (EncodeOptions(), EncodeOptions(blob_target=9_000, cell_blob_min=2_000)):
+            d_ref, ref = _encode(old, new, options, fast=False, executor=pool)
+            d_fast, fast = _encode(old, new, options, fast=True, executor=pool)
+            assert len(d_fast.flat.segs) > 50
+            assert bool((np.diff(d_fast.flat.seg) >= 0).all()) == one_size
+            _same(ref, fast)
+    finally:
+        pool.shutdown()
