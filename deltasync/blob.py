@@ -146,11 +146,12 @@ class BlobWriter:
         return out
 
 
-def pack_blob(parts: dict[str, list[np.ndarray]], chunks_json: str, *, version: int,
+def pack_blob(parts: dict[str, list[np.ndarray]], chunks_json: str | bytes, *, version: int,
               cctx: zstandard.ZstdCompressor) -> bytes:
     """A blob's bytes: ``parts`` (stream name -> its non-empty pieces, in chunk order) compressed a frame a stream,
     under the header of those streams and of the chunk records whose compact, key-sorted JSON array is
-    ``chunks_json`` (what :meth:`BlobWriter.finish` writes; ``deltasync.columnar`` renders the records itself)."""
+    ``chunks_json`` (text, or its ASCII bytes; what :meth:`BlobWriter.finish` writes; ``deltasync.columnar``
+    renders the records itself)."""
     frames: list[bytes] = []
     table: dict[str, list[int]] = {}
     offset = 0
@@ -164,8 +165,11 @@ def pack_blob(parts: dict[str, list[np.ndarray]], chunks_json: str, *, version: 
         frames.append(frame)
         offset += len(frame)
     # json.dumps({"streams": table, "chunks": records}, separators=(",", ":"), sort_keys=True), the records given
-    header = ('{"chunks":' + chunks_json + ',"streams":' + json.dumps(table, separators=(",", ":"), sort_keys=True)
-              + "}").encode()
+    streams = json.dumps(table, separators=(",", ":"), sort_keys=True)
+    if isinstance(chunks_json, bytes):  # ASCII (json.dumps escapes the rest)
+        header = b"".join([b'{"chunks":', chunks_json, b',"streams":', streams.encode(), b"}"])
+    else:
+        header = ('{"chunks":' + chunks_json + ',"streams":' + streams + "}").encode()
     if version >= 2:
         header = cctx.compress(header)  # per-chunk records repeat names and keys: ~6x smaller
     return b"".join([_PREFIX.pack(MAGIC, version, len(header)), header, *frames])

@@ -290,12 +290,32 @@ def takes_flat(diff, options) -> bool:
             and options.pack == "tensor" and kernels.cpu_kernels() is not None)
 
 
-def _quoted(names: list[str]) -> list[str]:
-    """Each name as ``json.dumps`` spells it (a printable ASCII name without quotes or backslashes: itself, quoted)."""
+_PIECES = ('{"count":', ',"dtype":', ',"mode":"ans","na":', ',"mode":"dense","na":', ',"nr":', ',"start":', ',"stop":',
+           ',"tensor":', "}")  # the text of a chunk record between its values (keys sorted)
+
+
+def _record_texts(names: list[str], dtypes: list[str], dtype_of: np.ndarray) -> tuple:
+    """What :func:`ansbatch.chunk_records` takes besides the chunks' columns: the tensor names and dtype names
+    as ``json.dumps`` spells them (ASCII), each set as one buffer and offsets, each tensor's dtype, and the
+    constant pieces of a record."""
     text = "".join(names)
-    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
-        return ['"' + n + '"' for n in names]
-    return [json.dumps(n) for n in names]
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:  # each its own JSON body
+        quoted = '"' + '""'.join(names) + '"' if names else ""
+        lengths = np.fromiter(map(len, names), np.int64, len(names)) + 2
+    else:
+        each = [json.dumps(n) for n in names]
+        quoted = "".join(each)
+        lengths = np.fromiter(map(len, each), np.int64, len(each))
+    name_at = np.zeros(len(names) + 1, np.int64)
+    np.cumsum(lengths, out=name_at[1:])
+    dq = [json.dumps(d) for d in dtypes]
+    dtype_at = np.zeros(len(dq) + 1, np.int64)
+    np.cumsum([len(d) for d in dq], out=dtype_at[1:])
+    piece_at = np.zeros(len(_PIECES) + 1, np.int64)
+    np.cumsum([len(p) for p in _PIECES], out=piece_at[1:])
+    return (np.frombuffer(quoted.encode("ascii"), np.uint8), name_at, dtype_of,
+            np.frombuffer("".join(dq).encode("ascii"), np.uint8), dtype_at,
+            np.frombuffer("".join(_PIECES).encode("ascii"), np.uint8), piece_at)
 
 
 @contextlib.contextmanager
@@ -386,8 +406,7 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
         np.zeros(0, np.int64)
     nblobs = int(blob_of[-1]) + 1 if C else 0
     firsts = np.searchsorted(blob_of, np.arange(nblobs + 1))
-    quoted = _quoted(names)
-    dquoted = {d: json.dumps(d) for d in dt_codes}
+    texts = _record_texts(names, list(dt_codes), t_code)
     level, blob_version = options.level, options.blob_format
 
     def blob(b: int) -> tuple[bytes, str]:
@@ -426,13 +445,9 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
                 _, _, n_words = segs[int(seg[j])]
                 parts.setdefault(f"dense{int(wsz[j])}", []).append(n_words[int(lo[j]) : int(hi[j])])
         rng = slice(c0, c1)
-        modes = ["dense" if x else "ans" for x in dn.tolist()]
-        nr_b = np.where(dn, 0, nr[rng]).tolist()
-        recs = [f'{{"count":{n},"dtype":{dquoted[dtypes[t]]},"mode":"{m}","na":{a},"nr":{r},"start":{s},'
-                f'"stop":{e},"tensor":{quoted[t]}}}'
-                for n, t, m, a, r, s, e in zip(count[rng].tolist(), tensor[rng].tolist(), modes, na.tolist(), nr_b,
-                                               start[rng].tolist(), stop[rng].tolist())]
-        data = pack_blob(parts, "[" + ",".join(recs) + "]", version=blob_version, cctx=compressor(level))
+        records = ansbatch.chunk_records(count[rng], na, np.where(dn, 0, nr[rng]), start[rng], stop[rng], dn,
+                                         tensor[rng], *texts)
+        data = pack_blob(parts, records.tobytes(), version=blob_version, cctx=compressor(level))
         return data, blob_id(data)
 
     made = list(map_parts(blob, range(nblobs), executor,

@@ -120,4 +120,74 @@ def encode_chunks(pos, lo, hi, start, nb, sym, bigneg, bigmag, gf, gc, vf, vc):
     return out[:at], na
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put_uint(out, at, v):
+    """The decimal digits of ``v`` (>= 0) at ``out[at:]``; -> the index past them."""
+    n = 1
+    x = v // 10
+    while x > 0:
+        n += 1
+        x //= 10
+    e = at + n
+    x = v
+    for i in range(n):
+        out[e - 1 - i] = 48 + x % 10
+        x //= 10
+    return e
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put_piece(out, at, src, a, b):
+    for i in range(a, b):
+        out[at] = src[i]
+        at += 1
+    return at
+
+
+@numba.njit(cache=True, nogil=True)
+def chunk_records(count, na, nr, start, stop, dense, tensor, names, name_at, dtype_of, dtypes, dtype_at, text, text_at):
+    """A blob header's chunk records, as ``json.dumps(records, separators=(",", ":"), sort_keys=True)`` writes
+    them (ASCII bytes): per chunk ``{"count":..,"dtype":..,"mode":"ans"|"dense","na":..,"nr":..,"start":..,
+    "stop":..,"tensor":..}``. The numbers are non-negative; ``names`` / ``dtypes`` hold every tensor name / dtype
+    name already JSON-quoted (``name_at`` / ``dtype_at``: offsets, ``dtype_of``: each tensor's dtype), ``text``
+    the constant pieces between the fields (``text_at``: 10 offsets: ``{"count":``, ``,"dtype":``,
+    ``,"mode":"ans","na":``, ``,"mode":"dense","na":``, ``,"nr":``, ``,"start":``, ``,"stop":``,
+    ``,"tensor":``, ``}``)."""
+    J = count.size
+    size = 2 + J
+    for j in range(J):
+        t = tensor[j]
+        d = dtype_of[t]
+        size += (name_at[t + 1] - name_at[t]) + (dtype_at[d + 1] - dtype_at[d]) + (text_at[9] - text_at[0]) + 5 * 20
+    out = np.empty(size, np.uint8)
+    out[0] = 91  # [
+    at = 1
+    for j in range(J):
+        if j:
+            out[at] = 44  # ,
+            at += 1
+        t = tensor[j]
+        d = dtype_of[t]
+        at = _put_piece(out, at, text, text_at[0], text_at[1])
+        at = _put_uint(out, at, count[j])
+        at = _put_piece(out, at, text, text_at[1], text_at[2])
+        at = _put_piece(out, at, dtypes, dtype_at[d], dtype_at[d + 1])
+        if dense[j]:
+            at = _put_piece(out, at, text, text_at[3], text_at[4])
+        else:
+            at = _put_piece(out, at, text, text_at[2], text_at[3])
+        at = _put_uint(out, at, na[j])
+        at = _put_piece(out, at, text, text_at[4], text_at[5])
+        at = _put_uint(out, at, nr[j])
+        at = _put_piece(out, at, text, text_at[5], text_at[6])
+        at = _put_uint(out, at, start[j])
+        at = _put_piece(out, at, text, text_at[6], text_at[7])
+        at = _put_uint(out, at, stop[j])
+        at = _put_piece(out, at, text, text_at[7], text_at[8])
+        at = _put_piece(out, at, names, name_at[t], name_at[t + 1])
+        at = _put_piece(out, at, text, text_at[8], text_at[9])
+    out[at] = 93  # ]
+    return out[: at + 1]
+
+
 load_cached_directly(globals())  # the kernels above load their cached code directly
