@@ -60,9 +60,11 @@ from deltasync.fingerprint import (
     host_lanes_sum,
     lanes_sum,
     record_prefixes,
+    run_lane_sums,
     state_fingerprint,
     tensor_fingerprint,
 )
+from deltasync.kernels.fpkeys import C0
 from deltasync.keyframe import copy_state
 from deltasync.tensorfile import MAX_HEADER_BYTES, PATCHING, MappedTensorFile, build_header, parse_header
 
@@ -348,6 +350,7 @@ class KeyframeWriter:
         self._starts = {e.name: e.start for e in self._file.header.entries}  # each tensor's first byte in the file
         self._fd: int | None = None  # the new file opened for pwrite (received shards), once one arrives
         self._bounce = bytearray(BOUNCE)  # every received shard's bytes pass through it (ShardSink)
+        self._scratch = np.empty(BOUNCE // 2, dtype=np.uint16)  # a receive's lanes of a tensor at an odd byte
 
     def _writer_fd(self) -> int:
         if self._fd is None:
@@ -384,8 +387,10 @@ class KeyframeWriter:
         (``subscribe --out`` does, on a thread), so that cost is not paid when the bytes arrive."""
         lanes_sum(torch.zeros(8, dtype=torch.int16), 0)
         lanes_sum(torch.zeros(8, dtype=torch.int8), 0)
-        host_lanes_sum(np.frombuffer(bytearray(16), dtype=np.uint16), 0)  # the receive's form (ShardSink)
+        host_lanes_sum(np.frombuffer(bytearray(16), dtype=np.uint16), 0)
         host_lanes_sum(np.frombuffer(bytearray(16), dtype=np.uint8), 0)
+        buf, one = np.zeros(16, dtype=np.uint8), np.ones(2, dtype=np.int64)  # the receive's form (ShardSink)
+        run_lane_sums(buf, 0, 16, one * 0, one * 16, one, one * 0, np.zeros(2, np.uint64), 0, np.empty(8, np.uint16))
 
     def shard_sink(self, size: int) -> ShardSink:
         """Where a shard blob of ``size`` bytes is received (``HttpClient.receive_blob``): its header into a small
@@ -395,13 +400,16 @@ class KeyframeWriter:
 
     def add_received(self, sink: ShardSink) -> None:
         """A shard received whole into ``sink`` (its blob's hash checked): every tensor's fingerprint
-        against the manifest."""
-        for name, fp in sink.fingerprints().items():
-            rec = self._records[name]
-            if fp_hex(fp) != rec.fp_after:
-                raise IntegrityError(f"{name}: fingerprint {fp_hex(fp)} in {self._tmp}, keyframe v"
-                                     f"{self.manifest.version} says {rec.fp_after}")
-            self.fps[name] = fp
+        against the manifest (as columns: a shard of a 70k-tensor state holds ~14k tensors)."""
+        names, fps = sink.fingerprint_columns()
+        records = self._records
+        want = np.frombuffer(bytes.fromhex("".join([records[n].fp_after for n in names])), dtype=">u8")
+        bad = np.flatnonzero(want != fps)
+        if bad.size:
+            name, fp = names[int(bad[0])], int(fps[int(bad[0])])
+            raise IntegrityError(f"{name}: fingerprint {fp_hex(fp)} in {self._tmp}, keyframe v"
+                                 f"{self.manifest.version} says {records[name].fp_after}")
+        self.fps.update(zip(names, fps.tolist()))
 
     def commit(self) -> None:
         missing = sorted(set(self._records) - set(self.fps))
@@ -463,7 +471,7 @@ class ShardSink:
     def buffer(self, offset: int) -> memoryview:
         if self._names is None:
             return memoryview(self._head)[offset:]
-        stops, at = self._stops, self._at
+        stops, at = self._stops_l, self._at
         while stops[at] <= offset:
             at += 1
         self._at = at
@@ -490,25 +498,14 @@ class ShardSink:
                 self._plan()
             return
         j = self._at
-        starts, stops, lbs, done, sums = self._starts, self._stops, self._lbs, self._done, self._sums
         c = self._carry
-        _pwrite_all(self._w._writer_fd(), self._bounce[c : c + n], self._file_at[j] + offset - starts[j])
-        base = offset - c  # the shard offset of the buffer's first byte: slot j's first lane not yet summed
+        _pwrite_all(self._w._writer_fd(), self._bounce[c : c + n], self._file_at[j] + offset - self._starts_l[j])
+        base = offset - c  # the shard offset of the buffer's first byte: tensor j's first lane not yet summed
         end = offset + n
-        while True:  # the lanes each tensor of the run has complete in the buffer, summed into its fingerprint
-            lb, s0, d = lbs[j], starts[j], done[j]
-            upto = (min(stops[j], end) - s0) // lb
-            if upto > d:
-                p = s0 + d * lb - base
-                k = upto - d
-                seg = self._lanes[lb][p // lb : p // lb + k] if p % lb == 0 else \
-                    np.frombuffer(bytes(self._bounce[p : p + k * lb]), dtype=np.uint16)  # an odd start: copied
-                sums[j] += host_lanes_sum(seg, d)
-                done[j] = upto
-            if stops[j] >= end:
-                break
-            j += 1
-        rest = end - (starts[j] + done[j] * lbs[j])  # bytes of tensor j's next (cut) lane
+        # every whole lane the buffer holds, tensor by tensor of the run, summed into their fingerprints
+        j = run_lane_sums(self._lanes[1], base, end, self._starts, self._stops, self._lbs, self._done, self._sums, j,
+                          self._w._scratch)
+        rest = end - (self._starts_l[j] + int(self._done[j]) * self._lbs_l[j])  # bytes of tensor j's next (cut) lane
         self._carried = bytes(self._bounce[end - rest - base : end - base]) if rest else b""
         self._carry = rest
         self._at = j
@@ -530,13 +527,16 @@ class ShardSink:
             rows.append((e.start, e.stop, lb, file_starts[e.name], e.name))
         rows.sort()  # parse_header checked: no holes, no overlaps, up to the end
         rows.append((self.size, self.size + 1, 1, 0, ""))  # never reached
-        self._starts = [r[0] for r in rows]
-        self._stops = [r[1] for r in rows]
-        self._lbs = [r[2] for r in rows]
+        self._starts_l = [r[0] for r in rows]
+        self._stops_l = [r[1] for r in rows]
+        self._lbs_l = [r[2] for r in rows]
+        self._starts = np.array(self._starts_l, dtype=np.int64)  # the columns the lane sums run over
+        self._stops = np.array(self._stops_l, dtype=np.int64)
+        self._lbs = np.array(self._lbs_l, dtype=np.int64)
         self._file_at = [r[3] for r in rows]
         self._names = [r[4] for r in rows]
-        self._done = [0] * len(rows)  # lanes summed
-        self._sums = [0] * len(rows)
+        self._done = np.zeros(len(rows), dtype=np.int64)  # lanes summed
+        self._sums = np.zeros(len(rows), dtype=np.uint64)
         run_end = [0] * len(rows)  # where the run of tensors back to back in the file (from each one on) ends
         run_end[-1] = rows[-1][1]
         for j in range(len(rows) - 2, -1, -1):
@@ -548,16 +548,19 @@ class ShardSink:
 
     def fingerprints(self) -> dict[str, int]:
         """Every tensor's fingerprint, once the whole shard is in."""
+        names, fps = self.fingerprint_columns()
+        return dict(zip(names, fps.tolist()))
+
+    def fingerprint_columns(self) -> tuple[list[str], np.ndarray]:
+        """The shard's tensor names and their fingerprints (uint64), once the whole shard is in."""
         if self._names is None:
             raise IntegrityError(f"keyframe v{self._w.manifest.version}: a shard whose header never arrived")
-        out = {}
-        for name, s0, s1, lb, d, total in zip(self._names[:-1], self._starts, self._stops, self._lbs, self._done,
-                                              self._sums):
-            n = (s1 - s0) // lb
-            if d != n:
-                raise IntegrityError(f"{name}: {d} of {n} lanes received")
-            out[name] = fingerprint_from_lane_sums([total], n)
-        return out
+        lanes = (self._stops[:-1] - self._starts[:-1]) // self._lbs[:-1]
+        short = np.flatnonzero(self._done[:-1] != lanes)
+        if short.size:
+            t = int(short[0])
+            raise IntegrityError(f"{self._names[t]}: {int(self._done[t])} of {int(lanes[t])} lanes received")
+        return self._names[:-1], self._sums[:-1] + lanes.astype(np.uint64) * np.uint64(C0)  # mod 2**64
 
 
 def _pwrite_all(fd: int, data: memoryview, at: int) -> None:

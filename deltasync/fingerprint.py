@@ -96,6 +96,32 @@ def host_lanes_sum(lanes: np.ndarray, offset: int) -> int:
     return lanes_sum(torch.from_numpy(np.require(signed, requirements="W")), offset)
 
 
+def run_lane_sums(buf: np.ndarray, base: int, end: int, starts: np.ndarray, stops: np.ndarray, lbs: np.ndarray,
+                  done: np.ndarray, sums: np.ndarray, j: int, scratch: np.ndarray) -> int:
+    """A keyframe shard's receive summed into its tensors' fingerprints: ``buf`` (uint8) holds the shard's bytes
+    ``[base, end)``, ``base`` being where tensor ``j``'s first lane not yet summed (``done[j]``) begins; tensors
+    ``j``, ``j+1``, ... (``[starts, stops)`` of the shard, ``lbs`` bytes a lane) have every whole lane received
+    summed into ``sums`` (uint64, mod 2**64) and ``done`` moved on. Returns the tensor ``end`` falls in (or ends
+    at). One compiled call when selected (:mod:`deltasync.kernels.lanesrun`); ``scratch``: uint16, ``buf.size //
+    2`` at least."""
+    if cpu_kernels() is not None:
+        from .kernels import lanesrun
+
+        return int(lanesrun.run_lane_sums(buf, base, end, starts, stops, lbs, done, sums, j, T_NP, scratch))
+    while True:
+        lb, s0, d = int(lbs[j]), int(starts[j]), int(done[j])
+        upto = (min(int(stops[j]), end) - s0) // lb
+        if upto > d:
+            p = s0 + d * lb - base
+            k = upto - d
+            seg = buf[p : p + k * lb].copy().view(np.uint8 if lb == 1 else "<u2")
+            sums[j] += np.uint64(host_lanes_sum(seg, d))
+            done[j] = upto
+        if int(stops[j]) >= end:
+            return j
+        j += 1
+
+
 def _host_fingerprint(t: HostTensor, executor) -> int:
     lanes = host_lanes(t)
     n = lanes.size

@@ -31,7 +31,7 @@ from .budget import BudgetPolicy, Budgeter
 from .codec import EncodeOptions, diff_ranks, diff_states, encode_diff
 from .errors import IntegrityError
 from .dtypes import HostTensor, dtype_info, host_words, numpy_word_dtype, signed_word_dtype
-from .fingerprint import copy_fingerprint, host_lanes, host_lanes_sum, lane_bits, lanes_sum, tensor_fingerprint
+from .fingerprint import copy_fingerprint, host_lanes, host_lanes_sum, lane_bits, lanes_sum, run_lane_sums, tensor_fingerprint
 from .squash import squash_chain
 
 #: every dtype name the codec codes word by word (bool has no random words to draw; complex types share
@@ -169,6 +169,10 @@ def _dtype_flows(name: str) -> None:
         copy_fingerprint(torch.empty_like(t), t)
         copy_fingerprint(torch.empty_like(t), host_words(t).view(np.uint8))  # a received shard's bytes
         host_lanes_sum(host_lanes(_host({"t": t})["t"]), 0)
+        raw = host_words(t).view(np.uint8)  # a received keyframe shard's run of tensors (subscribe --out)
+        one = np.ones(1, dtype=np.int64)
+        run_lane_sums(raw, 0, raw.size, one * 0, one * raw.size, one * (1 if info.word_size == 1 else 2), one * 0,
+                      np.zeros(1, np.uint64), 0, np.empty(raw.size // 2 + 1, np.uint16))
     lanes_sum(torch.zeros(8, dtype=torch.int16 if lane_bits(info.torch_dtype) == 16 else torch.int8), 0)
     _word_kernels(info.word_size, info.is_float)
 

@@ -361,3 +361,47 @@ def test_a_shard_of_many_small_tensors_lands_in_few_receives(tmp_path):
                 w.add_received(sink)
             w.abort()
         target.close()
+
+
+@pytest.mark.parametrize("kind", ["auto", "reference"])
+def test_run_lane_sums_is_the_tensor_fingerprint(kind):
+    """fingerprint.run_lane_sums (one compiled call a receive; the reference loop without the kernels) over runs of
+    tensors of both lane widths at odd starts, fed in odd receives with cut lanes carried: each tensor's sum
+    is its fingerprint's."""
+    import numpy as np
+
+    from deltasync import kernels
+    from deltasync.fingerprint import run_lane_sums
+    from deltasync.kernels.fpkeys import C0, MASK64
+
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randint(-128, 127, (n,), generator=g, dtype=torch.int8) if n % 3 == 0 else
+               torch.randn(n, generator=g).bfloat16() for n in (3, 5, 1, 6, 7, 9, 2, 12, 11, 4)]
+    raw = b"".join(t.view(torch.uint8).numpy().tobytes() for t in tensors)
+    lbs = np.array([1 if t.dtype == torch.int8 else 2 for t in tensors] + [1], np.int64)
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    starts = np.cumsum([0] + sizes)[:-1].astype(np.int64)
+    starts = np.append(starts, len(raw))
+    stops = np.append(starts[:-1] + np.array(sizes), len(raw) + 1).astype(np.int64)
+    kernels.select(kind)
+    try:
+        for step in (1, 3, 7, 64):
+            done, sums = np.zeros(len(lbs), np.int64), np.zeros(len(lbs), np.uint64)
+            buf = np.zeros(len(raw) + 8, np.uint8)
+            scratch = np.empty(len(raw), np.uint16)
+            at = j = carry = 0
+            carried = b""
+            while at < len(raw):
+                n = min(step, len(raw) - at)
+                buf[:carry] = np.frombuffer(carried, np.uint8)
+                buf[carry : carry + n] = np.frombuffer(raw[at : at + n], np.uint8)
+                base, end = at - carry, at + n
+                j = run_lane_sums(buf, base, end, starts, stops, lbs, done, sums, j, scratch)
+                carry = end - int(starts[j] + done[j] * lbs[j])
+                carried = buf[end - carry - base : end - base].tobytes()
+                at = end
+            for t, s, d, lb in zip(tensors, sums, done, lbs):
+                assert int(d) == t.numel() * t.element_size() // lb
+                assert (int(s) + int(d) * C0) & MASK64 == tensor_fingerprint(t), (step, t.dtype, t.numel())
+    finally:
+        kernels.select("auto")
