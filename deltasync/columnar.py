@@ -16,8 +16,6 @@ other consumer (budgets, the base-conditioned coding, format 1, packing by cells
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
@@ -31,6 +29,7 @@ from .blob import blob_id, pack_blob
 from .dtypes import HostTensor, dtype_info, numpy_word_dtype
 from .entropy import _RAW_LIMIT, AnsTables
 from .fingerprint import record_prefixes, state_fingerprint_of_lines
+from .gcpause import gc_paused
 from .kernels import rans
 from .kernels.fpkeys import C0, MASK64, T_NP
 from .manifest import SPANS_META_PREFIX, BlobRef, Manifest
@@ -318,19 +317,6 @@ def _record_texts(names: list[str], dtypes: list[str], dtype_of: np.ndarray) -> 
             np.frombuffer("".join(_PIECES).encode("ascii"), np.uint8), piece_at)
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector off meanwhile (back on after, if it was on)."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def _hex(values: np.ndarray) -> list[str]:
     """Each uint64 as 16 lowercase hex digits."""
     return values.astype(">u8").tobytes().hex(" ", 8).split(" ") if values.size else []
@@ -459,7 +445,7 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
     # the manifest's records, from columns
     bid_of = [ids[b] for b in blob_of.tolist()]
     index = (np.arange(C, dtype=np.int64) - firsts[blob_of]).tolist() if C else []
-    with _gc_paused():  # 70k refs, tuples and records: the collector's passes over them cost more than making them
+    with gc_paused():  # 70k refs, tuples and records: the collector's passes over them cost more than making them
         refs = list(map(new_chunk, bid_of, index, repeat(None), start.tolist(), stop.tolist()))
         N = len(names)
         chunks_of: list[tuple] = [()] * N
