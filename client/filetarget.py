@@ -64,6 +64,7 @@ from deltasync.fingerprint import (
     state_fingerprint,
     tensor_fingerprint,
 )
+from deltasync.gcpause import gc_paused
 from deltasync.kernels.fpkeys import C0
 from deltasync.keyframe import copy_state
 from deltasync.tensorfile import MAX_HEADER_BYTES, PATCHING, MappedTensorFile, build_header, parse_header
@@ -337,8 +338,11 @@ class KeyframeWriter:
         self.target = target
         self.manifest = manifest
         self.version = manifest.version if version is None else version
-        self._records = {r.name: r for r in manifest.tensors}
-        layout = {r.name: (r.dtype, tuple(r.shape)) for r in manifest.tensors}
+        with gc_paused():
+            self._records = {r.name: r for r in manifest.tensors}
+            layout = {r.name: (r.dtype, r.shape if type(r.shape) is tuple else tuple(r.shape))
+                      for r in manifest.tensors}
+        self._layout = layout
         if target._layout is None:  # layout_from_keyframe: this first keyframe lays the file out
             target._layout = dict(layout)
         if layout != target._layout:
@@ -513,37 +517,31 @@ class ShardSink:
     def _plan(self) -> None:
         w = self._w
         header = parse_header(self._head, size=self.size, where=f"keyframe v{w.manifest.version} shard: ")
-        rows = []
-        lane_bytes: dict[str, int] = {}
-        records, file_starts = w._records, w._starts
-        for e in header.entries:
-            rec = records.get(e.name)
-            if rec is None or e.dtype != rec.dtype or tuple(e.shape) != tuple(rec.shape):
+        entries = header.entries
+        layout, file_starts = w._layout, w._starts
+        with gc_paused():  # a shard of a 70k-tensor state: ~14k tensors, done as columns
+            if not all([layout.get(e.name) == (e.dtype, e.shape) for e in entries]):
+                e = next(e for e in entries if layout.get(e.name) != (e.dtype, e.shape))
                 raise FormatError(f"keyframe v{w.manifest.version}: shard tensor {e.name} {e.dtype} "
                                   f"{tuple(e.shape)} is not in the manifest as such")
-            lb = lane_bytes.get(e.dtype)
-            if lb is None:  # the fingerprint's lanes: bytes for 1-byte words, else 16-bit
-                lb = lane_bytes[e.dtype] = 1 if dtype_info(e.dtype).word_size == 1 else 2
-            rows.append((e.start, e.stop, lb, file_starts[e.name], e.name))
-        rows.sort()  # parse_header checked: no holes, no overlaps, up to the end
-        rows.append((self.size, self.size + 1, 1, 0, ""))  # never reached
-        self._starts_l = [r[0] for r in rows]
-        self._stops_l = [r[1] for r in rows]
-        self._lbs_l = [r[2] for r in rows]
-        self._starts = np.array(self._starts_l, dtype=np.int64)  # the columns the lane sums run over
-        self._stops = np.array(self._stops_l, dtype=np.int64)
-        self._lbs = np.array(self._lbs_l, dtype=np.int64)
-        self._file_at = [r[3] for r in rows]
-        self._names = [r[4] for r in rows]
-        self._done = np.zeros(len(rows), dtype=np.int64)  # lanes summed
-        self._sums = np.zeros(len(rows), dtype=np.uint64)
-        run_end = [0] * len(rows)  # where the run of tensors back to back in the file (from each one on) ends
-        run_end[-1] = rows[-1][1]
-        for j in range(len(rows) - 2, -1, -1):
-            s0, s1, _, f, _ = rows[j]
-            nxt = rows[j + 1]
-            run_end[j] = run_end[j + 1] if nxt[0] == s1 and nxt[3] == f + (s1 - s0) and nxt[4] else s1
-        self._run_end = run_end
+            # the fingerprint's lanes: bytes for 1-byte words, else 16-bit
+            lane_bytes = {d: 1 if dtype_info(d).word_size == 1 else 2 for d in {e.dtype for e in entries}}
+            rows = sorted([(e.start, e.stop, lane_bytes[e.dtype], file_starts[e.name], e.name) for e in entries])
+            rows.append((self.size, self.size + 1, 1, 0, ""))  # never reached
+            starts, stops, lbs, file_at, names = (list(c) for c in zip(*rows))
+            self._starts_l, self._stops_l, self._lbs_l, self._file_at, self._names = starts, stops, lbs, file_at, names
+            self._starts = np.array(starts, dtype=np.int64)  # the columns the lane sums run over
+            self._stops = np.array(stops, dtype=np.int64)
+            self._lbs = np.array(lbs, dtype=np.int64)
+            self._done = np.zeros(len(rows), dtype=np.int64)  # lanes summed
+            self._sums = np.zeros(len(rows), dtype=np.uint64)
+            # where the run of tensors back to back in shard and file (from each one on) ends
+            s_, e_, f_ = self._starts, self._stops, np.array(file_at, dtype=np.int64)
+            joined = (s_[1:] == e_[:-1]) & (f_[1:] == f_[:-1] + (e_[:-1] - s_[:-1]))
+            joined[-1] = False  # the sentinel joins nothing
+            brk = np.flatnonzero(~joined)  # runs end after these tensors
+            ends = e_[brk]
+            self._run_end = np.append(ends[np.searchsorted(brk, np.arange(len(rows) - 1))], e_[-1]).tolist()
         self._at = 0
 
     def fingerprints(self) -> dict[str, int]:
