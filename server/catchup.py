@@ -120,7 +120,7 @@ class CatchupBuilder:
             raise FormatError(f"from={start} must be older than to={end}")
         cached = await self.store.get_squash(model, start, end)
         try:
-            cached_m = parse_manifest(cached) if cached is not None else None
+            cached_m = parse_manifest(cached, records=False) if cached is not None else None
         except FormatError:  # a cached squash that no longer parses: build it again
             cached_m = None
         if cached_m is not None and all(self.store.has_blob(b.id) for b in cached_m.blobs):
@@ -208,7 +208,7 @@ class CatchupBuilder:
             self.store.unlease(ids)
         for bid, data in out_blobs.items():
             await self.store.put_blob_bytes(bid, data)
-        m = parse_manifest(manifest_json)
+        m = parse_manifest(manifest_json, records=False)
         if self.signer is not None:
             m = m.sign(self.signer)
         data = m.to_json()

@@ -204,7 +204,7 @@ class Upstream:
                     raise UpstreamError(f"{parent} sent a {resp.content_length}-byte manifest for {what}")
                 body = await self.read_body(resp, f"{parent}: {what}", limit=self.max_manifest_size)
             try:
-                m = parse_manifest(body, verifier=self.verifier)
+                m = parse_manifest(body, verifier=self.verifier, records=False)
             except SignatureError as e:
                 log.error("parent %s sent %s with a bad signature: %s", parent, what, e)
                 raise

@@ -440,7 +440,7 @@ class S3Files:
                     "publish lost the race and nothing of it was committed: publish the next version from "
                     f"the new head (GET /v1/models/{model}/head)")
         self._remember(model, version, data)
-        m = parse_manifest(data)
+        m = parse_manifest(data, records=False)
         await self.update_heads(model, HeadEntry(version=version, kind=m.kind, state_fp=m.state_fp))
 
     async def update_heads(self, model: str, entry: HeadEntry) -> None:
@@ -568,7 +568,7 @@ class S3Store(IndexedStore):
             added: list[VersionInfo] = []
             for sm in sorted(await self.files._get_manifests(keys), key=lambda s: s.version):
                 try:
-                    m = parse_manifest(sm.data)
+                    m = parse_manifest(sm.data, records=False)
                 except DeltaSyncError as e:
                     log.error("skipping unreadable manifest %s: %s", sm.where, e)
                     continue
@@ -637,7 +637,7 @@ class S3Store(IndexedStore):
         referenced: set[str] = set()
         for sm in await self.files._get_manifests(keys):
             try:
-                referenced.update(b.id for b in parse_manifest(sm.data).blobs)
+                referenced.update(b.id for b in parse_manifest(sm.data, records=False).blobs)
             except DeltaSyncError:
                 return []  # an unreadable manifest might name anything: delete nothing this round
         victims = orphans(listing, referenced, now=now or datetime.now(timezone.utc), grace=self.gc_grace)

@@ -124,7 +124,7 @@ class IndexedStore:
             self._ledger.add(bid, size)
         for sm in inv.manifests:
             try:
-                m = parse_manifest(sm.data)
+                m = parse_manifest(sm.data, records=False)
             except Exception as e:  # a damaged file must not stop the server; it is reported and skipped
                 log.error("skipping unreadable manifest %s: %s", sm.where, e)
                 continue
