@@ -145,7 +145,7 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
     range_cache: dict = {}
     keep: list = []  # words made here (the jobs hold only their addresses)
     small = min(chunk_words, SHARD_CELLS * MIN_CELL_WORDS - 1)  # a tensor of 1..small words is one chunk
-    addr = k.address
+    from .kernels.ansbatch import pair_address as pair
     infos, host_type = _INFOS, HostTensor
     last_w, r, own = 0, None, None
     for t, name in enumerate(names):  # the Python a tensor costs here is most of the diff of a 70k-tensor state
@@ -171,7 +171,8 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
             ds = dtype_info(got[0])
             ow, nw = _span_words(o_t, ds), _span_words(n_t, ds)
             keep.append((ow, nw))  # a non-contiguous tensor's words are a copy: alive until compared
-        if not (ow.flags.c_contiguous and nw.flags.c_contiguous) or (update_old and not ow.flags.writeable):
+        a, b = pair(ow, nw)
+        if a < 0 or (update_old and not ow.flags.writeable):
             return None
         dtypes.append(got[0])
         shapes.append(shape)
@@ -187,14 +188,13 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
             own = owners[w]
             last_w = w
         if 0 < n <= small:
-            r.extend((addr(ow), addr(nw), n, 0, n))
+            r.extend((a, b, n, 0, n))
             own.append(t)
         elif n:
             key = (shape, n)
             ranges = range_cache.get(key)
             if ranges is None:
                 ranges = range_cache[key] = tensor_chunk_ranges(shape, n, chunk_words)
-            a, b = addr(ow), addr(nw)
             for s, e in ranges:
                 r.extend((a, b, n, s, e))
             own.extend([t] * len(ranges))
@@ -343,7 +343,7 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
     gl = np.zeros((C, rans.N_GAP), np.int64)
     vl = np.zeros((C, rans.N_VAL), np.int64)
     dt_codes = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}
-    t_code = np.fromiter((dt_codes[d] for d in dtypes), np.int64, len(dtypes))
+    t_code = np.fromiter(map(dt_codes.__getitem__, dtypes), np.int64, len(dtypes))
     is_float = np.array([dtype_info(d).is_float for d in dt_codes], np.bool_)[t_code][tensor]
     # symbols, segment by segment (a chunk's rows of nb/nr/gl/vl written in place where the chunks of each
     # segment are contiguous: one word size), in parts on the executor's threads (nogil)

@@ -21,6 +21,16 @@ _U = np.uint64
 
 
 @numba.njit(cache=True, nogil=True)
+def pair_address(o, n):
+    """The addresses of two flat arrays' first elements (a compare job's old and new words), or (-1, -1) unless
+    both are contiguous: one call a tensor of the columnar diff (two ``address`` calls and two ``flags`` looks
+    cost twice as much)."""
+    if (o.size > 1 and o.strides[0] != o.itemsize) or (n.size > 1 and n.strides[0] != n.itemsize):  # numpy's rule
+        return np.int64(-1), np.int64(-1)
+    return np.int64(o.ctypes.data), np.int64(n.ctypes.data)
+
+
+@numba.njit(cache=True, nogil=True)
 def word_symbols_chunks(pos, old, new, lo, hi, start, is_float, raw_limit, sym, bigneg, bigmag, raws, nb, nr, gl, vl):
     """:func:`rans.word_symbols` of chunks ``j`` = ``pos/old/new[lo[j]:hi[j]]`` (chunk start ``start[j]``, float
     dtype ``is_float[j]``), written in place: value symbols at the changes' own indices in ``sym``; a chunk's
