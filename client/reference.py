@@ -56,8 +56,22 @@ class Reference:
         return self
 
     def same_layout(self, state: Mapping[str, torch.Tensor]) -> bool:
-        return state_layout(state) == self.layout and all(
-            state[n].device == t.device for n, t in self.tensors.items())
+        """``state`` has the reference's names, dtypes, shapes and devices (one pass, no layout built: a
+        70k-tensor state is checked at every publish). The answer is kept for the very ``state`` mapping until
+        :meth:`diff_and_update` / :meth:`diff` take it (the publisher asks, then diffs)."""
+        if len(state) != len(self.tensors):
+            return False
+        try:
+            ok = all([(u := state[n]).dtype == t.dtype and u.shape == t.shape and u.device == t.device
+                      for n, t in self.tensors.items()])
+        except KeyError:
+            return False
+        self._checked = state if ok else None
+        return ok
+
+    def _layout_ok(self, state: Mapping[str, torch.Tensor]) -> bool:
+        checked, self._checked = getattr(self, "_checked", None), None
+        return checked is state or self.same_layout(state)
 
     def reset(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy ``state`` into the reference (reusing its memory when the layout is the same)."""
@@ -71,7 +85,7 @@ class Reference:
 
     def diff_and_update(self, state: Mapping[str, torch.Tensor], *, chunk_words: int) -> StateDiff:
         """Diff ``state`` against the reference, then make the reference equal to ``state``."""
-        if not self.same_layout(state):
+        if not self._layout_ok(state):
             raise ValueError("layout changed; reset() the reference and publish a keyframe")
         diff = diff_states(self.tensors, state, base_fps=self.fps, chunk_words=chunk_words, update_old=True)
         self.fps = dict(diff.fps_after)
@@ -79,7 +93,7 @@ class Reference:
 
     def diff(self, state: Mapping[str, torch.Tensor], *, chunk_words: int) -> StateDiff:
         """Diff ``state`` against the reference and leave the reference as it is (budgeted streams)."""
-        if not self.same_layout(state):
+        if not self._layout_ok(state):
             raise ValueError("layout changed; reset() the reference and publish a keyframe")
         return diff_states(self.tensors, state, base_fps=self.fps, chunk_words=chunk_words, update_old=False)
 
