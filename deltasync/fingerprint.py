@@ -102,8 +102,10 @@ def run_lane_sums(buf: np.ndarray, base: int, end: int, starts: np.ndarray, stop
     ``[base, end)``, ``base`` being where tensor ``j``'s first lane not yet summed (``done[j]``) begins; tensors
     ``j``, ``j+1``, ... (``[starts, stops)`` of the shard, ``lbs`` bytes a lane) have every whole lane received
     summed into ``sums`` (uint64, mod 2**64) and ``done`` moved on. Returns the tensor ``end`` falls in (or ends
-    at). One compiled call when selected (:mod:`deltasync.kernels.lanesrun`); ``scratch``: uint16, ``buf.size //
-    2`` at least."""
+    at). One compiled call when selected (:mod:`deltasync.kernels.lanesrun`); ``scratch``: uint16 room (not
+    empty) a 2-byte-lane tensor at an odd byte of ``buf`` is copied through."""
+    if scratch.size == 0:
+        raise ValueError("run_lane_sums: scratch room is empty")
     if cpu_kernels() is not None:
         from .kernels import lanesrun
 

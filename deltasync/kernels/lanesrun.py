@@ -16,11 +16,11 @@ from .cpu import _jit, lanes_sum
 
 @_jit
 def run_lane_sums(buf, base, end, starts, stops, lbs, done, sums, j, table, scratch):
-    """The bytes ``buf[0 : end - base]`` are those of the shard's offsets ``[base, end)``, ``base`` being where
-    tensor ``j``'s first lane not yet summed begins. For tensor ``j`` on, while they start before ``end``: each
+    """The bytes ``buf[0 : end - base]`` are those of the shard's offsets ``[base, end)``, ``base`` at or before
+    tensor ``j``'s first lane not yet summed. For tensor ``j`` on, while they start before ``end``: each
     one's whole lanes received (from ``done[t]`` up to those before ``min(stops[t], end)``) summed into
     ``sums[t]`` (mod 2**64) and ``done[t]`` moved on. Returns the tensor ``end`` falls in (or ends at).
-    ``scratch``: uint16 room for a receive's lanes (a 2-byte-lane tensor starting at an odd byte is copied)."""
+    ``scratch``: uint16 room (any size but 0) through which a 2-byte-lane tensor at an odd byte of ``buf`` is copied."""
     while True:
         lb = lbs[j]
         s0 = starts[j]
@@ -33,10 +33,17 @@ def run_lane_sums(buf, base, end, starts, stops, lbs, done, sums, j, table, scra
                 sums[j] += lanes_sum(buf[p : p + k], d, table)
             elif p % 2 == 0:
                 sums[j] += lanes_sum(buf[p : p + 2 * k].view(np.uint16), d, table)
-            else:
-                for i in range(k):
-                    scratch[i] = np.uint16(buf[p + 2 * i]) | (np.uint16(buf[p + 2 * i + 1]) << np.uint16(8))
-                sums[j] += lanes_sum(scratch[:k], d, table)
+            else:  # copied to aligned room, a scratch's worth at a time
+                if scratch.size == 0:
+                    raise ValueError("run_lane_sums: a 2-byte-lane tensor at an odd byte and no scratch room")
+                i0 = 0
+                while i0 < k:
+                    m = min(k - i0, scratch.size)
+                    for i in range(m):
+                        q = p + 2 * (i0 + i)
+                        scratch[i] = np.uint16(buf[q]) | (np.uint16(buf[q + 1]) << np.uint16(8))
+                    sums[j] += lanes_sum(scratch[:m], d + i0, table)
+                    i0 += m
             done[j] = upto
         if stops[j] >= end:
             return j

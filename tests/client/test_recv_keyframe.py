@@ -363,8 +363,8 @@ def test_a_shard_of_many_small_tensors_lands_in_few_receives(tmp_path):
         target.close()
 
 
-@pytest.mark.parametrize("kind", ["auto", "reference"])
-def test_run_lane_sums_is_the_tensor_fingerprint(kind):
+@pytest.mark.parametrize("kind,room", [("auto", 0), ("auto", 2), ("reference", 0)])
+def test_run_lane_sums_is_the_tensor_fingerprint(kind, room):
     """fingerprint.run_lane_sums (one compiled call a receive; the reference loop without the kernels) over runs of
     tensors of both lane widths at odd starts, fed in odd receives with cut lanes carried: each tensor's sum
     is its fingerprint's."""
@@ -388,7 +388,7 @@ def test_run_lane_sums_is_the_tensor_fingerprint(kind):
         for step in (1, 3, 7, 64):
             done, sums = np.zeros(len(lbs), np.int64), np.zeros(len(lbs), np.uint64)
             buf = np.zeros(len(raw) + 8, np.uint8)
-            scratch = np.empty(len(raw), np.uint16)
+            scratch = np.empty(room or len(raw), np.uint16)  # 2: an odd tensor copied 2 lanes at a time
             at = j = carry = 0
             carried = b""
             while at < len(raw):
@@ -405,3 +405,33 @@ def test_run_lane_sums_is_the_tensor_fingerprint(kind):
                 assert (int(s) + int(d) * C0) & MASK64 == tensor_fingerprint(t), (step, t.dtype, t.numel())
     finally:
         kernels.select("auto")
+
+
+def test_a_file_scan_is_every_tensor_fingerprint(tmp_path):
+    """filetarget.scan_file (one compiled pass over the file's data) gives each tensor's fingerprint, on a file
+    laid out by build_header and on a foreign one with a bf16 tensor at an odd byte (fingerprinted one by one)."""
+    import json
+    import struct
+
+    import numpy as np
+    from safetensors.torch import save
+
+    from deltasync.client.filetarget import scan_file
+    from deltasync.tensorfile import MappedTensorFile
+
+    g = torch.Generator().manual_seed(9)
+    state = {f"t{i:03d}": torch.randn(1 + i % 11, generator=g).to((torch.bfloat16, torch.float32, torch.int8)[i % 3])
+             for i in range(300)}
+    state["empty"] = torch.zeros(0, dtype=torch.bfloat16)
+    (tmp_path / "a.safetensors").write_bytes(save(state))
+    odd = torch.randint(-5, 5, (3,), dtype=torch.int8)
+    bf = torch.randn(5, generator=g).bfloat16()
+    body = json.dumps({"i": {"dtype": "I8", "shape": [3], "data_offsets": [0, 3]},
+                       "b": {"dtype": "BF16", "shape": [5], "data_offsets": [3, 13]}}).encode()
+    raw = struct.pack("<Q", len(body)) + body + odd.numpy().tobytes() + bf.view(torch.int16).numpy().tobytes()
+    (tmp_path / "odd.safetensors").write_bytes(raw)
+    for name, want in (("a", state), ("odd", {"i": odd, "b": bf})):
+        with MappedTensorFile(tmp_path / f"{name}.safetensors") as f:
+            got = scan_file(f)
+            assert got == {n: tensor_fingerprint(t) for n, t in want.items()}, name
+            assert got == {n: tensor_fingerprint(t) for n, t in f.tensors.items()}
