@@ -224,6 +224,8 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
         pos, ow, nw, offsets, fpds, totals = k.diff_jobs(rows, like, lane_like, table, 0 if w == 1 else w // 2, want,
                                                          update_old, cap)
         n = int(offsets[-1])
+        if pos.size > 2 * n + 4096:  # mostly unused room (the outputs grow by projection): keep only what was found
+            return pos[:n].copy(), ow[:n].copy(), nw[:n].copy(), offsets, fpds, totals
         return pos[:n], ow[:n], nw[:n], offsets, fpds, totals
 
     results = executor.map(run, tasks) if executor is not None and len(tasks) > 1 else map(run, tasks)
