@@ -776,7 +776,7 @@ class FileTarget(TensorApplier):
         if self.file is None:
             raise BaseMismatchError(f"{self.path} holds no version yet; a delta cannot be its first")
         m = prepared.manifest
-        tensors = self.file.tensors
+        tensors = self.file.views  # made as asked for: a step patched by address asks for few (a file of 70k: 0.5 s)
         check_base(m, tensors, fps, layout=self._layout, state_lines=self._state_lines())  # before any I/O
         if self.before_write is not None:
             self.before_write(m.version)

@@ -44,6 +44,7 @@ from .fingerprint import (fingerprint_delta, words_range_delta, fp_hex, record_p
                           tensor_fingerprint, update_fingerprint)
 from .kernels.fpkeys import MASK64
 from .manifest import Manifest
+from .tensorfile import TensorViews
 from .values import Changes
 
 BlobSource = Mapping[str, bytes] | Callable[[str], bytes]
@@ -56,6 +57,8 @@ def live_tensors(target) -> dict[str, torch.Tensor]:
         for name, t in target.state_dict(keep_vars=True).items():
             out[name] = t.detach()
         return out
+    if isinstance(target, TensorViews):  # a mapped file's views, made as they are asked for: not all up front
+        return target
     if isinstance(target, Mapping):
         return dict(target)
     raise TypeError(f"target must be a dict of tensors or an nn.Module, found {type(target).__name__}")

@@ -320,6 +320,31 @@ def tensors_of(whole: torch.Tensor, header: TensorHeader) -> dict[str, torch.Ten
     return {e.name: _tensor(whole, e) for e in header.entries}
 
 
+class TensorViews(Mapping):
+    """Name -> a torch view of a parsed buffer (``whole``: the buffer as a flat uint8 tensor), each made when first
+    asked for and kept: what :func:`tensors_of` gives, in header order, without making them all up front."""
+
+    def __init__(self, whole: torch.Tensor, header: TensorHeader) -> None:
+        self._whole = whole
+        self._entries = {e.name: e for e in header.entries}
+        self._made: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._made.get(name)
+        if t is None:
+            t = self._made[name] = _tensor(self._whole, self._entries[name])
+        return t
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+
 class HostState(dict):
     """:func:`host_tensors_of`'s mapping: name -> :class:`HostTensor`, in header order, that also knows the
     header it was made from (``header``), so a state of many tensors can be described without a pass over
@@ -446,6 +471,7 @@ class MappedTensorFile:
             self.close()
             raise
         self._tensors: dict[str, torch.Tensor] | None = None
+        self._views: TensorViews | None = None
         self._host: dict[str, HostTensor] | None = None
         self.metadata: dict[str, str] = self.header.metadata
 
@@ -459,6 +485,18 @@ class MappedTensorFile:
 
             self._tensors = tensors_of(torch.frombuffer(self._mm, dtype=torch.uint8), self.header)
         return self._tensors
+
+    @property
+    def views(self) -> Mapping[str, torch.Tensor]:
+        """:attr:`tensors` where they are made already, else a :class:`TensorViews` that makes each view when it is
+        first asked for (a step of a 70k-tensor file that patches its tensors by address needs few, or none)."""
+        if self._tensors is not None or self._mm is None:
+            return self.tensors
+        if self._views is None:
+            import torch
+
+            self._views = TensorViews(torch.frombuffer(self._mm, dtype=torch.uint8), self.header)
+        return self._views
 
     @property
     def host(self) -> dict[str, HostTensor]:
@@ -546,7 +584,7 @@ class MappedTensorFile:
         return True
 
     def close(self) -> None:
-        self._tensors = self._host = None
+        self._tensors = self._host = self._views = None
         mm, self._mm = getattr(self, "_mm", None), None
         if mm is not None:
             try:
