@@ -43,6 +43,10 @@ __all__ = ["ENABLED", "FlatDiff", "diff_flat", "encode_flat", "takes_flat"]
 ENABLED = True
 
 PIECE_WORDS = 1 << 21  # words compared per task (whole chunks; small tensors share a task), as codec's
+# Below this many tensors (chunks), the diff addresses words as the per-chunk path does and the chunks are coded
+# by the per-chunk encoder: a small state gains nothing here, and a fresh process would load more kernels (~3 ms
+# each)
+FLAT_MIN = 256
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,7 +149,11 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
     range_cache: dict = {}
     keep: list = []  # words made here (the jobs hold only their addresses)
     small = min(chunk_words, SHARD_CELLS * MIN_CELL_WORDS - 1)  # a tensor of 1..small words is one chunk
-    from .kernels.ansbatch import pair_address as pair
+    if len(names) >= FLAT_MIN:
+        from .kernels.ansbatch import pair_address as pair
+    else:
+        pair = None
+        addr = k.address
     infos, host_type = _INFOS, HostTensor
     last_w, r, own = 0, None, None
     for t, name in enumerate(names):  # the Python a tensor costs here is most of the diff of a 70k-tensor state
@@ -171,8 +179,15 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
             ds = dtype_info(got[0])
             ow, nw = _span_words(o_t, ds), _span_words(n_t, ds)
             keep.append((ow, nw))  # a non-contiguous tensor's words are a copy: alive until compared
-        a, b = pair(ow, nw)
-        if a < 0 or (update_old and not ow.flags.writeable):
+        if pair is not None:
+            a, b = pair(ow, nw)
+            if a < 0:
+                return None
+        elif ow.flags.c_contiguous and nw.flags.c_contiguous:
+            a, b = addr(ow), addr(nw)
+        else:
+            return None
+        if update_old and not ow.flags.writeable:
             return None
         dtypes.append(got[0])
         shapes.append(shape)
@@ -285,9 +300,10 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
 # -- encode --------------------------------------------------------------------------------------------
 
 def takes_flat(diff, options) -> bool:
-    """Does :func:`encode_flat` encode ``diff`` under ``options`` (a :class:`FlatDiff`, blob format 2, packing
-    by tensor, the compiled kernels)?"""
-    return (ENABLED and getattr(diff, "flat", None) is not None and options.blob_format == 2
+    """Does :func:`encode_flat` encode ``diff`` under ``options`` (a :class:`FlatDiff` of ``FLAT_MIN`` chunks or
+    more, blob format 2, packing by tensor, the compiled kernels)?"""
+    flat = getattr(diff, "flat", None)
+    return (ENABLED and flat is not None and flat.tensor.size >= FLAT_MIN and options.blob_format == 2
             and options.pack == "tensor" and kernels.cpu_kernels() is not None)
 
 

@@ -139,6 +139,14 @@ def _dtype_flows(name: str) -> None:
     conditioned_delta = encode_diff(diff, model="warm", version=3, parent=2, options=conditioned,
                                     ranks=diff_ranks(diff, _host(old)))
     encode_diff(diff_states(old, new), model="warm", version=3, parent=2, options=conditioned, base=old)
+    # publish --base of a state of many tensors: the columnar path's kernels (taken from FLAT_MIN tensors up)
+    from . import columnar
+
+    least, columnar.FLAT_MIN = columnar.FLAT_MIN, 0
+    try:
+        encode_diff(diff_states(_host(old), _host(new)), model="warm", version=3, parent=2, options=free)
+    finally:
+        columnar.FLAT_MIN = least
     # format 1 (still read), and a budgeted stream's plan (quantized steps)
     legacy = encode_diff(diff_states(states[0], states[1]), model="warm", version=1, parent=0,
                          options=EncodeOptions(format=1))

@@ -19,6 +19,14 @@ from deltasync.kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the columnar path needs the compiled kernels")
 
+
+@pytest.fixture(autouse=True, params=[0, 10**9], ids=["flat", "small-state"])
+def flat_min(request, monkeypatch):
+    """Every test with the columnar path taken whatever the state's size, and with it declined as for a small
+    state (the diff's addressing and the per-chunk encoder)."""
+    monkeypatch.setattr(columnar, "FLAT_MIN", request.param)
+    return request.param
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "uint8": torch.uint8,
           "float64": torch.float64}
 
@@ -116,7 +124,7 @@ OPTIONS = [
 
 @pytest.mark.parametrize("opt", range(len(OPTIONS)))
 @pytest.mark.parametrize("threads", [0, 2])
-def test_fast_path_bytes_match_reference(opt, threads):
+def test_fast_path_bytes_match_reference(opt, threads, flat_min):
     old, new = _states()
     options = OPTIONS[opt]
     pool = ThreadPoolExecutor(threads) if threads else None
@@ -124,6 +132,7 @@ def test_fast_path_bytes_match_reference(opt, threads):
         for a, b in ((old, new), (_host(old), _host(new))):
             d_ref, ref = _encode(a, b, options, fast=False, executor=pool)
             d_fast, fast = _encode(a, b, options, fast=True, executor=pool)
+            assert columnar.takes_flat(d_fast, options) == (flat_min == 0)
             assert len(fast.manifest.tensors) == len(a) and fast.manifest.changed_words > 0
             if opt:
                 assert len(fast.blobs) > 1
