@@ -233,10 +233,10 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
              for w in jobs}
 
     def run(task):
-        w, rows = task
+        w, task_rows = task
         like, lane_like = likes[w]
-        cap = 1024 + int((rows[:, 4] - rows[:, 3]).sum()) // 1024
-        pos, ow, nw, offsets, fpds, totals = k.diff_jobs(rows, like, lane_like, table, 0 if w == 1 else w // 2, want,
+        cap = 1024 + int((task_rows[:, 4] - task_rows[:, 3]).sum()) // 1024
+        pos, ow, nw, offsets, fpds, totals = k.diff_jobs(task_rows, like, lane_like, table, 0 if w == 1 else w // 2, want,
                                                          update_old, cap)
         n = int(offsets[-1])
         if pos.size > 2 * n + 4096:  # mostly unused room (the outputs grow by projection): keep only what was found
@@ -246,10 +246,10 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
     results = executor.map(run, tasks) if executor is not None and len(tasks) > 1 else map(run, tasks)
     got: dict[int, list] = {w: [] for w in jobs}
     done = 0
-    for (w, rows), r in zip(tasks, results):
+    for (w, task_rows), r in zip(tasks, results):
         got[w].append(r)
         if progress:
-            done += int((rows[:, 4] - rows[:, 3]).sum()) * w
+            done += int((task_rows[:, 4] - task_rows[:, 3]).sum()) * w
             progress(done, total)
     # columns per job, word size by word size, then the changed chunks among them
     fpd_t = np.zeros(len(names), np.uint64)
