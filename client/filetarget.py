@@ -875,6 +875,7 @@ class FileTarget(TensorApplier):
         total = 0
         for w in np.unique(cols.word_sizes).tolist():
             sel = np.flatnonzero(cols.word_sizes == w)
+            sel = sel[np.argsort(cols.seg[sel], kind="stable")]  # a run of rows per segment (blob): a call each
             counts = cols.counts[sel]
             n = int(counts.sum())
             groups.append({"word": w, "chunks": int(sel.size), "changes": n, "at": total})
@@ -903,15 +904,22 @@ class FileTarget(TensorApplier):
                 o = at + 32 * sel.size
                 rel = payload[o : o + 4 * n].view("<u4")
                 old = payload[o + _pad8(4 * n) : o + _pad8(4 * n) + w * n].view(f"<u{w}")
-                flat, where = cols.columns[w][0], cols.at[sel]
-                as_words = whole[: whole.size // w * w].view(f"<u{w}")  # the whole file as words: one gather
+                where, seg, base_word = cols.at[sel], cols.seg[sel], first[t] // w
+                cuts = [0, *(np.flatnonzero(np.diff(seg)) + 1).tolist(), sel.size]
+                ends = np.cumsum(counts)
+                as_words = whole[: whole.size // w * w].view(f"<u{w}")  # the whole file as words
                 try:
-                    j, k = kernels.journal_columns(as_words, flat, where, counts, starts, stops, first[t] // w, rel, old)
+                    for a, b in zip(cuts[:-1], cuts[1:]):  # one compiled gather per segment (blob) of the changes
+                        flat = cols.columns[w][int(seg[a])][0]
+                        o0 = int(ends[a] - counts[a])
+                        j, k = kernels.journal_columns(as_words, flat, where[a:b], counts[a:b], starts[a:b], stops[a:b],
+                                                       base_word[a:b], rel[o0:], old[o0:])
+                        if j >= 0:
+                            j += a
+                            raise FormatError(f"{self.path}: change position {int(flat[int(where[j]) + k])} leaves "
+                                              f"its chunk [{int(starts[j])}:{int(stops[j])}] of {int(words[j])} words")
                 finally:
                     del as_words
-                if j >= 0:
-                    raise FormatError(f"{self.path}: change position {int(flat[int(where[j]) + k])} leaves its chunk "
-                                      f"[{int(starts[j])}:{int(stops[j])}] of {int(words[j])} words")
             self._fill_chunks(payload, parts)
             payload[total:] = whole[:hdr]
             base = whole.ctypes.data

@@ -170,18 +170,20 @@ class ColumnarPatches(Mapping):
     kernels, :class:`~deltasync.codec.DecodedBlob`): no object per chunk. Tensor ``names[t]`` (dtype
     ``dtypes[t]``) has chunk rows ``[first[t], first[t + 1])``, in word order; row ``r`` is words
     ``[starts[r], stops[r])`` of tensor ``tensor[r]`` with ``counts[r]`` changes at ``[at[r], at[r] + counts[r])``
-    of ``columns[word_sizes[r]]`` (positions, raw flags, values), or, where ``at[r] < 0``, the chunk is
+    of segment ``seg[r]`` of ``columns[word_sizes[r]]`` (a list of (positions, raw flags, values) arrays: one
+    segment per blob, as its decode wrote them, not copied together), or, where ``at[r] < 0``, the chunk is
     ``others[r]`` (a dense or base-conditioned one). As a mapping: name -> ChunkPatch list (views of the columns,
     made on demand) for the callers that take chunks one by one."""
 
-    __slots__ = ("names", "dtypes", "first", "tensor", "starts", "stops", "counts", "word_sizes", "at", "columns",
-                 "others", "_where", "_made", "_pure")
+    __slots__ = ("names", "dtypes", "first", "tensor", "starts", "stops", "counts", "word_sizes", "at", "seg",
+                 "columns", "others", "_where", "_made", "_pure")
 
-    def __init__(self, *, names, dtypes, first, tensor, starts, stops, counts, word_sizes, at, columns,
+    def __init__(self, *, names, dtypes, first, tensor, starts, stops, counts, word_sizes, at, seg, columns,
                  others=None) -> None:
         self.names, self.dtypes, self.first, self.tensor = names, dtypes, first, tensor
         self.starts, self.stops, self.counts, self.word_sizes, self.at = starts, stops, counts, word_sizes, at
-        self.columns = columns
+        self.seg = seg
+        self.columns: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = columns
         self.others: dict[int, ChunkPatch] = others or {}
         self._where: dict[str, int] | None = None
         self._made: dict[str, list[ChunkPatch]] = {}
@@ -206,7 +208,7 @@ class ColumnarPatches(Mapping):
         sub = ColumnarPatches(names=[self.names[t] for t in kept.tolist()], dtypes=[self.dtypes[t] for t in kept.tolist()],
                               first=first, tensor=renumber[self.tensor[rows]], starts=self.starts[rows],
                               stops=self.stops[rows], counts=self.counts[rows], word_sizes=self.word_sizes[rows],
-                              at=self.at[rows], columns=self.columns)
+                              at=self.at[rows], seg=self.seg[rows], columns=self.columns)
         self._pure = (sub, kept, np.flatnonzero(~keep).tolist())
         return self._pure
 
@@ -236,7 +238,7 @@ class ColumnarPatches(Mapping):
                 continue
             a = int(self.at[r])
             b = a + int(self.counts[r])
-            pos, raw, vals = self.columns[int(self.word_sizes[r])]
+            pos, raw, vals = self.columns[int(self.word_sizes[r])][int(self.seg[r])]
             out.append(ChunkPatch(tensor=name, dtype=self.dtypes[t], start=int(self.starts[r]), stop=int(self.stops[r]),
                                   changes=Changes(positions=pos[a:b], raw=raw[a:b], values=vals[a:b])))
         self._made[name] = out
@@ -271,7 +273,7 @@ def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPat
     g = row0[ref_blob] + ref_index  # each reference's row among all blobs' chunks
     if np.unique(g).size != g.size or g.size != int(row0[-1]):
         return None  # a chunk used twice or not at all
-    # every blob's chunk columns, one after the other (the changes: one flat array per word size)
+    # every blob's chunk columns, one after the other (the changes: each blob's arrays, a segment per word size)
     all_names: list[str] = []
     all_dtypes: list[str] = []
     for b in blob_ids:
@@ -279,18 +281,18 @@ def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPat
         all_dtypes += decs[b].dtypes
     cat = {k: np.concatenate([getattr(decs[b], k) for b in blob_ids])
            for k in ("starts", "stops", "counts", "word_sizes")}
-    at_parts = []
+    seg_parts = []
     flat: dict[int, list] = {}
-    base: dict[int, int] = {}
     for b in blob_ids:
         d = decs[b]
-        at = d.at.copy()
-        for w, (pos, raw, vals) in d.columns.items():
-            at[(d.word_sizes == w) & (d.at >= 0)] += base.get(w, 0)
-            base[w] = base.get(w, 0) + pos.size
-            flat.setdefault(w, []).append((pos, raw, vals))
-        at_parts.append(at)
-    at_all = np.concatenate(at_parts)
+        seg = np.zeros(len(d), dtype=np.int64)
+        for w, arrays in d.columns.items():
+            segs = flat.setdefault(w, [])
+            seg[d.word_sizes == w] = len(segs)
+            segs.append(arrays)
+        seg_parts.append(seg)
+    seg_all = np.concatenate(seg_parts)
+    at_all = np.concatenate([decs[b].at for b in blob_ids])
     # the checks of prepare_delta's reference loop, as list and array compares
     rec_dtypes = list(map(_get_dtype, recs))
     keys = list(zip(rec_dtypes, map(_get_shape, recs)))
@@ -329,15 +331,14 @@ def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPat
         return None
     if (np.add.reduceat(counts, first[:-1]) != want_changed).any():
         return None
-    columns = {w: tuple(np.concatenate(part) if len(parts) > 1 else parts[0][j] for j, part in
-                        enumerate(zip(*parts))) for w, parts in flat.items()}
     at = at_all[g]
     others = {}
     if any(d.others for d in decs.values()):
         for r in np.flatnonzero(at < 0).tolist():
             others[r] = decs[blob_ids[int(ref_blob[r])]].others[int(ref_index[r])]
     return ColumnarPatches(names=names, dtypes=want_dtypes, first=first, tensor=tensor, starts=starts, stops=stops,
-                           counts=counts, word_sizes=cat["word_sizes"][g], at=at, columns=columns, others=others)
+                           counts=counts, word_sizes=cat["word_sizes"][g], at=at, seg=seg_all[g], columns=flat,
+                           others=others)
 
 
 _get_chunks, _get_blob, _get_index = attrgetter("chunks"), attrgetter("blob"), attrgetter("index")
@@ -931,15 +932,16 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
             check()
         sel = np.flatnonzero(cols.word_sizes == w) if len(wsizes) > 1 else np.arange(cols.tensor.size)
         ti = cols.tensor[sel]
-        pos, raw, vals = cols.columns[w]
+        segs = cols.columns[w]
+        seg = cols.seg[sel]
         at = cols.at[sel]
         counts = cols.counts[sel]
         jobs = np.empty((sel.size, 6), dtype=np.int64)
         jobs[:, 0] = addr[ti]
         jobs[:, 1] = nwords[ti]
-        jobs[:, 2] = pos.ctypes.data + at * 8
-        jobs[:, 3] = raw.ctypes.data + at
-        jobs[:, 4] = vals.ctypes.data + at * w
+        for k, item in enumerate((8, 1, w)):  # each segment's positions, raw flags, values: their addresses
+            base_addr = np.array([arrays[k].ctypes.data for arrays in segs], dtype=np.int64)
+            jobs[:, 2 + k] = base_addr[seg] + at * item
         jobs[:, 5] = counts
         offsets = np.zeros(sel.size + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
@@ -964,7 +966,7 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
             results = [f.result() for f in futures]
         else:
             results = [run(parts[0])]
-        keep = (pos, raw, vals, tensors)  # what the jobs address stays alive with the undo entry (a map stays open)
+        keep = (segs, tensors)  # what the jobs address stays alive with the undo entry (a map stays open)
         for (a, b), (j, k) in zip(parts, results):
             end = b if j < 0 else a + j
             if end > a:  # every written chunk into the undo log first, then anything that may raise
@@ -974,7 +976,7 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
             if j >= 0:
                 i = int(ti[a + j])
                 if bad is None or i < bad[0]:
-                    p_bad = int(pos[int(at[a + j]) + k])
+                    p_bad = int(segs[int(seg[a + j])][0][int(at[a + j]) + k])
                     bad = (i, f"change position {p_bad} is outside a tensor of {int(jobs[a + j, 1])} words")
     after = base + np.add.reduceat(fpd_all, cols.first[:-1])  # uint64: wraps like update_fingerprint
     want = _fp_words(list(map(_get_fp_after, map(records.__getitem__, names))))
