@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import time
 
-import deltasync.codec as codec
+import deltasync.diffs as diffs
 from deltasync.client.sharded import needed_blobs_for
 from deltasync.codec import EncodeOptions, encode_delta
 from deltasync.layout import ModelFacts, Parallel, vllm_layout
@@ -44,16 +44,16 @@ def measure(shape: ModelShape, *, unchanged: float, steps: int) -> list[dict]:
     for label, opts, cells in (("row cells (default)", EncodeOptions(), True),
                                ("row cells, pack=\"cells\"", EncodeOptions(pack="cells"), True),
                                ("cells off", EncodeOptions(cell_blob_min=1 << 62), False)):
-        saved = codec.MIN_CELL_WORDS
+        saved = diffs.MIN_CELL_WORDS
         if not cells:
-            codec.MIN_CELL_WORDS = 1 << 50
+            diffs.MIN_CELL_WORDS = 1 << 50
         try:
             t0 = time.perf_counter()
             encs = [encode_delta(a, b, model="m", version=i + 2, parent=i + 1, options=opts)
                     for i, (a, b) in enumerate(pairs)]
             enc_s = (time.perf_counter() - t0) / len(encs)
         finally:
-            codec.MIN_CELL_WORDS = saved
+            diffs.MIN_CELL_WORDS = saved
         whole = sum(b.size for e in encs for b in e.manifest.blobs) / len(encs)
         nblobs = sum(len(e.manifest.blobs) for e in encs) / len(encs)
         frac = unchanged_fraction(*pairs[-1])

@@ -300,10 +300,10 @@ def gloo_worker(rank: int, world: int, port: int, facts_name: str, ep: int, out_
     from deltasync.errors import DeltaSyncError
     from deltasync.fingerprint import fingerprint_state
     from deltasync.layout import Parallel, vllm_layout
-    import deltasync.codec
+    import deltasync.diffs
 
     torch.set_num_threads(1)
-    deltasync.codec.MIN_CELL_WORDS = 16
+    deltasync.diffs.MIN_CELL_WORDS = 16
     facts = GLOO_FACTS[facts_name]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))

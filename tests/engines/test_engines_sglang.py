@@ -44,9 +44,9 @@ CONFIG = types.SimpleNamespace(model_type="qwen2", num_hidden_layers=2, hidden_s
 
 @pytest.fixture()
 def cluster(tmp_path, monkeypatch):
-    import deltasync.codec
+    import deltasync.diffs
 
-    monkeypatch.setattr(deltasync.codec, "MIN_CELL_WORDS", 16)  # row cells for these tiny tensors too
+    monkeypatch.setattr(deltasync.diffs, "MIN_CELL_WORDS", 16)  # row cells for these tiny tensors too
     c = LocalCluster(tmp_path)
     try:
         c.start_origin()

@@ -42,9 +42,9 @@ CELLS = EncodeOptions(chunk_words=256, blob_target=4096, cell_blob_min=1, pack="
 @pytest.fixture(autouse=True)
 def small_cells(monkeypatch):
     """Row cells for these tiny tensors too (real models pass the default threshold: 512 Ki words)."""
-    import deltasync.codec
+    import deltasync.diffs
 
-    monkeypatch.setattr(deltasync.codec, "MIN_CELL_WORDS", 16)
+    monkeypatch.setattr(deltasync.diffs, "MIN_CELL_WORDS", 16)
 
 
 def follow(facts, tp, ep=1, *, engine="vllm", steps=2, tied_in_stream=False, options=SMALL):

@@ -52,7 +52,7 @@ def worker(rank: int, world: int, port: int, fmt_name: str, out_dir: str) -> Non
 
     import torch.distributed as dist
 
-    import deltasync.codec
+    import deltasync.diffs
     from deltasync.client.sharded import ShardedApplier, prepare_needed
     from deltasync.codec import EncodeOptions, encode_delta
     from deltasync.errors import DeltaSyncError
@@ -60,7 +60,7 @@ def worker(rank: int, world: int, port: int, fmt_name: str, out_dir: str) -> Non
     from deltasync.testing.trace import ModelShape, RLTrace
 
     torch.set_num_threads(1)
-    deltasync.codec.MIN_CELL_WORDS = 16
+    deltasync.diffs.MIN_CELL_WORDS = 16
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
