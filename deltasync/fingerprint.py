@@ -117,7 +117,7 @@ def run_lane_sums(buf: np.ndarray, base: int, end: int, starts: np.ndarray, stop
             p = s0 + d * lb - base
             k = upto - d
             seg = buf[p : p + k * lb].copy().view(np.uint8 if lb == 1 else "<u2")
-            sums[j] += np.uint64(host_lanes_sum(seg, d))
+            sums[j] = np.uint64((int(sums[j]) + int(host_lanes_sum(seg, d))) & 0xFFFFFFFFFFFFFFFF)  # mod 2**64
             done[j] = upto
         if int(stops[j]) >= end:
             return j
