@@ -20,7 +20,7 @@ import json
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 
 import numpy as np
 
@@ -35,9 +35,9 @@ from .fingerprint import record_prefixes, state_fingerprint_of_lines
 from .gcpause import gc_paused
 from .kernels import rans
 from .kernels.fpkeys import C0, MASK64, T_NP
-from .manifest import SPANS_META_PREFIX, BlobRef, Manifest
+from .manifest import SPANS_META_PREFIX, BlobRef, Manifest, remember_compact
 from .parts import map_parts
-from .tensortable import new_chunk, new_record
+from .tensortable import new_chunk, new_record, pack_columns
 from .zctx import compressor
 
 __all__ = ["ENABLED", "FlatDiff", "diff_flat", "encode_flat", "takes_flat"]
@@ -499,6 +499,7 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
         hb, ha = _hex(flat.fp_before), _hex(flat.fp_after)
         records = list(map(new_record, names, dtypes, shapes, hb, ha, changed, chunks_of))
         meta = dict(meta or {})
+        meta3 = dict(meta)  # the format-3 form's: no spans (they are in its table)
         if len(blobs) > 1 and C:  # with one blob there is nothing to select: no spans
             spans = list(map("{}:{}".format, start.tolist(), stop.tolist()))
             if not single:
@@ -511,5 +512,28 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
         state_fp=state_fingerprint_of_lines(prefixes, ha), state_fp_before=state_fingerprint_of_lines(prefixes, hb),
         meta=meta,
     )
+    # its format-3 form's table, from the columns: Manifest.compact() then makes no record
+    counts = np.ones(len(owners), np.int64) if single else np.diff(np.asarray(bounds, np.int64))
+    listed_changed = count if single else sums
+    position = {b: i for i, b in enumerate(blobs)}
+    cblob = np.array([position[i] for i in ids], np.int64)[blob_of] if C else np.zeros(0, np.int64)
+    remember_compact(manifest.tensors, tuple(blobs), meta, meta3,
+                     _compact_table(owners, names, dtypes, shapes, flat.fp_after, listed_changed, counts, cblob,
+                                    np.asarray(index, np.int64), start, stop))
     return Encoded(manifest=manifest, blobs=blobs, fps=dict(diff.fps_after))
+
+
+def _compact_table(owners: list[int], names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]],
+                   fps: np.ndarray, changed, counts: np.ndarray, cblob: np.ndarray, cindex: np.ndarray,
+                   start: np.ndarray, stop: np.ndarray) -> bytes:
+    """The format-3 table of a delta whose changed tensors are ``owners`` (indices into the state's columns, in
+    order), their chunks given per chunk: what ``pack_table`` packs of ``Manifest.compact()``'s records."""
+    dl = [dtypes[t] for t in owners]
+    code = {d: i for i, d in enumerate(dict.fromkeys(dl))}  # numbered in order of first appearance
+    sl = [shapes[t] for t in owners]
+    return pack_columns("delta", [names[t] for t in owners], list(code),
+                        np.fromiter(map(code.__getitem__, dl), np.uint8, len(dl)),
+                        np.fromiter(map(len, sl), np.uint8, len(sl)),
+                        np.fromiter(chain.from_iterable(sl), np.uint64), fps[np.asarray(owners, np.int64)],
+                        np.asarray(changed, np.uint64), counts, cblob, cindex=cindex, starts=start, stops=stop)
 

@@ -30,7 +30,8 @@ from .frozen import maker
 from .gcpause import gc_paused
 from .zctx import compressor, decompressor
 
-__all__ = ["ChunkRef", "TABLE_VERSION", "TensorRecord", "new_chunk", "new_record", "pack_table", "unpack_table"]
+__all__ = ["ChunkRef", "TABLE_VERSION", "TensorRecord", "new_chunk", "new_record", "pack_columns", "pack_table",
+           "unpack_table"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,22 +136,44 @@ def pack_table(records, kind: str, blob_ids: list[str]) -> bytes:
         keys = [c.key for c in chunks]
         keys_named = all(c.key == r.name for r in records for c in r.chunks)
     flags = (_F_SPANS if has_spans and cindex else 0) | (0 if keys_named else _F_KEYS)
+    sp = np.asarray(spans, dtype=np.int64).reshape(-1, 2) if flags & _F_SPANS else None
+    return pack_columns(kind, names, list(dtype_names), codes, ndims, dims, fps, changed, counts, cblob,
+                        cindex=cindex if kind == "delta" else None,
+                        starts=None if sp is None else sp[:, 0], stops=None if sp is None else sp[:, 1],
+                        keys=keys if flags & _F_KEYS else None)
+
+
+def pack_columns(kind: str, names: list[str], dtype_names: list[str], codes, ndims, dims, fps, changed, counts,
+                 cblob, *, cindex=None, starts=None, stops=None, keys: list[str] | None = None) -> bytes:
+    """:func:`pack_table` of records given as columns: per record (sorted by name) its name, dtype code (an index
+    in ``dtype_names``, codes numbered in order of first appearance), dimension count, fingerprint after
+    (uint64), change count and chunk count; ``dims`` every record's shape, one after another; per chunk (record
+    after record) its blob's position in the manifest's blob list, and for a delta its index in that blob and,
+    where known (``starts``/``stops``, both or neither), its word span; ``keys``: a keyframe's chunk keys where
+    any is not its tensor's name. What a writer holding columns (the codec's flat encoder) packs without making
+    a record."""
+    n, nchunks = len(names), len(cblob)
+    delta = kind == "delta"
+    spans = delta and starts is not None and nchunks > 0
+    flags = (_F_SPANS if spans else 0) | (_F_KEYS if keys is not None else 0)
+    dims = np.asarray(dims, dtype="<u8")
     parts = [
-        _HEAD.pack(_MAGIC, _KINDS[kind], flags, TABLE_VERSION, n, len(cblob), len(dims)),
+        _HEAD.pack(_MAGIC, _KINDS[kind], flags, TABLE_VERSION, n, nchunks, dims.size),
         _lp(_text(names, "a tensor name")),
-        _lp(_text(list(dtype_names), "a dtype")),
-        codes.tobytes(), ndims.tobytes(), np.asarray(dims, dtype="<u8").tobytes(),
-        fps.astype("<u8").tobytes(), changed.astype("<u8").tobytes(), counts.astype("<u4").tobytes(),
+        _lp(_text(dtype_names, "a dtype")),
+        np.asarray(codes, dtype=np.uint8).tobytes(), np.asarray(ndims, dtype=np.uint8).tobytes(), dims.tobytes(),
+        np.asarray(fps, dtype=np.uint64).astype("<u8").tobytes(), np.asarray(changed, dtype=np.uint64).astype("<u8").tobytes(),
+        np.asarray(counts, dtype=np.uint32).astype("<u4").tobytes(),
         np.diff(np.asarray(cblob, dtype=np.int64), prepend=0).astype("<i4").tobytes(),
     ]
-    if kind == "delta":
-        ci = np.asarray(cindex, dtype=np.int64)
+    if delta:
+        ci = np.asarray(cindex if cindex is not None else (), dtype=np.int64)
         parts.append(np.diff(ci, prepend=0).astype("<i8").tobytes())
-        if flags & _F_SPANS:
-            sp = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
-            parts.append(np.diff(sp[:, 0], prepend=0).astype("<i8").tobytes())
-            parts.append((sp[:, 1] - sp[:, 0]).astype("<u8").tobytes())
-    elif flags & _F_KEYS:
+        if spans:
+            a = np.asarray(starts, dtype=np.int64)
+            parts.append(np.diff(a, prepend=0).astype("<i8").tobytes())
+            parts.append((np.asarray(stops, dtype=np.int64) - a).astype("<u8").tobytes())
+    elif keys is not None:
         parts.append(_lp(_text(keys, "a shard key")))
     return compressor(3).compress(b"".join(parts))
 

@@ -113,6 +113,13 @@ def _same(a, b) -> None:
     assert a.fps == b.fps
     assert ma.to_json() == mb.to_json()
     assert pack_delta_file(ma.compact(), a.blobs) == pack_delta_file(mb.compact(), b.blobs)
+    # the format-3 form: the columnar encoder's table (packed from columns) is the record-by-record one's
+    ca, cb = ma.compact(), mb.compact()
+    assert ca.to_json() == cb.to_json() and ca.canonical_bytes() == cb.canonical_bytes()
+    assert ca == cb and cb == ca and list(ca.tensors) == list(cb.tensors) and len(ca.tensors) == len(cb.tensors)
+    assert [(c.start, c.stop) for t in ca.tensors for c in t.chunks] == \
+        [(c.start, c.stop) for t in cb.tensors for c in t.chunks]
+    assert ca.meta == cb.meta and ca.format == cb.format == 3
 
 
 OPTIONS = [
