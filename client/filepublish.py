@@ -112,8 +112,10 @@ def check_base_file(base: Mapping[str, torch.Tensor | HostTensor], head: Manifes
 
 
 def _check_base(base: Mapping[str, torch.Tensor | HostTensor], fps: Mapping[str, int], head: Manifest, *,
-                where: str) -> None:
-    have = state_fingerprint_of(base, fps)
+                where: str, have: str | None = None) -> None:
+    """BaseMismatchError unless ``base`` with ``fps`` (its state fingerprint: ``have``, where known) is ``head``'s
+    state."""
+    have = state_fingerprint_of(base, fps) if have is None else have
     if have != head.state_fp:
         raise BaseMismatchError(
             f"{where} has state fingerprint {have}, the origin's head {head.model} v{head.version} has "
@@ -157,7 +159,8 @@ async def publish_delta(client: HttpClient, *, model: str, version: int, parent:
                                                                         update_old=False, executor=pool))
         timeline.debug("mono=%.6f publish-compared", time.monotonic())
         if base_fps is None:
-            _check_base(base, diff.fps_before, head, where=where)
+            flat = getattr(diff, "flat", None)  # a columnar diff hashes its state fingerprints once (for the encode)
+            _check_base(base, diff.fps_before, head, where=where, have=flat.state_fps()[0] if flat is not None else None)
         enc = await loop.run_in_executor(None, lambda: encode_diff(diff, model=model, version=version, parent=parent,
                                                                    options=options, meta=dict(meta or {}), base=base,
                                                                    executor=pool))

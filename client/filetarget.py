@@ -49,7 +49,8 @@ import torch
 import xxhash
 
 from deltasync import kernels
-from deltasync.apply import CHECK_EVERY, ColumnarPatches, PreparedDelta, check_base, stage_prepared, warm_kernels
+from deltasync.apply import (CHECK_EVERY, ColumnarPatches, PreparedDelta, check_base, layout_lines, stage_prepared,
+                             warm_kernels)
 from deltasync.atomic import fsync_dir
 from deltasync.dtypes import dtype_info
 from deltasync.errors import BaseMismatchError, FormatError, IntegrityError, StorageError
@@ -59,7 +60,7 @@ from deltasync.fingerprint import (
     fp_hex,
     host_lanes_sum,
     lanes_sum,
-    record_prefixes,
+    StateLines,
     run_lane_sums,
     state_fingerprint,
     tensor_fingerprint,
@@ -623,7 +624,7 @@ class FileTarget(TensorApplier):
         self.version: int | None = None
         self._written_fps: dict[str, int] | None = None  # see scan()
         self._columns: tuple | None = None  # (file, its tensors as columns): see _table()
-        self._lines: tuple | None = None  # (layout, its state fingerprint lines): see _state_lines()
+        self._lines: tuple | None = None  # (layout, its state fingerprint lines): see state_lines()
         self._layout = dict(layout) if layout is not None else None
         if open_existing and self.path.exists():
             self._open_existing()
@@ -768,7 +769,7 @@ class FileTarget(TensorApplier):
         # what a delta's stage reads of this file's layout, made once per file (not in the first delta's time)
         if self.file is not None:
             self._table()
-        self._state_lines()
+        self.state_lines()
 
     def stage_delta(self, prepared: PreparedDelta, fps: Mapping[str, int], *, verify: str) -> _JournaledPatch:
         self._written_fps = None
@@ -776,7 +777,7 @@ class FileTarget(TensorApplier):
             raise BaseMismatchError(f"{self.path} holds no version yet; a delta cannot be its first")
         m = prepared.manifest
         tensors = self.file.views  # made as asked for: a step patched by address asks for few (a file of 70k: 0.5 s)
-        check_base(m, tensors, fps, layout=self._layout, state_lines=self._state_lines())  # before any I/O
+        check_base(m, tensors, fps, layout=self._layout, state_lines=self.state_lines())  # before any I/O
         if self.before_write is not None:
             self.before_write(m.version)
         if self.check is not None:  # a signal or a deadline: stop before the journal (nothing to roll back)
@@ -835,17 +836,17 @@ class FileTarget(TensorApplier):
         self._columns = (self.file, table)
         return table
 
-    def _state_lines(self) -> tuple[list[str], list[str]] | None:
-        """The state fingerprint's record lines of this file's layout up to each fingerprint (names sorted), made
-        once per layout (``check_base(state_lines=)``)."""
+    def state_lines(self) -> tuple[list[str], StateLines] | None:
+        """This file's layout's names sorted and its :class:`StateLines` in that order, made once per layout: what
+        ``check_base(state_lines=)`` takes and what ``LiveState.state_fp`` hashes the fingerprints after a step
+        with (None while the file holds no version)."""
         layout = self._layout
         got = self._lines
         if got is not None and got[0] is layout:
             return got[1]
         if layout is None:
             return None
-        names = sorted(layout)
-        lines = (names, record_prefixes((n, *layout[n]) for n in names))
+        lines = layout_lines(layout)
         self._lines = (layout, lines)
         return lines
 

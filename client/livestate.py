@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from deltasync.apply import fp_array
 from deltasync.errors import ApplyInterrupted, BaseMismatchError, DeltaSyncError, IntegrityError
 from deltasync.fingerprint import state_fingerprint
 from deltasync.manifest import Manifest
@@ -67,6 +68,13 @@ class LiveState:
         self.last_apply_s = 0.0
 
     def state_fp(self, fps: dict[str, int]) -> str:
+        kept = getattr(self.applier, "state_lines", None)  # an applier that keeps its layout's lines (FileTarget)
+        lines = kept() if callable(kept) else None
+        if lines is not None:
+            names, state_lines = lines
+            have = fp_array(fps, names)
+            if have is not None:
+                return state_lines.digest(have)
         layout = self.applier.layout()
         missing = sorted(set(layout) - set(fps))
         if missing:

@@ -41,8 +41,7 @@ from .dtypes import dtype_info, host_words, numpy_word_dtype, signed_word_dtype,
 from .blob import verify_blob
 from .parts import split_counts
 from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError
-from .fingerprint import (fingerprint_delta, words_range_delta, fp_hex, record_prefixes, state_fingerprint,
-                          state_fingerprint_of_lines,
+from .fingerprint import (StateLines, fingerprint_delta, words_range_delta, fp_hex, state_fingerprint,
                           tensor_fingerprint, update_fingerprint)
 from .kernels.fpkeys import MASK64
 from .manifest import Manifest
@@ -471,18 +470,18 @@ def _info(dtype: torch.dtype):
 
 def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Mapping[str, int], *,
                layout: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
-               state_lines: tuple[list[str], list[str]] | None = None) -> None:
+               state_lines: tuple[list[str], StateLines] | None = None) -> None:
     """Refuse unless the tracked state is exactly the delta's base.
 
     ``layout``: the tensors' (dtype name, shape) by name, as the caller knows them (a mapped file's header),
-    with ``state_lines``: their names sorted and :func:`~deltasync.fingerprint.record_prefixes`, made once per
-    layout: the checks then compare lists and arrays, no torch call per tensor (a failing check is made again
+    with ``state_lines``: their names sorted and the :class:`~deltasync.fingerprint.StateLines` of the layout in
+    that order, made once per layout: the checks then compare lists and arrays, no torch call per tensor (a failing check is made again
     tensor by tensor below, for its message)."""
     if layout is None and kernels.cpu_kernels() is not None:  # the tensors' layout read once, checked as lists
         layout = _layout_of(tensors)
         if layout is not None:
             names = sorted(layout)
-            state_lines = (names, record_prefixes((n, *layout[n]) for n in names))
+            state_lines = layout_lines(layout)
     if layout is not None and state_lines is not None and _base_matches(manifest, layout, state_lines, fps):
         return
     for rec in manifest.tensors:
@@ -506,33 +505,38 @@ def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Map
 
 
 def _base_matches(manifest: Manifest, layout: Mapping[str, tuple[str, tuple[int, ...]]],
-                  state_lines: tuple[list[str], list[str]], fps: Mapping[str, int]) -> bool:
+                  state_lines: tuple[list[str], StateLines], fps: Mapping[str, int]) -> bool:
     """:func:`check_base`'s checks, as list and array comparisons: True when all hold."""
     recs = manifest.tensors
     names = list(map(_get_name, recs))
     if list(map(layout.get, names)) != list(zip(map(_get_dtype, recs), map(_get_shape, recs))):
         return False
-    have = _fp_array(fps, names)
-    if have is None:
-        return False
     before = list(map(_get_fp_before, recs))
     if None in before:  # format 3 lists fingerprints before only where asked: those compared
         keep = [i for i, b in enumerate(before) if b is not None]
-        before, have = [before[i] for i in keep], have[keep]
+        before, names = [before[i] for i in keep], [names[i] for i in keep]
+    have = fp_array(fps, names)
+    if have is None:
+        return False
     if before:
         want = _fp_words(before)
         if want is None or (have != want).any():
             return False
-    sorted_names, prefixes = state_lines
+    sorted_names, lines = state_lines
     if len(sorted_names) != len(layout):
         return False
-    every = _fp_array(fps, sorted_names)
+    every = fp_array(fps, sorted_names)
     if every is None:
         return False
-    return state_fingerprint_of_lines(prefixes, list(map(_HEX16, every.tolist()))) == manifest.state_fp_before
+    return lines.digest(every) == manifest.state_fp_before
 
 
-_HEX16 = "%016x".__mod__  # fp_hex of a fingerprint already in [0, 2**64)
+def layout_lines(layout: Mapping[str, tuple[str, tuple[int, ...]]]) -> tuple[list[str], StateLines]:
+    """A layout's names sorted and its :class:`~deltasync.fingerprint.StateLines` in that order: what
+    :func:`check_base` takes as ``state_lines`` (made once per layout by a caller that keeps its layout)."""
+    names = sorted(layout)
+    return names, StateLines(names, [layout[n][0] for n in names], [layout[n][1] for n in names])
+
 _get_torch_shape = attrgetter("shape")
 
 
@@ -547,7 +551,7 @@ def _layout_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tupl
         return None
 
 
-def _fp_array(fps: Mapping[str, int], names: list[str]) -> np.ndarray | None:
+def fp_array(fps: Mapping[str, int], names: list[str]) -> np.ndarray | None:
     """The fingerprints of ``names`` as uint64 (masked as fp_hex masks them); None if one is missing."""
     try:
         return np.fromiter(map(fps.__getitem__, names), dtype=np.uint64, count=len(names))
@@ -933,7 +937,7 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
     wsizes = np.unique(cols.word_sizes).tolist()
     if (wsz[cols.tensor] != cols.word_sizes).any():
         return None  # not the words the chunks were decoded as: the reference path (check_base says so first)
-    base = _fp_array(fps, names)
+    base = fp_array(fps, names)
     if base is None:
         return None
     fpd_all = np.zeros(cols.tensor.size, dtype=np.uint64)

@@ -27,6 +27,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from . import fastjson
 from .errors import FormatError, IntegrityError
 from .zctx import compressor as thread_compressor, decompressor
 
@@ -194,7 +195,7 @@ class BlobReader:
         if version >= 2:
             text = _inflate_header(text, dctx or decompressor())
         try:
-            header = json.loads(text)
+            header = fastjson.loads(text)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise FormatError(f"blob header is not JSON: {type(e).__name__}: {e}") from None
         if not isinstance(header, dict) or set(header) != {"streams", "chunks"}:

@@ -40,7 +40,7 @@ from . import diffs as _diffs
 from .diffs import (MIN_CELL_WORDS, SHARD_CELLS, ChunkDiff, Encoded, StateDiff, _cell, _check_layout,  # noqa: F401
                     _on_host, _span_words, chunk_ranges, tensor_chunk_ranges)
 from .parts import map_parts
-from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, record_prefixes, state_fingerprint_of_lines,
+from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, StateLines, hex_fps,
                           tensor_fingerprint, update_fingerprint, words_range_delta)
 from .manifest import SPANS_META_PREFIX, BlobRef, ChunkRef, Manifest, TensorRecord, parse_spans
 from .entropy import AnsBlobCoder, AnsTables, decode_ans_columns, decode_ans_rows, word_symbols
@@ -719,12 +719,12 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
             if cs:
                 meta[SPANS_META_PREFIX + name] = f"{cs[0].start}:{cs[0].stop}" if len(cs) == 1 else \
                     encode_spans([(c.start, c.stop) for c in cs])
-    prefixes = record_prefixes([(t.name, t.dtype, t.shape) for t in tensors])  # sorted by name (names)
+    lines = StateLines([t.name for t in tensors], [t.dtype for t in tensors], [t.shape for t in tensors])
     manifest = Manifest(
         model=model, version=version, parent=parent, kind="delta", tensors=tuple(tensors),
         blobs=tuple(BlobRef(id=b, size=len(packer.blobs[b])) for b in packer.order),
-        state_fp=state_fingerprint_of_lines(prefixes, [t.fp_after for t in tensors]),
-        state_fp_before=state_fingerprint_of_lines(prefixes, [t.fp_before for t in tensors]),
+        state_fp=lines.digest(hex_fps(t.fp_after for t in tensors)),
+        state_fp_before=lines.digest(hex_fps(t.fp_before for t in tensors)),
         meta=meta,
     )
     return Encoded(manifest=manifest, blobs=packer.blobs, fps=dict(diff.fps_after))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, repeat
 
 import numpy as np
@@ -31,7 +31,7 @@ from .diffs import (SHARD_CELLS, ChunkDiff, Encoded, StateDiff, _cell, _check_la
                     tensor_chunk_ranges)
 from .dtypes import HostTensor, dtype_info, numpy_word_dtype
 from .entropy import _RAW_LIMIT, AnsTables
-from .fingerprint import record_prefixes, state_fingerprint_of_lines
+from .fingerprint import StateLines
 from .gcpause import gc_paused
 from .kernels import rans
 from .kernels.fpkeys import C0, MASK64, T_NP
@@ -72,6 +72,16 @@ class FlatDiff:
     words: np.ndarray  # int64 per tensor: its word count
     fp_before: np.ndarray  # uint64 per tensor: its fingerprint before (StateDiff.fps_before's, masked)
     fp_after: np.ndarray  # ... and after
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # state_fps(), once made
+
+    def state_fps(self) -> tuple[str, str]:
+        """The state fingerprints before and after (the manifest's ``state_fp_before``, ``state_fp``), hashed once:
+        a publisher checks the first against the origin's head before the encode writes both."""
+        got = self.memo.get("state_fps")
+        if got is None:
+            lines = StateLines(self.names, self.dtypes, self.shapes)
+            got = self.memo["state_fps"] = (lines.digest(self.fp_before), lines.digest(self.fp_after))
+        return got
 
     def chunk_diffs(self) -> dict[str, list]:
         """``StateDiff.chunks``: tensor name -> its ChunkDiffs."""
@@ -145,6 +155,86 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
         return None
     if old.keys() != new.keys():
         _check_layout(old, new)  # raises
+    small = min(chunk_words, SHARD_CELLS * _diffs.MIN_CELL_WORDS - 1)  # a tensor of 1..small words is one chunk
+    mapped = _mapped_jobs(old, new, small, chunk_words) if not update_old else None
+    if mapped is not None:
+        names, dtypes, shapes, tables, owners, words_of, wsize_of = mapped
+    else:
+        got_jobs = _jobs(old, new, small, chunk_words, update_old, k)
+        if got_jobs is None:
+            return None
+        names, dtypes, shapes, tables, owners, words_of, wsize_of, keep = got_jobs  # keep: alive until compared
+    return _compare(names, dtypes, shapes, tables, owners, words_of, wsize_of, k, base_fps=base_fps,
+                    update_old=update_old, progress=progress, executor=executor)
+
+
+def _mapped_jobs(old: Mapping, new: Mapping, small: int, chunk_words: int):
+    """:func:`_jobs` of two mapped files of one header (``tensorfile.HostState``s whose entries are the same
+    object: the header cache's), from the header's columns: every tensor is a span of its file at the same
+    offsets, so the compare jobs' addresses are the maps' plus the entries' starts, with no Python per small
+    tensor (~0.1 s of a 70k-tensor publish). None where that does not hold (then the tensor-by-tensor path)."""
+    ho, hn = getattr(old, "header", None), getattr(new, "header", None)
+    wo, wn = getattr(old, "whole", None), getattr(new, "whole", None)
+    if ho is None or hn is None or wo is None or wn is None or ho.entries is not hn.entries:
+        return None
+    entries = ho.entries
+    n = len(entries)
+    if n < FLAT_MIN or len(old) != n or len(new) != n:  # a changed mapping: as it is now, tensor by tensor
+        return None
+    every = [e.name for e in entries]
+    order = sorted(range(n), key=every.__getitem__)
+    ents = [entries[i] for i in order]
+    names = [e.name for e in ents]
+    stored = [e.dtype for e in ents]
+    infos = {d: _info(d) for d in set(stored)}
+    dtypes = [infos[d][0] for d in stored]
+    shapes = [e.shape for e in ents]
+    wsize_of = np.array([infos[d][1] for d in stored], np.int64)
+    starts = np.fromiter((e.start for e in ents), np.int64, n)
+    nbytes = np.fromiter((e.stop for e in ents), np.int64, n) - starts
+    if (starts % wsize_of).any() or (nbytes % wsize_of).any() or int((starts + nbytes).max(initial=0)) > min(
+            wo.size, wn.size):
+        return None  # a tensor misaligned to its words (the maps' words are copied for it): tensor by tensor
+    words_of = nbytes // wsize_of
+    big = np.flatnonzero(words_of > small).tolist()
+    per = (words_of > 0).astype(np.int64)  # jobs a tensor: one, or its chunk ranges
+    ranges: dict = {}
+    spans = []
+    for t in big:
+        key = (shapes[t], int(words_of[t]))
+        got = ranges.get(key)
+        if got is None:
+            got = ranges[key] = tensor_chunk_ranges(key[0], key[1], chunk_words)
+        per[t] = len(got)
+        spans.append(got)
+    job_t = np.repeat(np.arange(n, dtype=np.int64), per)
+    s = np.zeros(job_t.size, np.int64)
+    e = words_of[job_t]
+    if big:
+        at = np.cumsum(per) - per
+        for t, got in zip(big, spans):
+            a = int(at[t])
+            s[a : a + len(got)] = [x for x, _ in got]
+            e[a : a + len(got)] = [y for _, y in got]
+    tab = np.empty((job_t.size, 5), np.int64)
+    tab[:, 0] = wo.ctypes.data + starts[job_t]
+    tab[:, 1] = wn.ctypes.data + starts[job_t]
+    tab[:, 2] = words_of[job_t]
+    tab[:, 3] = s
+    tab[:, 4] = e
+    job_w = wsize_of[job_t]
+    tables, owners = {}, {}
+    for w in np.unique(job_w).tolist():
+        sel = np.flatnonzero(job_w == w)
+        tables[w], owners[w] = tab[sel], job_t[sel]
+    return names, dtypes, shapes, tables, owners, words_of, wsize_of
+
+
+def _jobs(old: Mapping, new: Mapping, small: int, chunk_words: int, update_old: bool, k):
+    """The compare's per-tensor columns (names sorted, dtype names, shapes, words, word sizes) and, per word size,
+    its jobs' rows (address old, address new, words, first, last) and each job's tensor; None where a tensor is
+    off the host or its words not addressable (the per-chunk path then); last, the words made here for the
+    compare (a non-contiguous tensor's copy), which must stay alive until it ran."""
     names = sorted(new)
     dtypes: list[str] = []
     shapes: list[tuple[int, ...]] = []
@@ -154,7 +244,6 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
     wsize_l: list[int] = []
     range_cache: dict = {}
     keep: list = []  # words made here (the jobs hold only their addresses)
-    small = min(chunk_words, SHARD_CELLS * _diffs.MIN_CELL_WORDS - 1)  # a tensor of 1..small words is one chunk
     if len(names) >= FLAT_MIN:
         from .kernels.ansbatch import pair_address as pair
     else:
@@ -229,16 +318,20 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
             for s, e in ranges:
                 r.extend((a, b, n, s, e))
             own.extend([t] * len(ranges))
-    words_of = np.array(words_l, np.int64)
-    wsize_of = np.array(wsize_l, np.int64)
+    tables = {w: np.array(js, dtype=np.int64).reshape(-1, 5) for w, js in rows.items() if js}
+    return (names, dtypes, shapes, tables, {w: np.asarray(owners[w], np.int64) for w in tables},
+            np.array(words_l, np.int64), np.array(wsize_l, np.int64), keep)
+
+
+def _compare(names, dtypes, shapes, tables, owners, words_of, wsize_of, k, *, base_fps, update_old, progress,
+             executor):
+    """diff_flat's compare of the jobs ``tables`` (per word size) on ``executor``, and its :class:`FlatDiff`."""
     lanes_per = np.maximum(wsize_of // 2, 1)
-    jobs = {w: x for w, x in rows.items() if x}
+    jobs = tables
     want = base_fps is None
     table = T_NP
     tasks = []  # (word size, job table rows)
-    tables = {}
-    for w, js in jobs.items():
-        tab = tables[w] = np.array(js, dtype=np.int64).reshape(-1, 5)
+    for w, tab in jobs.items():
         span = tab[:, 4] - tab[:, 3]
         ends = np.cumsum(span)
         cut = np.flatnonzero(np.diff((ends - 1) // PIECE_WORDS)) + 1 if tab.shape[0] > 1 else np.zeros(0, np.int64)
@@ -505,11 +598,11 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
             if not single:
                 spans = [spans[a] if b - a == 1 else ",".join(spans[a:b]) for a, b in zip(bounds, bounds[1:])]
             meta.update(zip(map(SPANS_META_PREFIX.__add__, map(names.__getitem__, owners)), spans))
-    prefixes = record_prefixes(zip(names, dtypes, shapes))
+    state_fp_before, state_fp = flat.state_fps()
     manifest = Manifest(
         model=model, version=version, parent=parent, kind="delta", tensors=tuple(records),
         blobs=tuple(BlobRef(id=b, size=len(d)) for b, d in blobs.items()),
-        state_fp=state_fingerprint_of_lines(prefixes, ha), state_fp_before=state_fingerprint_of_lines(prefixes, hb),
+        state_fp=state_fp, state_fp_before=state_fp_before,
         meta=meta,
     )
     # its format-3 form's table, from the columns: Manifest.compact() then makes no record

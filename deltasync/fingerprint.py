@@ -317,25 +317,10 @@ def state_fingerprint_columns(names, dtypes, shapes, fps: np.ndarray) -> str:
     return lines.digest(fps)
 
 
-def record_prefixes(records: Iterable[tuple[str, str, tuple[int, ...] | list[int]]]) -> list[str]:
-    """Each (name, dtype name, shape) record's line in :func:`state_fingerprint` up to its fingerprint, in
-    the records' order; each shape's text made once (a 70k-tensor MoE state has a few dozen shapes)."""
-    shapes: dict[tuple, str] = {}
-    out = []
-    for name, dtype, shape in records:
-        key = shape if type(shape) is tuple else tuple(shape)
-        text = shapes.get(key)
-        if text is None:
-            text = shapes[key] = ",".join(map(str, map(int, shape)))
-        out.append(f"{name}\x00{dtype}\x00{text}\x00")
-    return out
-
-
-def state_fingerprint_of_lines(prefixes: list[str], fps_hex: list[str]) -> str:
-    """:func:`state_fingerprint` of records given as their :func:`record_prefixes` (sorted by name) and
-    fingerprints as 16 hex digits: one state's records hashed under several fingerprint sets (a delta's
-    before and after) without remaking their lines."""
-    return xxhash.xxh3_64_hexdigest("".join([f"{p}{h}\n" for p, h in zip(prefixes, fps_hex, strict=True)]).encode())
+def hex_fps(texts) -> np.ndarray:
+    """Fingerprints spelled as 16 hex digits (``fp_hex``) as uint64, in order."""
+    texts = list(texts)
+    return np.frombuffer(bytes.fromhex("".join(texts)), ">u8").astype(np.uint64) if texts else np.zeros(0, np.uint64)
 
 
 def _first(record):

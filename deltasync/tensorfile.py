@@ -351,6 +351,7 @@ class HostState(dict):
     them (its layout, its bytes: :func:`deltasync.codec.same_layout`, :meth:`records`)."""
 
     header: TensorHeader
+    whole: np.ndarray | None = None  # the mapped buffer the tensors view (uint8), where made from one
 
     def records(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype name, shape) of every tensor, in header order."""
@@ -375,6 +376,7 @@ def host_tensors_of(whole: np.ndarray, header: TensorHeader) -> HostState:
 def _host_tensors(whole: np.ndarray, header: TensorHeader) -> HostState:
     out = HostState()
     out.header = header
+    out.whole = whole
     make = _host_tensor
     kinds: dict[str, tuple] = {}  # dtype name -> (dtype name, word size, word dtype, the buffer as those words)
     for e in header.entries:

@@ -321,11 +321,11 @@ def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits, build: 
     if r.at != len(data):
         raise FormatError(f"manifest table: {len(data) - r.at} bytes past its end")
 
+    if kind == "delta" and nchunks:
+        refs = np.unique(cblob * (limits.MAX_CHUNK_INDEX + 1) + cindex)  # < 2**20 * 2**32: no overflow
+        if refs.size != nchunks:
+            raise FormatError("manifest: a chunk is referenced twice")
     if not build:
-        if kind == "delta" and nchunks:
-            refs = np.unique(cblob * (limits.MAX_CHUNK_INDEX + 1) + cindex)  # < 2**20 * 2**32: no overflow
-            if refs.size != nchunks:
-                raise FormatError("manifest: a chunk is referenced twice")
         return None
     with gc_paused():  # 70k records, refs and tuples: the collector's passes over them cost more than making them
         return _records(n, nchunks, kind, flags, names, infos, codes, dims, starts, fps, changed, counts, cblob,
@@ -339,7 +339,7 @@ def _records(n, nchunks, kind, flags, names, infos, codes, dims, starts, fps, ch
     dl, sl = dims.tolist(), starts.tolist()
     shapes = [tuple(dl[a:b]) for a, b in zip(sl, sl[1:])]
     dnames = [infos[c].name for c in codes.tolist()]
-    fp_hex = [f"{x:016x}" for x in fps.tolist()]
+    fp_hex = fps.astype(">u8").tobytes().hex(" ", 8).split(" ") if n else []  # each as 16 lowercase hex digits
     ids = [blob_ids[i] for i in cblob.tolist()]
     if kind == "delta":
         if flags & _F_SPANS:

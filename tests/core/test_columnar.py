@@ -255,3 +255,38 @@ def test_strided_host_words_are_left_to_the_per_chunk_path():
     new = {"a": HostTensor(dtype="bfloat16", shape=(1000,), words=(base + 1)[::2])}
     assert columnar.diff_flat(old, new, base_fps=None, chunk_words=1 << 20, update_old=False, progress=None,
                               executor=None) is None
+
+
+@pytest.mark.parametrize("opt", [0, 1, 2])
+def test_two_mapped_files_of_one_header_compare_from_its_columns(tmp_path, opt, flat_min, monkeypatch):
+    """Two safetensors files of one layout, mapped (``publish --base``): the compare's jobs come from the header's
+    columns (no tensor looked at); the diff and its encoding are the tensor-by-tensor path's."""
+    from safetensors.torch import save_file
+
+    from deltasync.tensorfile import MappedTensorFile
+
+    old, new = _states(600, seed=4)
+    old = {n: t.contiguous() for n, t in old.items()}
+    new = {n: t.contiguous() for n, t in new.items()}
+    save_file(old, str(tmp_path / "a.safetensors"))
+    save_file(new, str(tmp_path / "b.safetensors"))
+    options = OPTIONS[opt]
+    seen = []
+    real = columnar._mapped_jobs
+    monkeypatch.setattr(columnar, "_mapped_jobs", lambda *a: seen.append(real(*a)) or seen[-1])
+    with MappedTensorFile(tmp_path / "a.safetensors") as fa, MappedTensorFile(tmp_path / "b.safetensors") as fb:
+        a, b = fa.host, fb.host
+        assert a.header.entries is b.header.entries
+        d_ref, ref = _encode(dict(a), dict(b), options, fast=True)  # plain dicts: tensor by tensor
+        assert seen[-1] is None
+        d_map, got = _encode(a, b, options, fast=True)
+        assert (seen[-1] is not None) == (flat_min == 0)
+        _same(ref, got)
+        assert d_map.fps_before == d_ref.fps_before and d_map.fps_after == d_ref.fps_after
+        assert d_map.layout == d_ref.layout
+        # a mapping changed since it was made is compared as it is now
+        b2 = type(b)(b)
+        b2.header, b2.whole = b.header, b.whole
+        del b2["model.embed.bytes"]
+        with pytest.raises(Exception):
+            diff_states(a, b2)
