@@ -466,8 +466,10 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
             for p, o, _ in segs]
     nb = np.zeros(C, np.int64)
     nr = np.zeros(C, np.int64)
-    gl = np.zeros((C, rans.N_GAP), np.int64)
-    vl = np.zeros((C, rans.N_VAL), np.int64)
+    # each chunk's symbol counts: int32 (a chunk holds under 2**31 changes), half the fresh pages of int64 (~19 MB
+    # at 70k chunks, and each page's first write is a fault on a fresh process)
+    gl = np.zeros((C, rans.N_GAP), np.int32)
+    vl = np.zeros((C, rans.N_VAL), np.int32)
     dt_codes = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}
     t_code = np.fromiter(map(dt_codes.__getitem__, dtypes), np.int64, len(dtypes))
     is_float = np.array([dtype_info(d).is_float for d in dt_codes], np.bool_)[t_code][tensor]
@@ -485,7 +487,7 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
         else:
             idx = order[a:b]
             rows = (lo[idx], hi[idx], start[idx], is_float[idx], np.zeros(b - a, np.int64), np.zeros(b - a, np.int64),
-                    np.zeros((b - a, rans.N_GAP), np.int64), np.zeros((b - a, rans.N_VAL), np.int64), idx)
+                    np.zeros((b - a, rans.N_GAP), np.int32), np.zeros((b - a, rans.N_VAL), np.int32), idx)
         work.append((g, rows))
 
     def symbols(item):
@@ -528,8 +530,12 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
         na = np.zeros(c1 - c0, np.int64)
         ans = np.flatnonzero(~dn) + c0
         if ans.size:
-            g = gl[ans].sum(axis=0)
-            v = vl[ans].sum(axis=0)
+            # the blob's counts: its rows summed in place (a view), the dense chunks' taken back out
+            g = gl[c0:c1].sum(axis=0, dtype=np.int64)
+            v = vl[c0:c1].sum(axis=0, dtype=np.int64)
+            if dn.any():
+                g -= gl[c0:c1][dn].sum(axis=0, dtype=np.int64)
+                v -= vl[c0:c1][dn].sum(axis=0, dtype=np.int64)
             tables = AnsTables.from_freqs(rans.normalize(g), rans.normalize(v))
             (gf, gc, _), (vf, vc, _) = tables.g, tables.v
             parts["ansm"] = [tables.to_bytes()]
