@@ -26,6 +26,8 @@ records of every tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from itertools import islice
+from operator import add, itemgetter, le
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -263,16 +265,12 @@ class StateLines:
 
     def __init__(self, names, dtypes, shapes) -> None:
         n = len(names)
-        self.order = np.array(sorted(range(n), key=names.__getitem__), np.int64) if n else np.zeros(0, np.int64)
-        texts: dict = {}
-        prefixes = []
-        for i in self.order.tolist():
-            shape = shapes[i]
-            key = (dtypes[i], shape if type(shape) is tuple else tuple(shape))
-            tail = texts.get(key)
-            if tail is None:
-                tail = texts[key] = f"\x00{key[0]}\x00{','.join(map(str, map(int, key[1])))}\x00"
-            prefixes.append(names[i] + tail)
+        order = list(range(n)) if _ascending(names) else sorted(range(n), key=names.__getitem__)
+        self.order = np.array(order, np.int64)
+        shapes = [s if type(s) is tuple else tuple(s) for s in shapes]
+        tails = {k: f"\x00{k[0]}\x00{','.join(map(str, map(int, k[1])))}\x00" for k in set(zip(dtypes, shapes))}
+        get = itemgetter(*order) if n > 1 else (lambda seq: (seq[0],) if n else ())
+        prefixes = list(map(add, get(names), map(tails.__getitem__, zip(get(dtypes), get(shapes)))))
         text = _PAD.join(prefixes) + _PAD if n else ""  # every line with 16 placeholder digits
         data = text.encode()
         if len(data) == len(text):
@@ -294,6 +292,11 @@ class StateLines:
                 buf[at + 2 * k] = high[:, k]
                 buf[at + 2 * k + 1] = low[:, k]
         return xxhash.xxh3_64_hexdigest(buf.data)
+
+
+def _ascending(names) -> bool:
+    """Whether ``names`` are in sorted order already (a codec's columns are): no sort to make."""
+    return all(map(le, names, islice(names, 1, None)))
 
 
 _HEX = np.frombuffer(b"0123456789abcdef", np.uint8)
