@@ -44,7 +44,7 @@ from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, 
 from .fingerprint import (StateLines, fingerprint_delta, words_range_delta, fp_hex, state_fingerprint,
                           tensor_fingerprint, update_fingerprint)
 from .kernels.fpkeys import MASK64
-from .manifest import Manifest
+from .manifest import Manifest, TensorRecord, table_columns
 from .tensorfile import TensorViews
 from .values import Changes
 
@@ -249,26 +249,17 @@ class ColumnarPatches(Mapping):
 def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPatches | None:
     """prepare_delta's checks of every chunk against the manifest, as arrays: the chunks in manifest order as a
     :class:`ColumnarPatches`, or None when any check fails (the caller's reference loop then raises the error)."""
-    recs = [r for r in manifest.tensors if r.chunks]
-    if len(recs) != len(manifest.tensors) and any(r.changed for r in manifest.tensors if not r.chunks):
-        return None
-    if not recs:
-        return None
     blob_ids = list(decs)
     bpos = {b: i for i, b in enumerate(blob_ids)}
+    got = _chunk_columns(manifest, bpos)
+    if got is None:
+        return None
+    names, rec_dtypes, keys, want_changed, n_refs, ref_blob, ref_index = got  # keys: word counts, from a table
+    n_list = n_refs.tolist()
+    single = n_refs.size == int(n_refs.sum())  # one chunk a tensor (most tensors of a sparse step)
     sizes = np.array([len(decs[b]) for b in blob_ids], dtype=np.int64)
     row0 = np.zeros(len(blob_ids) + 1, dtype=np.int64)
     np.cumsum(sizes, out=row0[1:])
-    chunk_lists = list(map(_get_chunks, recs))
-    n_list = list(map(len, chunk_lists))
-    n_refs = np.array(n_list, dtype=np.int64)
-    single = n_refs.size == int(n_refs.sum())  # one chunk a tensor (most tensors of a sparse step)
-    flat_refs = [c for cl in chunk_lists for c in cl] if not single else [cl[0] for cl in chunk_lists]
-    try:
-        ref_blob = np.fromiter(map(bpos.__getitem__, map(_get_blob, flat_refs)), dtype=np.int64, count=len(flat_refs))
-        ref_index = np.fromiter(map(_get_index, flat_refs), dtype=np.int64, count=len(flat_refs))
-    except (KeyError, TypeError, ValueError, OverflowError):  # a blob not decoded, an index None or out of range
-        return None
     if (ref_index < 0).any() or (ref_index >= sizes[ref_blob]).any():
         return None
     g = row0[ref_blob] + ref_index  # each reference's row among all blobs' chunks
@@ -295,17 +286,17 @@ def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPat
     seg_all = np.concatenate(seg_parts)
     at_all = np.concatenate([decs[b].at for b in blob_ids])
     # the checks of prepare_delta's reference loop, as list and array compares
-    rec_dtypes = list(map(_get_dtype, recs))
-    keys = list(zip(rec_dtypes, map(_get_shape, recs)))
-    try:
-        infos = {d: dtype_info(d) for d in set(rec_dtypes)}
-        words_of = {k: word_count(k[1], infos[k[0]]) for k in set(keys)}
-    except Exception:  # noqa: BLE001 - the reference loop says what
-        return None
-    canon = {d: i.name for d, i in infos.items()}
-    want_dtypes = list(map(canon.__getitem__, rec_dtypes))
-    words = np.fromiter(map(words_of.__getitem__, keys), dtype=np.int64, count=len(keys))
-    names = list(map(_get_name, recs))
+    if isinstance(keys, np.ndarray):  # a table's columns: canonical dtype names, words counted and checked
+        want_dtypes, words = rec_dtypes, keys
+    else:
+        try:
+            infos = {d: dtype_info(d) for d in set(rec_dtypes)}
+            words_of = {k: word_count(k[1], infos[k[0]]) for k in set(keys)}
+        except Exception:  # noqa: BLE001 - the reference loop says what
+            return None
+        canon = {d: i.name for d, i in infos.items()}
+        want_dtypes = list(map(canon.__getitem__, rec_dtypes))
+        words = np.fromiter(map(words_of.__getitem__, keys), dtype=np.int64, count=len(keys))
     got = itemgetter(*g.tolist())
     got_names, got_dtypes = got(all_names), got(all_dtypes)
     if len(g) == 1:
@@ -316,13 +307,9 @@ def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPat
     elif (got_names != tuple(chain.from_iterable(map(repeat, names, n_list)))
           or got_dtypes != tuple(chain.from_iterable(map(repeat, want_dtypes, n_list)))):
         return None
-    try:
-        want_changed = np.fromiter(map(_get_changed, recs), dtype=np.int64, count=len(recs))
-    except (OverflowError, TypeError, ValueError):
-        return None
-    first = np.zeros(len(recs) + 1, dtype=np.int64)
+    first = np.zeros(len(names) + 1, dtype=np.int64)
     np.cumsum(n_refs, out=first[1:])
-    tensor = np.repeat(np.arange(len(recs), dtype=np.int64), n_refs)
+    tensor = np.repeat(np.arange(len(names), dtype=np.int64), n_refs)
     starts, stops, counts = cat["starts"][g], cat["stops"][g], cat["counts"][g]
     later = np.ones(g.size, dtype=np.bool_)
     later[first[:-1]] = False  # each tensor's first chunk starts at 0 or later: its start is never negative
@@ -340,6 +327,51 @@ def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPat
     return ColumnarPatches(names=names, dtypes=want_dtypes, first=first, tensor=tensor, starts=starts, stops=stops,
                            counts=counts, word_sizes=cat["word_sizes"][g], at=at, seg=seg_all[g], columns=flat,
                            others=others)
+
+
+def _chunk_columns(manifest: Manifest, bpos: Mapping[str, int]):
+    """What :func:`_columns_of` checks of the manifest, as columns: of the tensors with chunks (None where a
+    changed tensor has none) their names, dtype names, word counts (int64 array; or their (dtype, shape) keys: the
+    caller counts), change counts (int64) and chunk counts,
+    and per chunk its blob's position in ``bpos`` and its index there; None where a chunk's blob is not decoded
+    or its index is not an integer. From a parsed format-3 manifest's table columns (no record made) or from
+    its records."""
+    cols = table_columns(manifest)
+    if cols is not None and cols.kind == "delta":
+        has = cols.counts > 0
+        if not has.all() and (cols.changed[~has] > 0).any():
+            return None
+        rows = np.flatnonzero(has)
+        if not rows.size:
+            return None
+        names, dtypes = cols.names, cols.dtypes()  # canonical dtype names; the words the table checked
+        if rows.size != len(names):
+            keep = rows.tolist()
+            names, dtypes = [names[i] for i in keep], [dtypes[i] for i in keep]
+        pos = np.array([bpos.get(b, -1) for b in cols.blob_ids], dtype=np.int64)
+        ref_blob = pos[cols.cblob] if cols.cblob.size else np.zeros(0, np.int64)
+        if (ref_blob < 0).any():
+            return None  # a blob not decoded
+        return (names, dtypes, cols.words[rows], cols.changed[rows].astype(np.int64),
+                cols.counts[rows].astype(np.int64), ref_blob, cols.cindex)
+    recs = [r for r in manifest.tensors if r.chunks]
+    if len(recs) != len(manifest.tensors) and any(r.changed for r in manifest.tensors if not r.chunks):
+        return None
+    if not recs:
+        return None
+    chunk_lists = list(map(_get_chunks, recs))
+    n_refs = np.fromiter(map(len, chunk_lists), dtype=np.int64, count=len(recs))
+    flat_refs = [c for cl in chunk_lists for c in cl] if n_refs.size != int(n_refs.sum()) else \
+        [cl[0] for cl in chunk_lists]
+    try:
+        ref_blob = np.fromiter(map(bpos.__getitem__, map(_get_blob, flat_refs)), dtype=np.int64, count=len(flat_refs))
+        ref_index = np.fromiter(map(_get_index, flat_refs), dtype=np.int64, count=len(flat_refs))
+        want_changed = np.fromiter(map(_get_changed, recs), dtype=np.int64, count=len(recs))
+    except (KeyError, TypeError, ValueError, OverflowError):  # a blob not decoded, an index None or out of range
+        return None
+    dtypes = list(map(_get_dtype, recs))
+    return (list(map(_get_name, recs)), dtypes, list(zip(dtypes, map(_get_shape, recs))), want_changed, n_refs,
+            ref_blob, ref_index)
 
 
 _get_chunks, _get_blob, _get_index = attrgetter("chunks"), attrgetter("blob"), attrgetter("index")
@@ -507,11 +539,18 @@ def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Map
 def _base_matches(manifest: Manifest, layout: Mapping[str, tuple[str, tuple[int, ...]]],
                   state_lines: tuple[list[str], StateLines], fps: Mapping[str, int]) -> bool:
     """:func:`check_base`'s checks, as list and array comparisons: True when all hold."""
-    recs = manifest.tensors
-    names = list(map(_get_name, recs))
-    if list(map(layout.get, names)) != list(zip(map(_get_dtype, recs), map(_get_shape, recs))):
-        return False
-    before = list(map(_get_fp_before, recs))
+    cols = table_columns(manifest)
+    if cols is not None:  # a parsed format-3 manifest: its columns, no record made
+        names = cols.names
+        if list(map(layout.get, names)) != list(zip(cols.dtypes(), cols.shapes())):
+            return False
+        before = [None] * len(names)  # format 3 keeps no fingerprint before
+    else:
+        recs = manifest.tensors
+        names = list(map(_get_name, recs))
+        if list(map(layout.get, names)) != list(zip(map(_get_dtype, recs), map(_get_shape, recs))):
+            return False
+        before = list(map(_get_fp_before, recs))
     if None in before:  # format 3 lists fingerprints before only where asked: those compared
         keep = [i for i, b in enumerate(before) if b is not None]
         before, names = [before[i] for i in keep], [names[i] for i in keep]
@@ -618,7 +657,7 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
     without a torch call per tensor), for a delta prepared as columns (:class:`ColumnarPatches`).
     """
     manifest = prepared.manifest
-    records = dict(zip(map(_get_name, manifest.tensors), manifest.tensors))
+    records = _Records(manifest)
     tensors = live_tensors(target)
     fps = dict(fps) if fps is not None else {n: tensor_fingerprint(t) for n, t in tensors.items()}
     if not base_checked:
@@ -641,9 +680,10 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
             fp = _patch_tensor(tensors[name], chunks, fps[name], undo)
             if verify == "full":
                 fp = tensor_fingerprint(tensors[name])
-        if fp_hex(fp) != records[name].fp_after:
+        if fp_hex(fp) != records.fp_after_hex(name):
             raise IntegrityError(
-                f"{name}: fingerprint after patching is {fp_hex(fp)}, manifest says {records[name].fp_after}; rolled back")
+                f"{name}: fingerprint after patching is {fp_hex(fp)}, manifest says {records.fp_after_hex(name)}; "
+                "rolled back")
         return fp
 
     cols = prepared.patches if type(prepared.patches) is ColumnarPatches else None
@@ -879,9 +919,10 @@ def _patch_batched(tensors: Mapping[str, torch.Tensor], work: list[tuple[str, li
         if bad is not None and i == bad[0]:
             raise IndexError(bad[1])
         fp = fp_of[i]
-        if fp_hex(fp) != records[name].fp_after:
+        if fp_hex(fp) != records.fp_after_hex(name):
             raise IntegrityError(
-                f"{name}: fingerprint after patching is {fp_hex(fp)}, manifest says {records[name].fp_after}; rolled back")
+                f"{name}: fingerprint after patching is {fp_hex(fp)}, manifest says {records.fp_after_hex(name)}; "
+                "rolled back")
         out[name] = fp
     return out
 
@@ -994,7 +1035,7 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
                     p_bad = int(segs[int(seg[a + j])][0][int(at[a + j]) + k])
                     bad = (i, f"change position {p_bad} is outside a tensor of {int(jobs[a + j, 1])} words")
     after = base + np.add.reduceat(fpd_all, cols.first[:-1])  # uint64: wraps like update_fingerprint
-    want = _fp_words(list(map(_get_fp_after, map(records.__getitem__, names))))
+    want = records.fp_after(names)
     wrong = np.flatnonzero(after != want) if want is not None else np.array(
         [i for i, n in enumerate(names) if fp_hex(int(after[i])) != records[n].fp_after], dtype=np.int64)
     first_wrong = int(wrong[0]) if wrong.size else len(names)
@@ -1007,6 +1048,58 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
             f"{name}: fingerprint after patching is {fp_hex(int(after[first_wrong]))}, manifest says "
             f"{records[name].fp_after}; rolled back"))
     return done, None
+
+
+class _Records(Mapping):
+    """A manifest's records by name, made when first asked for; :meth:`fp_after` of a parsed format-3 manifest
+    reads its table's columns instead (a step patched as columns asks for nothing else: no record made)."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self._manifest = manifest
+        self._by_name: dict[str, TensorRecord] | None = None
+
+    def _records(self) -> dict[str, TensorRecord]:
+        if self._by_name is None:
+            tensors = self._manifest.tensors
+            self._by_name = dict(zip(map(_get_name, tensors), tensors))
+        return self._by_name
+
+    def __getitem__(self, name: str) -> TensorRecord:
+        return self._records()[name]
+
+    def __iter__(self):
+        return iter(self._records())
+
+    def __len__(self) -> int:
+        return len(self._records())
+
+    def _rows(self):
+        """(the table's columns, name -> row) of a parsed format-3 manifest, else None."""
+        cols = table_columns(self._manifest)
+        if cols is None:
+            return None
+        row = cols.memo.get("rows")
+        if row is None:
+            row = cols.memo["rows"] = dict(zip(cols.names, range(len(cols.names))))
+        return cols, row
+
+    def fp_after_hex(self, name: str) -> str:
+        """``self[name].fp_after``."""
+        got = self._rows()
+        if got is not None and name in got[1]:
+            return f"{int(got[0].fps[got[1][name]]):016x}"
+        return self[name].fp_after
+
+    def fp_after(self, names: list[str]) -> np.ndarray | None:
+        """The fingerprints after of ``names`` (uint64), or None where one is not 16 hex digits."""
+        got = self._rows()
+        if got is not None:
+            cols, row = got
+            try:
+                return cols.fps[np.fromiter(map(row.__getitem__, names), np.int64, len(names))].astype(np.uint64)
+            except KeyError:
+                pass  # a name the table does not list: the records say which
+        return _fp_words(list(map(_get_fp_after, map(self.__getitem__, names))))
 
 
 CHECK_EVERY = 64  # stage_prepared(check=): tensors between two calls of the caller's check (signals, deadlines)

@@ -29,7 +29,7 @@ from .digest import DEFAULT_DIGEST, blob_digest, parse_digest
 from .dtypes import dtype_info, word_count
 from .errors import DeltaSyncError, FormatError, SignatureError
 from .signing import Ed25519Signer, Signer, Verifier, as_signer, as_verifier, is_public_key, load_key
-from .tensortable import ChunkRef, TensorRecord, new_record, pack_table, unpack_table
+from .tensortable import ChunkRef, TableColumns, TensorRecord, new_record, pack_table, unpack_table
 
 __all__ = [
     "BlobRef", "ChunkRef", "FORMAT_VERSION", "KINDS", "Manifest", "TensorRecord", "load_key", "parse_manifest",
@@ -293,6 +293,12 @@ def _remember_table(m: Manifest, text: str) -> None:
 _COMPACT: list[tuple[tuple, tuple, dict, dict, str]] = []
 
 
+def table_columns(m: Manifest) -> TableColumns | None:
+    """The checked columns of a parsed format-3 manifest's table (a reader that works on arrays takes them
+    without a record made), or None (another manifest: its records)."""
+    return getattr(m.tensors, "columns", None) if isinstance(m.tensors, _Packed) else None
+
+
 def remember_compact(tensors: tuple, blob_ids: tuple[str, ...], meta2: dict[str, str], meta: dict[str, str],
                      table: bytes) -> None:
     """Record that the delta whose format-2 records are ``tensors`` (this very tuple) and whose blob list is
@@ -361,8 +367,9 @@ class _Unread(tuple):
 
 
 class _Packed(_Unread):
-    """The tensor records of a format-3 manifest compacted from a table packed from columns
-    (:func:`remember_compact`): read from that table when first used, as a parsed manifest's are."""
+    """The tensor records of a format-3 manifest, made from its table when first used: a parsed manifest's (its
+    checked columns kept: :func:`table_columns`), or one compacted from a table packed from columns
+    (:func:`remember_compact`)."""
 
     kind: str
     blob_ids: tuple[str, ...]
@@ -370,7 +377,9 @@ class _Packed(_Unread):
     def _records(self) -> tuple[TensorRecord, ...]:
         made = self.__dict__.get("made")
         if made is None:
-            made = self.made = _table_records(self.table, self.kind, list(self.blob_ids))
+            columns = self.__dict__.get("columns")
+            made = self.made = columns.records() if columns is not None else _table_records(
+                self.table, self.kind, list(self.blob_ids))
         return made
 
     def __iter__(self):
@@ -447,10 +456,10 @@ def parse_manifest(data: bytes | str | dict, *, verifier: Verifier | bytes | Non
 _PARSED: list[tuple[bytes, bool, "Manifest", str | None]] = []
 
 
-def _table_records(text: Any, kind: str, blob_ids: list[str], build: bool = True) -> tuple[TensorRecord, ...] | None:
+def _table_records(text: Any, kind: str, blob_ids: list[str], build: bool | str = True):
     """Format 3: the records of the base64 table, checked (docs/FORMAT.md §5.3), every chunk of every blob
     referenced at most once (a delta's chunk index is checked against the blob when it is decoded).
-    ``build=False``: checked the same, no records made (None)."""
+    ``build=False``: checked the same, no records made (None); ``"columns"``: its :class:`TableColumns`."""
     import sys
 
     _expect(isinstance(text, str), "table must be a base64 string")
@@ -542,8 +551,10 @@ def _from_obj(obj: Any, records: bool = True) -> Manifest:
             f"blobs total {total_blob} bytes, over the {MAX_TOTAL_BLOB_BYTES}-byte limit")
 
     if fmt >= 3:
-        if records:
-            tensors = _table_records(obj["table"], kind, [b.id for b in blobs])
+        if records:  # checked whole; the records made when first used (a subscriber's step reads the columns)
+            tensors = _Packed()
+            tensors.table, tensors.kind, tensors.blob_ids = obj["table"], kind, tuple(b.id for b in blobs)
+            tensors.columns = _table_records(obj["table"], kind, list(tensors.blob_ids), build="columns")
         else:
             _table_records(obj["table"], kind, [b.id for b in blobs], build=False)  # checked all the same
             tensors = _Unread()

@@ -30,7 +30,7 @@ from .frozen import maker
 from .gcpause import gc_paused
 from .zctx import compressor, decompressor
 
-__all__ = ["ChunkRef", "TABLE_VERSION", "TensorRecord", "new_chunk", "new_record", "pack_columns", "pack_table",
+__all__ = ["ChunkRef", "TABLE_VERSION", "TableColumns", "TensorRecord", "new_chunk", "new_record", "pack_columns", "pack_table",
            "unpack_table"]
 
 
@@ -209,10 +209,11 @@ class _Reader:
             raise FormatError(f"manifest table: {what} is not UTF-8") from None
 
 
-def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits, build: bool = True) -> tuple | None:
+def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits, build: bool | str = True):
     """Records of a compressed table (see :func:`pack_table`); ``limits``: the manifest module's limits
     object (``max_tensors``, ``max_dims``, ...). FormatError on anything malformed. ``build=False``: every
-    check (a delta's chunks each referenced once included), no records made (None)."""
+    check (a delta's chunks each referenced once included), no records made (None); ``build="columns"``: the
+    same checks, the columns as a :class:`TableColumns` (its records made when asked for)."""
     try:
         data = decompressor().decompress(blob, max_output_size=MAX_TABLE_BYTES)
     except zstandard.ZstdError as e:
@@ -327,10 +328,65 @@ def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits, build: 
             raise FormatError("manifest: a chunk is referenced twice")
     if not build:
         return None
-    with gc_paused():  # 70k records, refs and tuples: the collector's passes over them cost more than making them
-        return _records(n, nchunks, kind, flags, names, infos, codes, dims, starts, fps, changed, counts, cblob,
-                        cstart, blob_ids, cindex if kind == "delta" else None, sstart if flags & _F_SPANS else None,
-                        sstop if flags & _F_SPANS else None, keys)
+    cols = TableColumns(kind=kind, names=names, dtype_names=[i.name for i in infos], codes=codes, dims=dims,
+                        starts=starts, fps=fps, changed=changed, counts=counts, cblob=cblob, cstart=cstart,
+                        blob_ids=list(blob_ids), words=words, flags=flags, cindex=cindex if kind == "delta" else None,
+                        sstart=sstart if flags & _F_SPANS else None, sstop=sstop if flags & _F_SPANS else None,
+                        keys=keys)
+    return cols if build == "columns" else cols.records()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TableColumns:
+    """A checked table's columns (``unpack_table(build="columns")``): per record its name (sorted), dtype code
+    (into ``dtype_names``), dims (``dims[starts[i]:starts[i + 1]]``), fingerprint after, change count, word count
+    and chunk count; per chunk (record after record, record ``i``'s from ``cstart[i]``) its blob's position in
+    ``blob_ids``, a delta's chunk index and, with spans, its word span. What a reader that works on arrays (a
+    subscriber's checks and patch plan) takes without a record made; :meth:`records` makes them."""
+
+    kind: str
+    names: list[str]
+    dtype_names: list[str]  # canonical dtype names, by code
+    codes: np.ndarray
+    dims: np.ndarray
+    starts: np.ndarray
+    fps: np.ndarray
+    changed: np.ndarray
+    counts: np.ndarray
+    cblob: np.ndarray
+    cstart: np.ndarray
+    blob_ids: list[str]
+    words: np.ndarray
+    flags: int
+    cindex: np.ndarray | None
+    sstart: np.ndarray | None
+    sstop: np.ndarray | None
+    keys: list[str] | None
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # dtypes() and shapes(), once made
+
+    def dtypes(self) -> list[str]:
+        """Each record's dtype name (made once)."""
+        got = self.memo.get("dtypes")
+        if got is None:
+            names = self.dtype_names
+            got = self.memo["dtypes"] = [names[c] for c in self.codes.tolist()]
+        return got
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        """Each record's shape (made once)."""
+        got = self.memo.get("shapes")
+        if got is None:
+            dl, sl = self.dims.tolist(), self.starts.tolist()
+            got = self.memo["shapes"] = [tuple(dl[a:b]) for a, b in zip(sl, sl[1:])]
+        return got
+
+    def records(self) -> tuple:
+        """The table's records (TensorRecords, each with its ChunkRefs)."""
+        infos = [dtype_info(d) for d in self.dtype_names]
+        with gc_paused():  # 70k records, refs and tuples: the collector's passes over them cost more than making them
+            return _records(len(self.names), int(self.cblob.size), self.kind, self.flags, self.names, infos,
+                            self.codes, self.dims, self.starts, self.fps, self.changed, self.counts, self.cblob,
+                            self.cstart, self.blob_ids, self.cindex, self.sstart, self.sstop, self.keys)
 
 
 def _records(n, nchunks, kind, flags, names, infos, codes, dims, starts, fps, changed, counts, cblob, cstart, blob_ids,

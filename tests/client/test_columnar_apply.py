@@ -22,6 +22,7 @@ from deltasync.apply import ColumnarPatches, apply_prepared, prepare_delta
 from deltasync.codec import EncodeOptions, encode_delta
 from deltasync.errors import ApplyError, BaseMismatchError, FormatError, IntegrityError
 from deltasync.fingerprint import tensor_fingerprint
+from deltasync.manifest import parse_manifest, table_columns
 from deltasync.client import filetarget
 from deltasync.client.filetarget import FileTarget, journal_path, recover
 
@@ -57,14 +58,19 @@ def _states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return old, new
 
 
-@pytest.fixture(scope="module", params=["one-blob", "many-blobs"])
+@pytest.fixture(scope="module", params=["one-blob", "many-blobs", "many-blobs-parsed"])
 def delta(request):
     """The step as one blob, and cut into blobs of ~4 KiB and chunks of at most 64 words (several chunks a tensor,
-    the columns of many blobs concatenated)."""
+    the columns of many blobs concatenated); and that manifest as a subscriber has it: format 3, parsed, its
+    table's columns read without a record made (``manifest.table_columns``)."""
     old, new = _states()
     options = EncodeOptions() if request.param == "one-blob" else EncodeOptions(chunk_words=64, blob_target=4096)
     enc = encode_delta(old, new, model="m", version=2, parent=1, options=options)
     assert (len(enc.manifest.blobs) == 1) == (request.param == "one-blob")
+    if request.param.endswith("parsed"):
+        parsed = parse_manifest(enc.manifest.compact().to_json())
+        assert table_columns(parsed) is not None
+        enc = dataclasses.replace(enc, manifest=parsed)
     return old, new, enc
 
 
@@ -113,6 +119,22 @@ def test_the_columns_are_the_chunks(delta):
             for f in ("positions", "raw", "values"):
                 x, y = getattr(a.changes, f), getattr(b.changes, f)
                 assert x.dtype == y.dtype and np.array_equal(x, y)
+
+
+def test_a_parsed_manifest_is_checked_planned_and_applied_from_its_columns(delta):
+    """A subscriber's manifest (format 3, parsed): its table's columns are what the base check and the patch plan
+    read; no record is made for the step."""
+    import deltasync.manifest
+
+    old, new, enc = delta
+    deltasync.manifest._PARSED.clear()  # a fresh parse, not the fixture's manifest
+    m = parse_manifest(enc.manifest.compact().to_json())
+    prepared = prepare_delta(m, enc.blobs)
+    _columns(prepared)
+    a = _clone(old)
+    assert apply_prepared(a, prepared, _fps(old)) == _fps(new) and _words(a) == _words(new)
+    assert "made" not in vars(m.tensors)
+    assert list(m.tensors) == list(enc.manifest.compact().tensors)  # made when asked for: the table's records
 
 
 @pytest.mark.parametrize("threads", [False, True], ids=["serial", "pool"])
