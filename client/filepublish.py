@@ -160,7 +160,8 @@ async def publish_delta(client: HttpClient, *, model: str, version: int, parent:
         timeline.debug("mono=%.6f publish-compared", time.monotonic())
         if base_fps is None:
             flat = getattr(diff, "flat", None)  # a columnar diff hashes its state fingerprints once (for the encode)
-            _check_base(base, diff.fps_before, head, where=where, have=flat.state_fps()[0] if flat is not None else None)
+            have = flat.state_fps()[0] if flat is not None else None
+            _check_base(base, diff.fps_before, head, where=where, have=have)
         enc = await loop.run_in_executor(None, lambda: encode_diff(diff, model=model, version=version, parent=parent,
                                                                    options=options, meta=dict(meta or {}), base=base,
                                                                    executor=pool))

@@ -45,6 +45,7 @@ from .fingerprint import (StateLines, fingerprint_delta, words_range_delta, fp_h
                           tensor_fingerprint, update_fingerprint)
 from .kernels.fpkeys import MASK64
 from .manifest import Manifest, TensorRecord, table_columns
+from .tensortable import fp_values
 from .tensorfile import TensorViews
 from .values import Changes
 
@@ -558,7 +559,7 @@ def _base_matches(manifest: Manifest, layout: Mapping[str, tuple[str, tuple[int,
     if have is None:
         return False
     if before:
-        want = _fp_words(before)
+        want = fp_values(before)
         if want is None or (have != want).any():
             return False
     sorted_names, lines = state_lines
@@ -946,17 +947,6 @@ def host_addresses(tensors: Mapping[str, torch.Tensor], names: list[str]) -> tup
     return addr, numel * per // ws, ws
 
 
-def _fp_words(hexes: list[str]) -> np.ndarray | None:
-    """16-hex-digit fingerprints as uint64, or None if any is not exactly that."""
-    try:
-        raw = bytes.fromhex("".join(hexes))
-    except ValueError:
-        return None
-    if len(raw) != 8 * len(hexes):
-        return None
-    return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
-
-
 def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, fps: Mapping[str, int],
                    records: Mapping[str, object], undo: _Undo, executor: Executor | None,
                    check: Callable[[], None] | None, addresses) -> tuple[dict[str, int], tuple | None] | None:
@@ -1099,7 +1089,7 @@ class _Records(Mapping):
                 return cols.fps[np.fromiter(map(row.__getitem__, names), np.int64, len(names))].astype(np.uint64)
             except KeyError:
                 pass  # a name the table does not list: the records say which
-        return _fp_words(list(map(_get_fp_after, map(self.__getitem__, names))))
+        return fp_values(list(map(_get_fp_after, map(self.__getitem__, names))))
 
 
 CHECK_EVERY = 64  # stage_prepared(check=): tensors between two calls of the caller's check (signals, deadlines)

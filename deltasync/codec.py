@@ -40,9 +40,10 @@ from . import diffs as _diffs
 from .diffs import (MIN_CELL_WORDS, SHARD_CELLS, ChunkDiff, Encoded, StateDiff, _cell, _check_layout,  # noqa: F401
                     _on_host, _span_words, chunk_ranges, tensor_chunk_ranges)
 from .parts import map_parts
-from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, StateLines, hex_fps,
+from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, StateLines,
                           tensor_fingerprint, update_fingerprint, words_range_delta)
 from .manifest import SPANS_META_PREFIX, BlobRef, ChunkRef, Manifest, TensorRecord, parse_spans
+from .tensortable import fp_values
 from .entropy import AnsBlobCoder, AnsTables, decode_ans_columns, decode_ans_rows, word_symbols
 from .conditioned import (CODING_BASE_CONDITIONED, CODING_BASE_FREE, CODING_META, CODINGS, CondBlobCoder, CondTables,
                           PendingChanges, chunk_ranks, context_spec)
@@ -723,8 +724,8 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
     manifest = Manifest(
         model=model, version=version, parent=parent, kind="delta", tensors=tuple(tensors),
         blobs=tuple(BlobRef(id=b, size=len(packer.blobs[b])) for b in packer.order),
-        state_fp=lines.digest(hex_fps(t.fp_after for t in tensors)),
-        state_fp_before=lines.digest(hex_fps(t.fp_before for t in tensors)),
+        state_fp=lines.digest(fp_values(t.fp_after for t in tensors)),
+        state_fp_before=lines.digest(fp_values(t.fp_before for t in tensors)),
         meta=meta,
     )
     return Encoded(manifest=manifest, blobs=packer.blobs, fps=dict(diff.fps_after))

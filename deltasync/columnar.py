@@ -37,7 +37,7 @@ from .kernels import rans
 from .kernels.fpkeys import C0, MASK64, T_NP
 from .manifest import SPANS_META_PREFIX, BlobRef, Manifest, remember_compact
 from .parts import map_parts
-from .tensortable import new_chunk, new_record, pack_columns
+from .tensortable import fp_texts, new_chunk, new_record, pack_columns
 from .zctx import compressor
 
 __all__ = ["ENABLED", "FlatDiff", "diff_flat", "encode_flat", "takes_flat"]
@@ -444,11 +444,6 @@ def _record_texts(names: list[str], dtypes: list[str], dtype_of: np.ndarray) -> 
             np.frombuffer("".join(_PIECES).encode("ascii"), np.uint8), piece_at)
 
 
-def _hex(values: np.ndarray) -> list[str]:
-    """Each uint64 as 16 lowercase hex digits."""
-    return values.astype(">u8").tobytes().hex(" ", 8).split(" ") if values.size else []
-
-
 def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: Mapping[str, str] | None,
                 executor: Executor | None):
     """:func:`codec.encode_diff` of a diff :func:`takes_flat` takes: the same manifest and blobs."""
@@ -595,7 +590,7 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
             for i, t in enumerate(owners):
                 chunks_of[t] = tuple(refs[bounds[i] : bounds[i + 1]])
                 changed[t] = sums[i]
-        hb, ha = _hex(flat.fp_before), _hex(flat.fp_after)
+        hb, ha = fp_texts(flat.fp_before), fp_texts(flat.fp_after)
         records = list(map(new_record, names, dtypes, shapes, hb, ha, changed, chunks_of))
         meta = dict(meta or {})
         meta3 = dict(meta)  # the format-3 form's: no spans (they are in its table)

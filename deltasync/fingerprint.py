@@ -320,12 +320,6 @@ def state_fingerprint_columns(names, dtypes, shapes, fps: np.ndarray) -> str:
     return lines.digest(fps)
 
 
-def hex_fps(texts) -> np.ndarray:
-    """Fingerprints spelled as 16 hex digits (``fp_hex``) as uint64, in order."""
-    texts = list(texts)
-    return np.frombuffer(bytes.fromhex("".join(texts)), ">u8").astype(np.uint64) if texts else np.zeros(0, np.uint64)
-
-
 def _first(record):
     return record[0]
 

@@ -30,8 +30,8 @@ from .frozen import maker
 from .gcpause import gc_paused
 from .zctx import compressor, decompressor
 
-__all__ = ["ChunkRef", "TABLE_VERSION", "TableColumns", "TensorRecord", "new_chunk", "new_record", "pack_columns", "pack_table",
-           "unpack_table"]
+__all__ = ["ChunkRef", "TABLE_VERSION", "TableColumns", "TensorRecord", "fp_texts", "fp_values", "new_chunk", "new_record",
+           "pack_columns", "pack_table", "unpack_table"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,8 +114,9 @@ def pack_table(records, kind: str, blob_ids: list[str]) -> bytes:
     shapes = [r.shape for r in records]
     ndims = np.fromiter(map(len, shapes), dtype=np.uint8, count=n)
     dims = [d for sh in shapes for d in sh]
-    fps = np.frombuffer(bytes.fromhex("".join([r.fp_after for r in records])), dtype=">u8") if n else \
-        np.zeros(0, np.uint64)
+    fps = fp_values(r.fp_after for r in records)
+    if fps is None:
+        raise ValueError("a record's fp_after is not 16 hex digits")
     changed = np.fromiter((r.changed for r in records), dtype=np.uint64, count=n)
     chunk_lists = [r.chunks for r in records]
     counts = np.fromiter(map(len, chunk_lists), dtype=np.uint32, count=n)
@@ -162,7 +163,8 @@ def pack_columns(kind: str, names: list[str], dtype_names: list[str], codes, ndi
         _lp(_text(names, "a tensor name")),
         _lp(_text(dtype_names, "a dtype")),
         np.asarray(codes, dtype=np.uint8).tobytes(), np.asarray(ndims, dtype=np.uint8).tobytes(), dims.tobytes(),
-        np.asarray(fps, dtype=np.uint64).astype("<u8").tobytes(), np.asarray(changed, dtype=np.uint64).astype("<u8").tobytes(),
+        np.asarray(fps, dtype=np.uint64).astype("<u8").tobytes(),
+        np.asarray(changed, dtype=np.uint64).astype("<u8").tobytes(),
         np.asarray(counts, dtype=np.uint32).astype("<u4").tobytes(),
         np.diff(np.asarray(cblob, dtype=np.int64), prepend=0).astype("<i4").tobytes(),
     ]
@@ -381,32 +383,42 @@ class TableColumns:
         return got
 
     def records(self) -> tuple:
-        """The table's records (TensorRecords, each with its ChunkRefs)."""
-        infos = [dtype_info(d) for d in self.dtype_names]
+        """The table's records (TensorRecords, each with its ChunkRefs), built without the frozen dataclasses'
+        keyword ``__init__`` (a few µs a tensor otherwise)."""
         with gc_paused():  # 70k records, refs and tuples: the collector's passes over them cost more than making them
-            return _records(len(self.names), int(self.cblob.size), self.kind, self.flags, self.names, infos,
-                            self.codes, self.dims, self.starts, self.fps, self.changed, self.counts, self.cblob,
-                            self.cstart, self.blob_ids, self.cindex, self.sstart, self.sstop, self.keys)
+            n, nchunks = len(self.names), int(self.cblob.size)
+            ids = [self.blob_ids[i] for i in self.cblob.tolist()]
+            none = [None] * nchunks
+            if self.kind == "delta":
+                spans = self.flags & _F_SPANS
+                refs = list(map(new_chunk, ids, self.cindex.tolist(), none, self.sstart.tolist() if spans else none,
+                                self.sstop.tolist() if spans else none))
+            else:
+                refs = list(map(new_chunk, ids, none, self.keys, none, none))
+            if nchunks == n and (n == 0 or int(self.counts.min()) == 1):  # one chunk a tensor (most states)
+                chunk_tuples = [(c,) for c in refs]
+            else:
+                bounds = self.cstart.tolist()
+                chunk_tuples = [tuple(refs[a:b]) for a, b in zip(bounds, bounds[1:])]
+            return tuple(map(new_record, self.names, self.dtypes(), self.shapes(), [None] * n, fp_texts(self.fps),
+                             self.changed.tolist(), chunk_tuples))
 
 
-def _records(n, nchunks, kind, flags, names, infos, codes, dims, starts, fps, changed, counts, cblob, cstart, blob_ids,
-             cindex, sstart, sstop, keys) -> tuple:
-    # records, built without the frozen dataclasses' keyword __init__ (a few µs a tensor otherwise)
-    dl, sl = dims.tolist(), starts.tolist()
-    shapes = [tuple(dl[a:b]) for a, b in zip(sl, sl[1:])]
-    dnames = [infos[c].name for c in codes.tolist()]
-    fp_hex = fps.astype(">u8").tobytes().hex(" ", 8).split(" ") if n else []  # each as 16 lowercase hex digits
-    ids = [blob_ids[i] for i in cblob.tolist()]
-    if kind == "delta":
-        if flags & _F_SPANS:
-            refs = list(map(new_chunk, ids, cindex.tolist(), [None] * nchunks, sstart.tolist(), sstop.tolist()))
-        else:
-            refs = list(map(new_chunk, ids, cindex.tolist(), [None] * nchunks, [None] * nchunks, [None] * nchunks))
-    else:
-        refs = list(map(new_chunk, ids, [None] * nchunks, keys, [None] * nchunks, [None] * nchunks))
-    bounds = cstart.tolist()
-    if nchunks == n and (n == 0 or int(counts.min()) == 1):  # one chunk a tensor (most states)
-        chunk_tuples = [(c,) for c in refs]
-    else:
-        chunk_tuples = [tuple(refs[a:b]) for a, b in zip(bounds, bounds[1:])]
-    return tuple(map(new_record, names, dnames, shapes, [None] * n, fp_hex, changed.tolist(), chunk_tuples))
+def fp_texts(values: np.ndarray) -> list[str]:
+    """Fingerprints (uint64) as records spell them: 16 lowercase hex digits each."""
+    return values.astype(">u8").tobytes().hex(" ", 8).split(" ") if values.size else []
+
+
+def fp_values(texts) -> np.ndarray | None:
+    """Fingerprints spelled as records spell them (16 hex digits) as uint64, in order; None if any is not exactly
+    that."""
+    texts = list(texts)
+    try:
+        raw = bytes.fromhex("".join(texts))
+    except ValueError:
+        return None
+    if len(raw) != 8 * len(texts):
+        return None
+    return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
+
+

@@ -9,7 +9,8 @@ import pytest
 import xxhash
 
 from deltasync import fingerprint
-from deltasync.fingerprint import StateLines, hex_fps, state_fingerprint, state_fingerprint_columns
+from deltasync.fingerprint import StateLines, state_fingerprint, state_fingerprint_columns
+from deltasync.tensortable import fp_texts, fp_values
 
 
 def _reference(records) -> str:
@@ -48,7 +49,9 @@ def test_lines_digest_any_set_of_fingerprints_in_the_records_order():
         want = _reference([(a, d, s, int(f)) for (a, d, s, _), f in zip(recs, fps)])
         assert lines.digest(fps) == want
         assert state_fingerprint_columns([r[0] for r in recs], [r[1] for r in recs], [r[2] for r in recs], fps) == want
-    assert hex_fps([f"{r[3]:016x}" for r in recs]).tolist() == [r[3] for r in recs]
+    assert fp_values([f"{r[3]:016x}" for r in recs]).tolist() == [r[3] for r in recs]
+    assert fp_texts(fp_values([f"{r[3]:016x}" for r in recs])) == [f"{r[3]:016x}" for r in recs]
+    assert fp_values(["0" * 15]) is None and fp_values(["x" * 16]) is None
 
 
 def test_fingerprints_outside_64_bits_are_masked_as_the_lines_spell_them(monkeypatch):
