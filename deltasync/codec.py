@@ -44,6 +44,7 @@ from .fingerprint import (fingerprint_delta, fingerprint_from_lane_sums, StateLi
                           tensor_fingerprint, update_fingerprint, words_range_delta)
 from .manifest import SPANS_META_PREFIX, BlobRef, ChunkRef, Manifest, TensorRecord, parse_spans
 from .tensortable import fp_values
+from .tensorfile import same_header
 from .entropy import AnsBlobCoder, AnsTables, decode_ans_columns, decode_ans_rows, word_symbols
 from .conditioned import (CODING_BASE_CONDITIONED, CODING_BASE_FREE, CODING_META, CODINGS, CondBlobCoder, CondTables,
                           PendingChanges, chunk_ranks, context_spec)
@@ -172,9 +173,8 @@ def state_layout(state: Mapping[str, torch.Tensor | HostTensor]) -> dict[str, tu
 def same_layout(a: Mapping[str, torch.Tensor | HostTensor], b: Mapping[str, torch.Tensor | HostTensor]) -> bool:
     """``state_layout(a) == state_layout(b)``, without building either (a state of 70k tensors is checked
     more than once a publish): tensors of one kind compare their dtype and shape as they are."""
-    ha, hb = getattr(a, "header", None), getattr(b, "header", None)
-    if ha is not None and hb is not None and ha.entries is hb.entries:  # mapped files of one header (its cache)
-        return len(a) == len(b) == len(ha.entries)
+    if same_header(a, b):  # mapped files of one header (its cache), as made
+        return True
     if a.keys() != b.keys():
         return False
     for name, t in a.items():

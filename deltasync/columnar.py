@@ -38,6 +38,7 @@ from .kernels.fpkeys import C0, MASK64, T_NP
 from .manifest import SPANS_META_PREFIX, BlobRef, Manifest, remember_compact
 from .parts import map_parts
 from .tensortable import fp_texts, new_chunk, new_record, pack_columns
+from .tensorfile import same_header
 from .zctx import compressor
 
 __all__ = ["ENABLED", "FlatDiff", "diff_flat", "encode_flat", "takes_flat"]
@@ -153,7 +154,7 @@ def diff_flat(old: Mapping, new: Mapping, *, base_fps: Mapping[str, int] | None,
     k = kernels.cpu_kernels()
     if k is None or not ENABLED:
         return None
-    if old.keys() != new.keys():
+    if not same_header(old, new) and old.keys() != new.keys():
         _check_layout(old, new)  # raises
     small = min(chunk_words, SHARD_CELLS * _diffs.MIN_CELL_WORDS - 1)  # a tensor of 1..small words is one chunk
     mapped = _mapped_jobs(old, new, small, chunk_words) if not update_old else None
@@ -173,13 +174,12 @@ def _mapped_jobs(old: Mapping, new: Mapping, small: int, chunk_words: int):
     object: the header cache's), from the header's columns: every tensor is a span of its file at the same
     offsets, so the compare jobs' addresses are the maps' plus the entries' starts, with no Python per small
     tensor (~0.1 s of a 70k-tensor publish). None where that does not hold (then the tensor-by-tensor path)."""
-    ho, hn = getattr(old, "header", None), getattr(new, "header", None)
     wo, wn = getattr(old, "whole", None), getattr(new, "whole", None)
-    if ho is None or hn is None or wo is None or wn is None or ho.entries is not hn.entries:
+    if wo is None or wn is None or not same_header(old, new):  # (a changed mapping: as it is now, tensor by tensor)
         return None
-    entries = ho.entries
+    entries = old.header.entries
     n = len(entries)
-    if n < FLAT_MIN or len(old) != n or len(new) != n:  # a changed mapping: as it is now, tensor by tensor
+    if n < FLAT_MIN:
         return None
     every = [e.name for e in entries]
     order = sorted(range(n), key=every.__getitem__)
