@@ -122,9 +122,9 @@ class TensorApplier:
         """Match the stream's tensor names (a manifest's) before anything is written: tied names it leaves
         out are left out here too; anything else that differs raises BaseMismatchError naming the fix."""
         names = set(names)
-        have = self._names()
-        extra = sorted(names - set(have))
-        missing = sorted(set(have) - names)
+        have = set(self._names())
+        extra = sorted(names - have)
+        missing = sorted(have - names)
         untied = [n for n in missing if not (self.tied.get(n, frozenset()) & names)]
         if extra:
             raise BaseMismatchError(

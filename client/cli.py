@@ -587,6 +587,7 @@ def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> i
         return 2
     if os.environ.get("DELTASYNC_TIMELINE"):  # benchmarks/step_timeline.py: this process's critical-path stamps
         timeline.setLevel(logging.DEBUG)
+        timeline.debug("mono=%.6f sub-start", time.monotonic())
     # --once/--until end the process: once the file is written and closed, run_command may skip the
     # interpreter's teardown (see cli/run.py: ``exit_now``)
     args.exit_now = args.once or args.until is not None

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from deltasync.apply import fp_array
 from deltasync.errors import ApplyInterrupted, BaseMismatchError, DeltaSyncError, IntegrityError
 from deltasync.fingerprint import state_fingerprint
-from deltasync.manifest import Manifest
+from deltasync.manifest import Manifest, record_names
 
 from .appliers import Applier, TensorApplier
 from .ready import ReadyStep
@@ -97,7 +97,7 @@ class LiveState:
         fit = getattr(self.applier, "fit_stream", None)  # a TensorApplier learns which tied names the stream leaves out
         if signed is not None and fit is not None:
             try:
-                fit((t.name for t in signed.tensors), version=version)
+                fit(record_names(signed), version=version)
             except BaseMismatchError:
                 self.version, self.fps = None, None
                 return False  # the resync's keyframe raises the error, naming the fix

@@ -24,12 +24,14 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from .blob import check_blob_id
 from .digest import DEFAULT_DIGEST, blob_digest, parse_digest
 from .dtypes import dtype_info, word_count
 from .errors import DeltaSyncError, FormatError, SignatureError
 from .signing import Ed25519Signer, Signer, Verifier, as_signer, as_verifier, is_public_key, load_key
-from .tensortable import ChunkRef, TableColumns, TensorRecord, new_record, pack_table, unpack_table
+from .tensortable import ChunkRef, TableColumns, TensorRecord, fp_values, new_record, pack_table, unpack_table
 
 __all__ = [
     "BlobRef", "ChunkRef", "FORMAT_VERSION", "KINDS", "Manifest", "TensorRecord", "load_key", "parse_manifest",
@@ -297,6 +299,27 @@ def table_columns(m: Manifest) -> TableColumns | None:
     """The checked columns of a parsed format-3 manifest's table (a reader that works on arrays takes them
     without a record made), or None (another manifest: its records)."""
     return getattr(m.tensors, "columns", None) if isinstance(m.tensors, _Packed) else None
+
+
+def record_names(m: Manifest) -> list[str]:
+    """The names of ``m``'s records, in their order (a parsed format-3 manifest's columns: no record made)."""
+    cols = table_columns(m)
+    return cols.names if cols is not None else [t.name for t in m.tensors]
+
+
+def record_columns(m: Manifest) -> tuple[list[str], list[str], list[tuple[int, ...]], np.ndarray]:
+    """Names, dtype names, shapes and fingerprints after (uint64) of ``m``'s records, in their order: from a parsed
+    format-3 manifest's columns (no record made), else from its records. FormatError if a fingerprint is not 16
+    hex digits (a manifest built in memory; a parsed one is checked)."""
+    cols = table_columns(m)
+    if cols is not None:
+        return cols.names, cols.dtypes(), cols.shapes(), cols.fps
+    records = m.tensors
+    fps = fp_values([t.fp_after for t in records])
+    if fps is None:
+        raise FormatError(f"{m.model} v{m.version}: a fingerprint is not 16 hex digits")
+    return ([t.name for t in records], [t.dtype for t in records],
+            [s if type(s := t.shape) is tuple else tuple(s) for t in records], fps)
 
 
 def remember_compact(tensors: tuple, blob_ids: tuple[str, ...], meta2: dict[str, str], meta: dict[str, str],

@@ -823,7 +823,76 @@ def _dumps(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+def _plain(text: str) -> bool:
+    """Whether ``text`` is its own JSON string body (printable ASCII, no quote or backslash to escape)."""
+    return text.isascii() and text.isprintable() and '"' not in text and "\\" not in text
+
+
+def _build_columns(layout, metadata, align, length, reserve) -> tuple[bytes, dict[str, int]] | None:
+    """:func:`_build_header` of a layout whose dtypes all have a safetensors tag and whose names are plain
+    (:func:`_plain`), as columns: one text per (dtype, shape) and one formatted line per tensor, no object per
+    entry to encode (~2.5x faster at 70,000 tensors); the same bytes. None for any other layout."""
+    names = sorted(layout)
+    if not names or not _plain("".join(names)):
+        return None
+    vals = list(map(layout.__getitem__, names))
+    try:
+        kinds = {k: i for i, k in enumerate(dict.fromkeys(vals))}  # (dtype, shape): layers share a few
+    except TypeError:  # shapes given as lists
+        vals = [(d, s if type(s) is tuple else tuple(s)) for d, s in vals]
+        kinds = {k: i for i, k in enumerate(dict.fromkeys(vals))}
+    code = np.fromiter(map(kinds.__getitem__, vals), np.int64, len(vals))
+    infos, shapes, prefix, nbytes = [], [], [], []
+    for dtype, shape in kinds:
+        info = dtype_info(dtype)
+        tag = _TAG_OF.get(info.name)
+        shape = shape if type(shape) is tuple else tuple(shape)
+        if tag is None or not all(type(d) is int and d >= 0 for d in shape):
+            return None  # an exotic dtype (stored as U8, named in the metadata), or a shape to judge: the loop
+        numel = 1
+        for d in shape:
+            numel *= d
+        infos.append(info.name)
+        shapes.append(shape)
+        prefix.append(f'{{"dtype":"{tag}","shape":[{",".join(map(str, shape))}],"data_offsets":[')
+        nbytes.append(numel * info.element_size)
+    size = np.array([dtype_info(d).element_size for d in infos], np.int64)
+    try:
+        sizes = np.array(nbytes, np.int64)
+    except OverflowError:
+        return None
+    order = np.argsort(-size[code], kind="stable").tolist()  # by element size, largest first, then by name
+    oc = code[order]
+    ends = np.cumsum(sizes[oc])
+    starts = ends - sizes[oc]
+    onames = list(map(names.__getitem__, order))
+    ocodes = oc.tolist()
+    lines = ",".join(map('"{}":{}{},{}]}}'.format, onames, map(prefix.__getitem__, ocodes), starts.tolist(),
+                         ends.tolist()))
+    meta = dict(metadata or {})
+    body = (('{"__metadata__":' + json.dumps(meta, separators=(",", ":")) + ("," if names else "") if meta else "{")
+            + lines + "}").encode()
+    at = int(ends[-1])
+    if length is None:
+        length = -(-(8 + len(body) + reserve) // align) * align
+    if 8 + len(body) > length:
+        raise FormatError(f"a header of {8 + len(body)} bytes does not fit the {length} reserved for it")
+    header = _LEN.pack(length - 8) + body + b" " * (length - 8 - len(body))
+    first = (starts + length).tolist()
+    if all(type(v) is str for v in meta.values()):  # what parse_header makes of it (see _build_header)
+        global _LAST_HEADER
+        _LAST_HEADER = (header[8:], length + at, TensorHeader(
+            entries=tuple(map(_entry_at, onames, map(infos.__getitem__, ocodes), map(shapes.__getitem__, ocodes),
+                              first, (ends + length).tolist())),
+            metadata=dict(meta), data_start=length, size=length + at))
+    return header, dict(zip(onames, first))
+
+
 def _build_header(layout, metadata, align, length, reserve) -> tuple[bytes, dict[str, int]]:
+    if not any(k.startswith(DTYPE_META_PREFIX) for k in (metadata or {})):
+        got = _build_columns(layout, metadata, align, length, reserve)
+        if got is not None:
+            return got
     meta = dict(metadata or {})
     infos = {d: dtype_info(d) for d in {d for d, _ in layout.values()}}  # 70k tensors, a few dtypes
     size_of = {d: -i.element_size for d, i in infos.items()}
