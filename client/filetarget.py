@@ -69,7 +69,8 @@ from deltasync.gcpause import gc_paused
 from deltasync.manifest import record_columns
 from deltasync.kernels.fpkeys import C0
 from deltasync.keyframe import copy_state
-from deltasync.tensorfile import MAX_HEADER_BYTES, PATCHING, MappedTensorFile, build_header, parse_header
+from deltasync.tensorfile import (MAX_HEADER_BYTES, PATCHING, MappedTensorFile, build_header, entry_names, entry_starts,
+                                  header_columns, parse_header)
 
 from .appliers import TensorApplier
 
@@ -356,7 +357,7 @@ class KeyframeWriter:
         self._tmp, self._file = target._new_file(layout, self.version, manifest.state_fp)
         self._got = np.zeros(len(names), np.uint64)  # each tensor's fingerprint as it landed
         self._have = np.zeros(len(names), np.bool_)  # ... once it has
-        self._starts = {e.name: e.start for e in self._file.header.entries}  # each tensor's first byte in the file
+        self._starts = entry_starts(self._file.header)  # each tensor's first byte in the file
         self._fd: int | None = None  # the new file opened for pwrite (received shards), once one arrives
         self._bounce = bytearray(BOUNCE)  # every received shard's bytes pass through it (ShardSink)
         self._scratch = np.empty(BOUNCE // 2, dtype=np.uint16)  # a receive's lanes of a tensor at an odd byte
@@ -757,7 +758,7 @@ class FileTarget(TensorApplier):
         """Every tensor's fingerprint, read from the file; right after a keyframe this target wrote (and
         fingerprinted from the map as it landed), those fingerprints, once, without a second full read."""
         fresh, self._written_fps = getattr(self, "_written_fps", None), None
-        if fresh is not None and self.file is not None and fresh.keys() == {e.name for e in self.file.header.entries}:
+        if fresh is not None and self.file is not None and fresh.keys() == set(entry_names(self.file.header)):
             return fresh  # (the names from the header: the file's torch views are 0.5 s at 70,000 tensors)
         if self.file is None:
             return {}
@@ -840,16 +841,17 @@ class FileTarget(TensorApplier):
         got = self._columns
         if got is not None and got[0] is self.file:
             return got[1]
-        entries = self.file.header.entries
-        n = len(entries)
-        sizes: dict[str, int] = {}
-        for e in entries:
-            if e.dtype not in sizes:
-                sizes[e.dtype] = dtype_info(e.dtype).word_size
-        table = ({e.name: i for i, e in enumerate(entries)},
-                 np.fromiter((e.start for e in entries), dtype=np.int64, count=n),
-                 np.fromiter((e.stop - e.start for e in entries), dtype=np.int64, count=n),
-                 np.fromiter((sizes[e.dtype] for e in entries), dtype=np.int64, count=n))
+        cols = header_columns(self.file.header)  # a parsed header's columns: no entry made
+        if cols is not None:
+            names, dtypes, starts, stops = cols.names, cols.dtypes, cols.starts, cols.stops
+        else:
+            entries = self.file.header.entries
+            names, dtypes = [e.name for e in entries], [e.dtype for e in entries]
+            starts = np.fromiter((e.start for e in entries), dtype=np.int64, count=len(entries))
+            stops = np.fromiter((e.stop for e in entries), dtype=np.int64, count=len(entries))
+        sizes = {d: dtype_info(d).word_size for d in set(dtypes)}
+        table = (dict(zip(names, range(len(names)))), starts.copy(), stops - starts,
+                 np.fromiter(map(sizes.__getitem__, dtypes), dtype=np.int64, count=len(dtypes)))
         self._columns = (self.file, table)
         return table
 
@@ -974,7 +976,7 @@ class FileTarget(TensorApplier):
         if not items:
             return regions, [], total
         host_of = self.file.host  # numpy words viewing the map: no torch view per tensor
-        starts = {e.name: e.start for e in self.file.header.entries}
+        starts = entry_starts(self.file.header)
         parts: list[tuple] = []  # (host words, chunk) in region order
         check = self.check  # a signal or a deadline stops it here too: nothing is written yet
         for i, (name, chunks) in enumerate(items):

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from itertools import chain, repeat
+from operator import itemgetter
 
 import numpy as np
 
@@ -31,14 +32,14 @@ from .diffs import (SHARD_CELLS, ChunkDiff, Encoded, StateDiff, _cell, _check_la
                     tensor_chunk_ranges)
 from .dtypes import HostTensor, dtype_info, numpy_word_dtype
 from .entropy import _RAW_LIMIT, AnsTables
-from .fingerprint import StateLines
+from .fingerprint import StateLines, _ascending
 from .gcpause import gc_paused
 from .kernels import rans
 from .kernels.fpkeys import C0, MASK64, T_NP
 from .manifest import SPANS_META_PREFIX, BlobRef, LazyMeta, LazyRecords, Manifest, remember_compact
 from .parts import map_parts
 from .tensortable import fp_texts, new_chunk, new_record, pack_columns
-from .tensorfile import same_header
+from .tensorfile import HeaderColumns, header_columns, same_header
 from .zctx import compressor
 
 __all__ = ["ENABLED", "FlatDiff", "diff_flat", "encode_flat", "takes_flat"]
@@ -181,41 +182,46 @@ def _mapped_jobs(old: Mapping, new: Mapping, small: int, chunk_words: int):
     n = len(entries)
     if n < FLAT_MIN:
         return None
-    every = [e.name for e in entries]
-    order = sorted(range(n), key=every.__getitem__)
-    ents = [entries[i] for i in order]
-    names = [e.name for e in ents]
-    stored = [e.dtype for e in ents]
+    cols = header_columns(old.header)  # a parsed header's columns (no entry made), else its entries'
+    if cols is None:
+        cols = HeaderColumns(names=[e.name for e in entries], dtypes=[e.dtype for e in entries],
+                             shapes=[e.shape for e in entries], starts=np.fromiter((e.start for e in entries), np.int64, n),
+                             stops=np.fromiter((e.stop for e in entries), np.int64, n))
+    every = cols.names
+    order = list(range(n)) if _ascending(every) else sorted(range(n), key=every.__getitem__)
+    get = itemgetter(*order)  # n >= FLAT_MIN > 1: a tuple
+    names, stored, shapes = list(get(every)), get(cols.dtypes), list(get(cols.shapes))
     infos = {d: _info(d) for d in set(stored)}
-    dtypes = [infos[d][0] for d in stored]
-    shapes = [e.shape for e in ents]
-    wsize_of = np.array([infos[d][1] for d in stored], np.int64)
-    starts = np.fromiter((e.start for e in ents), np.int64, n)
-    nbytes = np.fromiter((e.stop for e in ents), np.int64, n) - starts
+    dtypes = list(map(itemgetter(0), map(infos.__getitem__, stored)))
+    wsize_of = np.fromiter(map(itemgetter(1), map(infos.__getitem__, stored)), np.int64, n)
+    at = np.asarray(order, np.int64)
+    starts = cols.starts[at]
+    nbytes = cols.stops[at] - starts
     if (starts % wsize_of).any() or (nbytes % wsize_of).any() or int((starts + nbytes).max(initial=0)) > min(
             wo.size, wn.size):
         return None  # a tensor misaligned to its words (the maps' words are copied for it): tensor by tensor
     words_of = nbytes // wsize_of
-    big = np.flatnonzero(words_of > small).tolist()
+    big = np.flatnonzero(words_of > small)
     per = (words_of > 0).astype(np.int64)  # jobs a tensor: one, or its chunk ranges
-    ranges: dict = {}
-    spans = []
-    for t in big:
-        key = (shapes[t], int(words_of[t]))
-        got = ranges.get(key)
-        if got is None:
-            got = ranges[key] = tensor_chunk_ranges(key[0], key[1], chunk_words)
-        per[t] = len(got)
-        spans.append(got)
+    groups = []  # (tensors of one shape and size, their chunk ranges' starts and stops): layers share a few
+    if big.size:
+        keys = list(zip(map(shapes.__getitem__, big.tolist()), words_of[big].tolist()))
+        kinds = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+        code = np.fromiter(map(kinds.__getitem__, keys), np.int64, len(keys))
+        for (shape, words), c in kinds.items():
+            got = tensor_chunk_ranges(shape, words, chunk_words)
+            sel = big[code == c]
+            per[sel] = len(got)
+            groups.append((sel, np.array([x for x, _ in got], np.int64), np.array([y for _, y in got], np.int64)))
     job_t = np.repeat(np.arange(n, dtype=np.int64), per)
     s = np.zeros(job_t.size, np.int64)
     e = words_of[job_t]
-    if big:
+    if groups:
         at = np.cumsum(per) - per
-        for t, got in zip(big, spans):
-            a = int(at[t])
-            s[a : a + len(got)] = [x for x, _ in got]
-            e[a : a + len(got)] = [y for _, y in got]
+        for sel, rs, re_ in groups:
+            rows = (at[sel][:, None] + np.arange(rs.size, dtype=np.int64)).reshape(-1)
+            s[rows] = np.tile(rs, sel.size)
+            e[rows] = np.tile(re_, sel.size)
     tab = np.empty((job_t.size, 5), np.int64)
     tab[:, 0] = wo.ctypes.data + starts[job_t]
     tab[:, 1] = wn.ctypes.data + starts[job_t]

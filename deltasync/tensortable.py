@@ -20,6 +20,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
+from operator import lt
 
 import numpy as np
 import zstandard
@@ -238,12 +240,13 @@ def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits, build: 
     dtypes = r.text("the dtypes")
     if len(names) != n:
         raise FormatError(f"manifest table: {len(names)} names for {n} tensors")
-    if len(set(names)) != n:
-        raise FormatError("manifest: a tensor is listed twice")
-    if any(not 0 < len(x) <= 1024 for x in names):
-        raise FormatError("manifest: tensor names must be non-empty strings of at most 1024 characters")
-    if names != sorted(names):
+    if not all(map(lt, names, islice(names, 1, None))):  # strictly ascending: sorted, none twice (one C pass)
+        if len(set(names)) != n:
+            raise FormatError("manifest: a tensor is listed twice")
         raise FormatError("manifest: tensors must be sorted by name")
+    lengths = np.fromiter(map(len, names), np.int64, n)
+    if n and (int(lengths.min()) < 1 or int(lengths.max()) > 1024):
+        raise FormatError("manifest: tensor names must be non-empty strings of at most 1024 characters")
     infos = [dtype_info(d) for d in dtypes]  # UnsupportedError/FormatError for an unknown dtype name
     codes = r.array("u1", n, "the dtype codes")
     if n and int(codes.max()) >= len(infos):
