@@ -49,8 +49,8 @@ import torch
 import xxhash
 
 from deltasync import kernels
-from deltasync.apply import (CHECK_EVERY, ColumnarPatches, PreparedDelta, check_base, layout_lines, stage_prepared,
-                             warm_kernels)
+from deltasync.apply import (CHECK_EVERY, ColumnarPatches, LayoutColumns, PreparedDelta, check_base, layout_lines,
+                             stage_prepared, warm_kernels)
 from deltasync.atomic import fsync_dir
 from deltasync.dtypes import dtype_info
 from deltasync.errors import BaseMismatchError, FormatError, IntegrityError, StorageError
@@ -643,6 +643,7 @@ class FileTarget(TensorApplier):
         self._written_fps: dict[str, int] | None = None  # see scan()
         self._columns: tuple | None = None  # (file, its tensors as columns): see _table()
         self._lines: tuple | None = None  # (layout, its state fingerprint lines): see state_lines()
+        self._layout_cols: tuple | None = None  # (layout, its LayoutColumns): see layout_columns()
         self._layout = dict(layout) if layout is not None else None
         if open_existing and self.path.exists():
             self._open_existing()
@@ -769,7 +770,9 @@ class FileTarget(TensorApplier):
 
     def warm(self) -> None:
         """Load the compiled kernels a delta's decode, journal and patch call, for this file's dtypes
-        (:func:`deltasync.apply.warm_kernels`, and the journal's gather): run it while nothing arrives
+        (:func:`deltasync.apply.warm_kernels`, and the journal's gather), and enter the file's pages into its
+        map (``MappedTensorFile.prefault``: a step of a 70k-tensor state touches ~70k pages, each a fault on a
+        map not yet populated, 0.05-0.25 s of its journal and patch here): run it while nothing arrives
         (``subscribe --out`` does, on a thread), so the first delta costs what later ones do."""
         if self._layout is None:
             return
@@ -788,6 +791,10 @@ class FileTarget(TensorApplier):
         if self.file is not None:
             self._table()
         self.state_lines()
+        self.layout_columns()
+        f = self.file
+        if f is not None:
+            f.prefault()  # the GIL released: the loop goes on
 
     def stage_delta(self, prepared: PreparedDelta, fps: Mapping[str, int], *, verify: str) -> _JournaledPatch:
         self._written_fps = None
@@ -795,7 +802,8 @@ class FileTarget(TensorApplier):
             raise BaseMismatchError(f"{self.path} holds no version yet; a delta cannot be its first")
         m = prepared.manifest
         tensors = self.file.views  # made as asked for: a step patched by address asks for few (a file of 70k: 0.5 s)
-        check_base(m, tensors, fps, layout=self._layout, state_lines=self.state_lines())  # before any I/O
+        check_base(m, tensors, fps, layout=self._layout, state_lines=self.state_lines(),
+                   layout_columns=self.layout_columns())  # before any I/O
         if self.before_write is not None:
             self.before_write(m.version)
         if self.check is not None:  # a signal or a deadline: stop before the journal (nothing to roll back)
@@ -854,6 +862,19 @@ class FileTarget(TensorApplier):
                  np.fromiter(map(sizes.__getitem__, dtypes), dtype=np.int64, count=len(dtypes)))
         self._columns = (self.file, table)
         return table
+
+    def layout_columns(self) -> LayoutColumns | None:
+        """This file's layout as :class:`~deltasync.apply.LayoutColumns`, made once per layout (None while the file
+        holds no version)."""
+        layout = self._layout
+        got = self._layout_cols
+        if got is not None and got[0] is layout:
+            return got[1]
+        if layout is None:
+            return None
+        cols = LayoutColumns(layout)
+        self._layout_cols = (layout, cols)
+        return cols
 
     def state_lines(self) -> tuple[list[str], StateLines] | None:
         """This file's layout's names sorted and its :class:`StateLines` in that order, made once per layout: what

@@ -501,21 +501,57 @@ def _info(dtype: torch.dtype):
     return info
 
 
+class LayoutColumns:
+    """A layout (name -> (dtype name, shape)) as arrays, made once per layout (``subscribe --out``'s file): a parsed
+    table's records are checked against it with no tuple made per record (~0.025 s a step at 70,000 tensors)."""
+
+    def __init__(self, layout: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+        names = list(layout)
+        self.index = dict(zip(names, range(len(names))))
+        vals = list(layout.values())
+        dtypes = list(map(itemgetter(0), vals))
+        self.dtype_code = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}
+        self.codes = np.fromiter(map(self.dtype_code.__getitem__, dtypes), np.int64, len(dtypes))
+        shapes = list(map(itemgetter(1), vals))
+        self.ranks = np.fromiter(map(len, shapes), np.int64, len(shapes))
+        self.dims = np.fromiter(chain.from_iterable(shapes), np.int64)
+        self.at = np.cumsum(self.ranks) - self.ranks  # each tensor's first dimension in ``dims``
+
+    def matches(self, cols) -> bool:
+        """Every record of ``cols`` (a :class:`~deltasync.tensortable.TableColumns`) names a tensor of this layout,
+        of its dtype and shape."""
+        n = len(cols.names)
+        rows = np.fromiter(map(self.index.get, cols.names, repeat(-1)), np.int64, n)
+        if n and int(rows.min()) < 0:
+            return False
+        code = np.array([self.dtype_code.get(d, -1) for d in cols.dtype_names] or [0], np.int64)
+        if (code[cols.codes] != self.codes[rows]).any():
+            return False
+        ranks = np.diff(cols.starts)
+        if (ranks != self.ranks[rows]).any():
+            return False
+        gather = np.repeat(self.at[rows] - cols.starts[:-1], ranks) + np.arange(int(ranks.sum()), dtype=np.int64)
+        return bool((self.dims[gather] == cols.dims.astype(np.int64)).all())
+
+
 def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Mapping[str, int], *,
                layout: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
-               state_lines: tuple[list[str], StateLines] | None = None) -> None:
+               state_lines: tuple[list[str], StateLines] | None = None,
+               layout_columns: LayoutColumns | None = None) -> None:
     """Refuse unless the tracked state is exactly the delta's base.
 
     ``layout``: the tensors' (dtype name, shape) by name, as the caller knows them (a mapped file's header),
     with ``state_lines``: their names sorted and the :class:`~deltasync.fingerprint.StateLines` of the layout in
     that order, made once per layout: the checks then compare lists and arrays, no torch call per tensor (a failing check is made again
-    tensor by tensor below, for its message)."""
+    tensor by tensor below, for its message). ``layout_columns``: the layout's :class:`LayoutColumns`, made once
+    too: a parsed table's records are checked against it as arrays."""
     if layout is None and kernels.cpu_kernels() is not None:  # the tensors' layout read once, checked as lists
         layout = _layout_of(tensors)
         if layout is not None:
             names = sorted(layout)
             state_lines = layout_lines(layout)
-    if layout is not None and state_lines is not None and _base_matches(manifest, layout, state_lines, fps):
+    if layout is not None and state_lines is not None and _base_matches(manifest, layout, state_lines, fps,
+                                                                        layout_columns):
         return
     for rec in manifest.tensors:
         t = tensors.get(rec.name)
@@ -538,14 +574,17 @@ def check_base(manifest: Manifest, tensors: Mapping[str, torch.Tensor], fps: Map
 
 
 def _base_matches(manifest: Manifest, layout: Mapping[str, tuple[str, tuple[int, ...]]],
-                  state_lines: tuple[list[str], StateLines], fps: Mapping[str, int]) -> bool:
+                  state_lines: tuple[list[str], StateLines], fps: Mapping[str, int],
+                  layout_columns: LayoutColumns | None = None) -> bool:
     """:func:`check_base`'s checks, as list and array comparisons: True when all hold."""
     cols = table_columns(manifest)
     if cols is not None:  # a parsed format-3 manifest: its columns, no record made
-        names = cols.names
-        if list(map(layout.get, names)) != list(zip(cols.dtypes(), cols.shapes())):
+        if layout_columns is not None:
+            if not layout_columns.matches(cols):
+                return False
+        elif list(map(layout.get, cols.names)) != list(zip(cols.dtypes(), cols.shapes())):
             return False
-        before = [None] * len(names)  # format 3 keeps no fingerprint before
+        names = before = []  # format 3 keeps no fingerprint before: the state's is compared below
     else:
         recs = manifest.tensors
         names = list(map(_get_name, recs))

@@ -137,6 +137,29 @@ def test_a_parsed_manifest_is_checked_planned_and_applied_from_its_columns(delta
     assert list(m.tensors) == list(enc.manifest.compact().tensors)  # made when asked for: the table's records
 
 
+def test_the_layout_check_as_columns_is_the_record_check(delta):
+    """apply.LayoutColumns (a file's layout as arrays, made once) accepts a parsed table exactly where the
+    record-by-record comparison does: a tensor missing, of another dtype, of another shape or rank, is refused."""
+    from deltasync.apply import LayoutColumns
+    from deltasync.codec import state_layout
+
+    old, _, enc = delta
+    cols = table_columns(parse_manifest(enc.manifest.compact().to_json()))
+    layout = {n: (d, tuple(s)) for n, (d, s) in state_layout(old).items()}
+    name = cols.names[len(cols.names) // 2]
+    d, s = layout[name]
+    other = "float32" if d != "float32" else "bfloat16"
+    for edit, ok in [(None, True), ((d, (*s, 1)), False), ((d, (s[0] + 1,)), False), ((other, s), False),
+                     ("drop", False)]:
+        lay = dict(layout)
+        if edit == "drop":
+            del lay[name]
+        elif edit is not None:
+            lay[name] = edit
+        want = list(map(lay.get, cols.names)) == list(zip(cols.dtypes(), cols.shapes()))
+        assert want == ok and LayoutColumns(lay).matches(cols) == ok, edit
+
+
 @pytest.mark.parametrize("threads", [False, True], ids=["serial", "pool"])
 def test_in_process_apply_equals_the_chunk_by_chunk_path(delta, threads):
     from concurrent.futures import ThreadPoolExecutor
