@@ -20,6 +20,10 @@ the origin; ``deltasync.cli.cluster``, ``--no-fsync``, HMAC-signed manifests, th
 - CPU seconds (user + sys) during the step: the publish process (``wait4``), the follower, the relay and the
   origin (``/proc/PID/stat`` before the publish starts and when F holds v1).
 
+Each layout has a header cache of its own (``deltasync/headercache.py``), empty when it starts: the keyframe publish
+parses the checkpoint's header and keeps its columns, the step's publish reads them back, as a trainer's second and
+later checkpoints do.
+
 Then the in-process path on the same states and servers (another stream name, the follower stopped):
 ``Publisher`` publishes the base (v0) then the step (v1) to the origin; a ``ThreadedSubscriber`` (auto mode) with
 a dict of tensors follows the relay. Timed: the step's ``publish()`` call (the trainer's blocking time), publish
@@ -362,6 +366,11 @@ def _measure(which: str, timeout: float, kimi_kwargs: dict) -> dict:
         facts = _write_states(_layout(which, kimi_kwargs), work / "base.safetensors", work / "step.safetensors")
         facts["write_s"] = time.perf_counter() - t0
         base, step = facts.pop("base"), facts.pop("step")
+        # a header cache of this layout's own (deltasync/headercache.py), empty at its start: the keyframe publish
+        # parses the checkpoint's header and keeps it, the step's publish reads it back, as a trainer's second
+        # and later checkpoints do; no run or layout reads another's
+        was_cache = os.environ.get("DELTASYNC_HEADER_CACHE")
+        os.environ["DELTASYNC_HEADER_CACHE"] = str(work / "header-cache")
         cluster = LocalCluster(work / "servers", key=KEY)
         r = {"facts": facts, "dir": root or tempfile.gettempdir(), "error": None, "load": os.getloadavg()[0]}
         errors = []
@@ -384,6 +393,10 @@ def _measure(which: str, timeout: float, kimi_kwargs: dict) -> dict:
         finally:
             cluster.close()
             r["load_end"] = os.getloadavg()[0]
+            if was_cache is None:
+                os.environ.pop("DELTASYNC_HEADER_CACHE", None)
+            else:
+                os.environ["DELTASYNC_HEADER_CACHE"] = was_cache
         r["error"] = "\n".join(errors) or None
         return r
 
@@ -440,7 +453,9 @@ def report(results: dict[str, dict], quick: bool, timeout: float) -> str:
         "names) in three layouts, a ~1%-changed AdamW-like step (one ULP each), through the CLI: `publish` -> origin "
         "-> one relay -> an already-running `subscribe --out` (follow mode), every command its own process, HMAC-signed "
         "manifests, `--no-fsync` stores; then the in-process `Publisher` and a `ThreadedSubscriber` (dict of tensors, "
-        "auto apply) on the same states and servers. One run each, this machine"
+        "auto apply) on the same states and servers. Each layout has a header cache of its own, empty at its start "
+        "(`deltasync/headercache.py`: the keyframe publish parses the checkpoint's header and keeps it, the step's "
+        "publish reads it back, as a trainer's later checkpoints do). One run each, this machine"
         + (" (quick mode: 8 tensors and the Kimi layout only)" if quick else "") + ". Seconds unless marked; "
         f"ratios are layout / 8 tensors. Timeout per command or wait: {timeout:.0f} s.",
         "",

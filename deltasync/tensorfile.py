@@ -51,6 +51,7 @@ try:
 except ImportError:  # the stdlib path decides alone
     _orjson = None
 
+from . import headercache
 from .atomic import write_atomic
 from .dtypes import HostTensor, dtype_info, numpy_word_dtype, word_count
 from .errors import FormatError, IntegrityError
@@ -267,6 +268,13 @@ def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHead
 
 def _parse_text(text: bytes, where: str, n: int, size: int) -> TensorHeader:
     global _LAST_HEADER
+    key, kept = headercache.load(text, size, 8 + n)  # this text's columns as a process parsed them before
+    if kept is not None:
+        names, dtypes, shapes, starts, stops, meta = kept
+        entries = LazyEntries()
+        entries.columns = HeaderColumns(names=names, dtypes=dtypes, shapes=shapes, starts=starts, stops=stops)
+        _LAST_HEADER = (text, size, TensorHeader(entries=entries, metadata=dict(meta), data_start=8 + n, size=size))
+        return TensorHeader(entries=entries, metadata=dict(meta), data_start=8 + n, size=size)
     parsed = _fast_json(text)
     if parsed is not None:
         header, meta = parsed
@@ -279,6 +287,8 @@ def _parse_text(text: bytes, where: str, n: int, size: int) -> TensorHeader:
     exotic = any(k.startswith(DTYPE_META_PREFIX) for k in meta)  # else no entry has a real dtype to look up
     entries = None if exotic else _entries_fast(header, base, data_len)
     if entries is not None:
+        c = entries.columns
+        headercache.store(key, size, base, c.names, c.dtypes, c.shapes, c.starts, c.stops, meta)
         out = TensorHeader(entries=entries, metadata=dict(meta), data_start=base, size=size)
         _LAST_HEADER = (text, size, TensorHeader(entries=entries, metadata=dict(meta), data_start=base, size=size))
         return out

@@ -12,3 +12,18 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_header_cache(tmp_path_factory):
+    """The header cache (deltasync/headercache.py) in the session's own directory, for this process and the
+    commands it starts: nothing of the user's ~/.cache is read or written."""
+    import os
+
+    was = os.environ.get("DELTASYNC_HEADER_CACHE")
+    os.environ["DELTASYNC_HEADER_CACHE"] = str(tmp_path_factory.mktemp("header-cache"))
+    yield
+    if was is None:
+        os.environ.pop("DELTASYNC_HEADER_CACHE", None)
+    else:
+        os.environ["DELTASYNC_HEADER_CACHE"] = was

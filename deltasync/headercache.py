@@ -1,0 +1,146 @@
+"""A safetensors header's checked columns kept on disk, by the SHA-256 of its text and the file's size.
+
+A trainer writes every step's checkpoint with the same header, byte for byte; a 70,000-tensor one is ~8 MB of
+JSON that takes ~0.1 s to parse and check, in each process that opens one (``publish --base``: every step). The
+first process that parses a header of ``MIN_ENTRIES`` entries or more keeps its columns here (names, dtypes,
+shapes, byte ranges, metadata: what :class:`~deltasync.tensorfile.HeaderColumns` holds); the next one that meets
+the same text in a file of the same size reads them back (~0.015 s, the hash included) instead of parsing.
+
+The directory: ``DELTASYNC_HEADER_CACHE`` (``off`` turns the cache off), else ``$XDG_CACHE_HOME/deltasync/
+headers``, else ``~/.cache/deltasync/headers``. An entry is written to a temporary name and renamed into place
+(two writers write the same bytes); the newest ``KEEP`` entries are kept. An entry is checked on reading (its
+own checksum, its shape, every byte range tiling the data as the parser requires); anything wrong with it, or
+with the directory, and the header is parsed as if there were none. Nothing here is trusted beyond what the
+parser would have found in the same text: the key is a cryptographic hash of that text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+__all__ = ["MIN_ENTRIES", "cache_dir", "load", "store"]
+
+MIN_ENTRIES = 4096  # smaller headers parse in a few ms: not kept
+KEEP = 8  # entries kept (a training run has one layout; its serving formats a few more)
+_MAGIC = b"DSHC\x01"
+_HEAD = struct.Struct("<5sxxxQQQQQQQ")  # magic, entries, data start, size, and the byte lengths of what follows
+_SEP = "\x00"  # between names (a name holding one is not kept)
+
+
+def cache_dir() -> Path | None:
+    """Where entries are kept (None: the cache is off)."""
+    env = os.environ.get("DELTASYNC_HEADER_CACHE")
+    if env is not None:
+        return None if env.strip().lower() in ("", "0", "off", "no", "false") else Path(env)
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "deltasync" / "headers"
+
+
+def _key(text: bytes, size: int) -> str:
+    return f"{hashlib.sha256(text).hexdigest()}-{size}"
+
+
+def load(text: bytes, size: int, data_start: int) -> tuple[str | None, tuple | None]:
+    """``(key, columns)``: the entry's key (None: never kept, for a text too short or the cache off) and
+    ``(names, dtypes, shapes, starts, stops, metadata)`` kept for this header text in a file of ``size`` bytes
+    whose data starts at ``data_start``, or None (none kept, unreadable, or failing any check)."""
+    where = cache_dir()
+    if len(text) < 32 * MIN_ENTRIES or where is None:  # too short to hold MIN_ENTRIES entries: never kept
+        return None, None
+    key = _key(text, size)
+    try:
+        return key, _unpack((where / key).read_bytes(), size, data_start)
+    except (OSError, ValueError, UnicodeDecodeError, struct.error):
+        return key, None
+
+
+def store(key: str | None, size: int, data_start: int, names: list[str], dtypes: list[str], shapes: list[tuple],
+          starts: np.ndarray, stops: np.ndarray, metadata: dict[str, str]) -> None:
+    """Keep a checked header's columns under ``key`` (:func:`load`'s; None: nothing kept). Nothing happens for a
+    small header, a name holding ``\x00``, or any error writing: the cache is only a shortcut."""
+    where = cache_dir()
+    if key is None or len(names) < MIN_ENTRIES or where is None:
+        return
+    joined = _SEP.join(names)
+    if joined.count(_SEP) != len(names) - 1:
+        return
+    kinds = list(dict.fromkeys(dtypes))
+    code = {d: i for i, d in enumerate(kinds)}
+    ranks = np.fromiter(map(len, shapes), np.uint8, len(shapes))
+    dims = np.fromiter(chain.from_iterable(shapes), np.int64)
+    parts = [joined.encode(), json.dumps(kinds).encode(), json.dumps(metadata).encode(),
+             np.fromiter(map(code.__getitem__, dtypes), np.uint8, len(dtypes)).tobytes(), ranks.tobytes(),
+             dims.tobytes(), (np.asarray(starts, np.int64) - data_start).tobytes()]
+    body = b"".join(parts)
+    head = _HEAD.pack(_MAGIC, len(names), data_start, size, len(parts[0]), len(parts[1]), len(parts[2]), dims.size)
+    data = head + body + xxhash.xxh3_64_digest(head + body)
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        path = where / key
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        _prune(where)
+    except OSError:
+        pass
+
+
+def _prune(where: Path) -> None:
+    entries = sorted((p for p in where.iterdir() if not p.name.startswith(".")), key=lambda p: p.stat().st_mtime)
+    for p in entries[:-KEEP]:
+        p.unlink(missing_ok=True)
+
+
+def _unpack(raw: bytes, size: int, data_start: int):
+    if len(raw) < _HEAD.size + 8 or xxhash.xxh3_64_digest(raw[:-8]) != raw[-8:]:
+        return None
+    magic, n, start, fsize, ln, lk, lm, nd = _HEAD.unpack_from(raw)
+    if magic != _MAGIC or start != data_start or fsize != size:
+        return None
+    at = _HEAD.size
+    names = raw[at : at + ln].decode().split(_SEP)
+    at += ln
+    kinds = json.loads(raw[at : at + lk])
+    at += lk
+    metadata = json.loads(raw[at : at + lm])
+    at += lm
+    codes = np.frombuffer(raw, np.uint8, n, at)
+    at += n
+    ranks = np.frombuffer(raw, np.uint8, n, at).astype(np.int64)
+    at += n
+    dims = np.frombuffer(raw, np.int64, nd, at)
+    at += 8 * nd
+    begin = np.frombuffer(raw, np.int64, n, at)
+    at += 8 * n
+    if at != len(raw) - 8 or len(names) != n or int(ranks.sum()) != nd or (n and int(codes.max()) >= len(kinds)):
+        return None
+    if not (isinstance(metadata, dict) and all(type(k) is str and type(v) is str for k, v in metadata.items())):
+        return None
+    from .dtypes import dtype_info
+
+    infos = [dtype_info(k) for k in kinds]
+    esize = np.array([i.element_size for i in infos], np.int64)[codes] if n else np.zeros(0, np.int64)
+    edge = np.zeros(n + 1, np.int64)
+    np.cumsum(ranks, out=edge[1:])
+    numel = np.ones(n, np.int64)
+    has = np.flatnonzero(ranks)
+    if has.size:
+        numel[has] = np.multiply.reduceat(dims, edge[has])
+    end = begin + numel * esize
+    # the byte ranges tile the data, as the parser requires of the text they were read from
+    order = np.argsort(begin, kind="stable")
+    b, e = begin[order], end[order]
+    if n and (int(b[0]) != 0 or np.any(b[1:] != e[:-1]) or int(e[-1]) != size - data_start or np.any(dims < 0)):
+        return None
+    dl, el = dims.tolist(), edge.tolist()
+    shapes = [tuple(dl[a:z]) for a, z in zip(el, el[1:])]
+    names_of = [i.name for i in infos]
+    return (names, [names_of[c] for c in codes.tolist()], shapes, begin + data_start, end + data_start, metadata)
