@@ -31,6 +31,7 @@ from .blob import check_blob_id
 from .digest import DEFAULT_DIGEST, blob_digest, parse_digest
 from .dtypes import dtype_info, word_count
 from .errors import DeltaSyncError, FormatError, SignatureError
+from .lazytuple import LazyTuple
 from .signing import Ed25519Signer, Signer, Verifier, as_signer, as_verifier, is_public_key, load_key
 from .tensortable import ChunkRef, TableColumns, TensorRecord, fp_values, new_record, pack_table, unpack_table
 
@@ -273,7 +274,7 @@ _TABLES: list[tuple[tuple, tuple, str, str]] = []  # (tensors, blobs, kind, pack
 def _packed_table(m: Manifest) -> str:
     """The base64 text of ``m``'s compressed tensor table, packed once per (tensors, blobs, kind): signing and
     sending a manifest encode it twice or more."""
-    if isinstance(m.tensors, _Unread):
+    if isinstance(m.tensors, (_Unread, _Packed)):  # a parsed table's text, as received
         return m.tensors.table
     for tensors, blobs, kind, text in _TABLES:
         if tensors is m.tensors and blobs is m.blobs and kind == m.kind:
@@ -391,52 +392,12 @@ class _Unread(tuple):
     __iter__ = __len__ = __getitem__ = __contains__ = _unread
 
 
-class _Lazy(_Unread):
-    """Tensor records made when first used (by :meth:`_build`), then kept: a tuple in every way but its
-    making."""
-
-    def _build(self) -> tuple[TensorRecord, ...]:
-        raise NotImplementedError
-
-    def _records(self) -> tuple[TensorRecord, ...]:
-        made = self.__dict__.get("made")
-        if made is None:
-            made = self.made = self._build()
-        return made
-
-    def __iter__(self):
-        return iter(self._records())
-
-    def __reversed__(self):
-        return reversed(self._records())
-
-    def __len__(self) -> int:
-        return len(self._records())
-
-    def __getitem__(self, i):
-        return self._records()[i]
-
-    def __contains__(self, x) -> bool:
-        return x in self._records()
-
-    def __eq__(self, other) -> bool:
-        return self._records() == (tuple(other) if isinstance(other, tuple) else other)
-
-    def __ne__(self, other) -> bool:
-        return not self == other
-
-    def __hash__(self) -> int:
-        return hash(self._records())
-
-    def __repr__(self) -> str:
-        return repr(self._records())
-
-
-class _Packed(_Lazy):
+class _Packed(LazyTuple):
     """The tensor records of a format-3 manifest, made from its table when first used: a parsed manifest's (its
     checked columns kept: :func:`table_columns`), or one compacted from a table packed from columns
     (:func:`remember_compact`)."""
 
+    table: str  # the table's text, as received (what the manifest's signature covers)
     kind: str
     blob_ids: tuple[str, ...]
 
@@ -446,7 +407,7 @@ class _Packed(_Lazy):
                                                                             list(self.blob_ids))
 
 
-class LazyRecords(_Lazy):
+class LazyRecords(LazyTuple):
     """Format-2 tensor records a writer holding them as columns makes only if they are used (the codec's flat
     encoder: a publish compacts, signs and sends the format-3 form it packed from the same columns, and makes
     none; ~0.07 s at 70,000 tensors). ``changed_words``: their ``changed`` summed, known without them."""
@@ -460,7 +421,7 @@ class LazyRecords(_Lazy):
         return out
 
     def _build(self) -> tuple[TensorRecord, ...]:
-        return tuple(self.__dict__["build"]())
+        return self.__dict__["build"]()
 
 
 class LazyMeta(dict):
