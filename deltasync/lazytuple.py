@@ -1,4 +1,4 @@
-"""A tuple whose items are made when first used.
+"""A tuple whose items are made when first used; and :func:`once`, the same rule for other lazy holders.
 
 A state of 70,000 tensors has as many header entries, manifest records and chunk references; most readers of a
 header or a manifest on the hot paths take their columns (arrays) instead and need none of the objects. The
@@ -9,7 +9,24 @@ hashing), whose items a subclass's :meth:`_build` makes the first time any of th
 
 from __future__ import annotations
 
-__all__ = ["LazyTuple"]
+import threading
+
+__all__ = ["LazyTuple", "once"]
+
+#: held while a lazy holder makes what it stands for: a second thread that asks meanwhile waits, then finds it made
+#: (one lock for all: making is rare, once per holder)
+_MAKING = threading.RLock()
+
+
+def once(holder, pending: str, make) -> None:
+    """Run ``make()`` once for ``holder`` while ``getattr(holder, pending)`` is set, then clear that attribute;
+    threads asking meanwhile wait for it (the attribute is cleared only once ``make`` has returned)."""
+    if getattr(holder, pending) is None:
+        return
+    with _MAKING:
+        if getattr(holder, pending) is not None:
+            make()
+            setattr(holder, pending, None)
 
 
 class LazyTuple(tuple):
@@ -21,7 +38,10 @@ class LazyTuple(tuple):
     def _made(self) -> tuple:
         made = self.__dict__.get("made")
         if made is None:
-            made = self.made = tuple(self._build())
+            with _MAKING:  # one thread makes it; another asking meanwhile waits for that
+                made = self.__dict__.get("made")
+                if made is None:
+                    made = self.made = tuple(self._build())
         return made
 
     def __iter__(self):

@@ -31,7 +31,7 @@ from .blob import check_blob_id
 from .digest import DEFAULT_DIGEST, blob_digest, parse_digest
 from .dtypes import dtype_info, word_count
 from .errors import DeltaSyncError, FormatError, SignatureError
-from .lazytuple import LazyTuple
+from .lazytuple import LazyTuple, once
 from .signing import Ed25519Signer, Signer, Verifier, as_signer, as_verifier, is_public_key, load_key
 from .tensortable import ChunkRef, TableColumns, TensorRecord, fp_values, new_record, pack_table, unpack_table
 
@@ -436,9 +436,8 @@ class LazyMeta(dict):
         self._spans: Callable[[], Iterable[tuple[str, str]]] | None = spans
 
     def _full(self) -> None:
-        spans, self._spans = self._spans, None
-        if spans is not None:
-            dict.update(self, spans())
+        if self._spans is not None:  # added by one thread, others asking meanwhile wait for it
+            once(self, "_spans", lambda: dict.update(self, self._spans()))
 
     def _for(self, key) -> None:
         if self._spans is not None and (not isinstance(key, str) or key.startswith(SPANS_META_PREFIX)):

@@ -57,7 +57,7 @@ from .dtypes import HostTensor, dtype_info, numpy_word_dtype, word_count
 from .errors import FormatError, IntegrityError
 from .frozen import maker
 from .gcpause import gc_paused
-from .lazytuple import LazyTuple
+from .lazytuple import LazyTuple, once
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -444,10 +444,8 @@ class HostState(dict):
         return not self._edited
 
     def _made(self) -> None:
-        fill = self._fill
-        if fill is not None:
-            self._fill = None
-            fill(self)
+        if self._fill is not None:  # made by one thread, others asking meanwhile wait for it
+            once(self, "_fill", lambda: self._fill(self))
 
     def records(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype name, shape) of every tensor, in header order."""

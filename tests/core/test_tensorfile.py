@@ -285,3 +285,43 @@ def test_an_entry_the_columns_cannot_judge_is_left_to_the_loop(edit):
     tensorfile._LAST_HEADER = None
     with pytest.raises(FormatError):
         parse_header(_file(json.dumps(body, separators=(",", ":")).encode(), bytes(buf[8 + n :])))
+
+
+def test_a_states_tensors_are_made_once_whatever_threads_ask(tmp_path):
+    """HostState makes its tensors on first use; threads asking at the same moment wait for that one making (a
+    keyframe publish reads a state from its pool's threads): none sees a half-made state."""
+    import sys
+    import threading
+
+    from deltasync.tensorfile import MappedTensorFile
+
+    state = {f"t{i:05d}": torch.full((3,), float(i)) for i in range(20_000)}
+    (tmp_path / "a.safetensors").write_bytes(save(state))
+    names = sorted(state)
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as they can
+    try:
+        for _ in range(3):
+            tensorfile._LAST_HEADER = None
+            with MappedTensorFile(tmp_path / "a.safetensors") as f:
+                host = f.host
+                start = threading.Barrier(8)
+                errors: list[BaseException] = []
+
+                def read(k: int) -> None:
+                    start.wait()
+                    try:
+                        for name in names[-1 - k :: -997]:
+                            assert float(host[name].words.view("<f4")[0]) == float(int(name[1:]))
+                        assert len(host) == len(state) and set(host) == set(state)
+                    except BaseException as e:  # noqa: BLE001 - reported below
+                        errors.append(e)
+
+                threads = [threading.Thread(target=read, args=(k,)) for k in range(8)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                assert not errors, errors[0]
+    finally:
+        sys.setswitchinterval(was)
