@@ -66,9 +66,9 @@ from deltasync.fingerprint import (
     tensor_fingerprint,
 )
 from deltasync.gcpause import gc_paused
-from deltasync.manifest import record_columns
 from deltasync.kernels.fpkeys import C0
 from deltasync.keyframe import copy_state
+from deltasync.manifest import record_columns
 from deltasync.tensorfile import (MAX_HEADER_BYTES, PATCHING, MappedTensorFile, build_header, entry_names, entry_starts,
                                   header_columns, parse_header)
 
