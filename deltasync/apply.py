@@ -1036,7 +1036,7 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
         fpds = np.zeros(sel.size, np.uint64)
         parts = [(0, sel.size)]
         if executor is not None and sel.size > 1 and offsets[-1] >= BATCH_PART_MIN:
-            parts = split_counts(counts.tolist(), PATCH_TASKS)
+            parts = split_counts(counts, PATCH_TASKS)
 
         def run(r, jobs=jobs, old=old, fpds=fpds, offsets=offsets, like=like, w=w):
             a, b = r

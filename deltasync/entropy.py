@@ -311,7 +311,7 @@ def decode_ans_columns(tables, ans: np.ndarray, raws: dict, table: np.ndarray, *
         raw_words = np.ascontiguousarray(raws.get(w, np.zeros(0, wdt)), wdt)
         ranges = [(0, sub.shape[0])]
         if executor is not None and o >= _PART_MIN and sub.shape[0] > 1:
-            ranges = split_counts(counts.tolist(), _PARTS)
+            ranges = split_counts(counts, _PARTS)
 
         def run(r, jobs=jobs, pos=pos, rawf=rawf, vals=vals, raw_words=raw_words, w=w):
             return k.ans_decode_chunks(words16, jobs[r[0] : r[1]], gtab, vtab, raw_words, pos, rawf, vals, w * 8)

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor
 from typing import TypeVar
 
+import numpy as np
+
 __all__ = ["TASKS", "split_counts", "map_parts"]
 
 T = TypeVar("T")
@@ -20,9 +22,11 @@ R = TypeVar("R")
 TASKS = 4  # parts per executor call: 2 per core on the 2-core machines we measure on, enough to balance
 
 
-def split_counts(counts: Sequence[int], parts: int) -> list[tuple[int, int]]:
-    """Contiguous ``[a, b)`` ranges of ``counts`` with about equal sums, at most ``parts`` of them (every
-    item in exactly one range, none empty)."""
+def split_counts(counts: Sequence[int] | np.ndarray, parts: int) -> list[tuple[int, int]]:
+    """Contiguous ``[a, b)`` ranges of ``counts`` (non-negative) with about equal sums, at most ``parts`` of them
+    (every item in exactly one range, none empty)."""
+    if len(counts) > 64:  # many items (a blob's chunks): the same cuts found by binary search in the running sums
+        return _split_sums(np.cumsum(np.asarray(counts, dtype=np.int64)), parts)
     total = sum(counts)
     if total <= 0:  # nothing to weigh by: equal numbers of items
         counts, total = [1] * len(counts), len(counts)
@@ -33,6 +37,26 @@ def split_counts(counts: Sequence[int], parts: int) -> list[tuple[int, int]]:
             out.append((a, i + 1))
             a = i + 1
     out.append((a, len(counts)))
+    return [r for r in out if r[0] < r[1]]
+
+
+def _split_sums(sums: np.ndarray, parts: int) -> list[tuple[int, int]]:
+    """:func:`split_counts` from the running sums of its counts: the loop's cut after item ``i`` is where the sum
+    through ``i`` first reaches each next ``k / parts`` of the total, one cut an item, none after the last."""
+    n = int(sums.size)
+    total = int(sums[-1])
+    if total <= 0:
+        sums, total = np.arange(1, n + 1, dtype=np.int64), n
+    scaled = sums * parts
+    out, a, k = [], 0, 1
+    while True:
+        i = max(int(np.searchsorted(scaled, total * k, side="left")), a)  # the first item at or past the k-th mark
+        if i + 1 >= n:
+            break
+        out.append((a, i + 1))
+        a = i + 1
+        k = len(out) + 1
+    out.append((a, n))
     return [r for r in out if r[0] < r[1]]
 
 

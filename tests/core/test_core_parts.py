@@ -59,3 +59,44 @@ def test_map_parts_serial_below_min_weight_and_raises_the_first_error_in_order()
 
         with pytest.raises(ValueError, match="bad 3"):
             list(map_parts(fn, list(range(10)), ex))
+
+
+def test_many_counts_are_cut_where_the_loop_cuts_them():
+    """split_counts of more than 64 counts (a blob's chunks) finds the same cuts by binary search in the running
+    sums as the item-by-item loop: zeros, one heavy item, all weight first or last, any number of parts."""
+    import random
+
+    import numpy as np
+
+    from deltasync.parts import split_counts
+
+    def loop(counts, p):
+        total = sum(counts)
+        if total <= 0:
+            counts, total = [1] * len(counts), len(counts)
+        out, a, acc = [], 0, 0
+        for i, c in enumerate(counts):
+            acc += c
+            if acc * p >= total * (len(out) + 1) and i + 1 < len(counts):
+                out.append((a, i + 1))
+                a = i + 1
+        out.append((a, len(counts)))
+        return [r for r in out if r[0] < r[1]]
+
+    rng = random.Random(3)
+    for _ in range(3000):
+        n = rng.choice([65, 70, 200, 3000])
+        shape = rng.random()
+        if shape < 0.2:
+            counts = [0] * n
+        elif shape < 0.4:
+            counts = [rng.choice([1, 1, 1, 10**6]) for _ in range(n)]
+        elif shape < 0.5:
+            counts = [0] * (n - 1) + [5]
+        elif shape < 0.6:
+            counts = [7] + [0] * (n - 1)
+        else:
+            counts = [rng.randrange(0, 1000) for _ in range(n)]
+        p = rng.choice([1, 2, 3, 4, 7, 16])
+        want = loop(counts, p)
+        assert split_counts(counts, p) == want and split_counts(np.array(counts, np.int64), p) == want
