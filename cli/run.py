@@ -42,10 +42,8 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None = None) 
     """Parse ``argv``, run the chosen subcommand; a DeltaSyncError or a missing/unreadable file
     is one line on stderr and exit status 1, an interrupt 130, a closed stdout 141."""
     args = parser.parse_args(argv)
-    if _is_the_program():
-        if "numpy" not in sys.modules:
-            _one_blas_thread()
-        _small_pages()
+    if "numpy" not in sys.modules and _is_the_program():
+        _one_blas_thread()
     if os.environ.get("DELTASYNC_KERNELS"):  # the one place the kernel switch is read (deltasync.kernels)
         from deltasync import kernels
 
@@ -90,13 +88,15 @@ def _one_blas_thread() -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
-def _small_pages() -> None:
-    """No transparent huge pages for numpy's arrays in a command that is the program (unless the environment says
-    otherwise: ``NUMPY_MADVISE_HUGEPAGE``). numpy advises huge pages for every array of 4 MiB or more; where the
-    kernel then compacts memory on a fault (``transparent_hugepage/defrag`` = ``madvise``, common), a step's fresh
-    output arrays, written sparsely, stall on it: a 70k-tensor step's apply took 0.15-0.40 s here, 0.15 s every
-    time without. Set before numpy is imported (the processes a command starts inherit it), else at once."""
-    if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
+def small_pages() -> None:
+    """No transparent huge pages for numpy's arrays from now on, in a command that is the program (unless the
+    environment says otherwise: ``NUMPY_MADVISE_HUGEPAGE``); the processes it starts inherit the setting. numpy
+    advises huge pages for every array of 4 MiB or more; where the kernel then compacts memory on a fault
+    (``transparent_hugepage/defrag`` = ``madvise``, common), a step's fresh arrays, written sparsely, stall on it: a
+    70k-tensor step's apply took 0.15-0.40 s here, 0.15 s every time without, and ``publish --base`` 0.85 against
+    0.79 s. A keyframe's publish, which writes its fresh arrays whole, was ~5% faster with them at 70k tensors: the
+    commands that diff or patch call this (``subscribe``, ``publish --base``), the others keep numpy's default."""
+    if "NUMPY_MADVISE_HUGEPAGE" in os.environ or not _is_the_program():
         return
     os.environ["NUMPY_MADVISE_HUGEPAGE"] = "0"
     if "numpy" in sys.modules:

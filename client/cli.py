@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deltasync.cli.run import run_command, settle_heap
+from deltasync.cli.run import run_command, settle_heap, small_pages
 from deltasync.errors import BaseMismatchError, DeltaSyncError
 
 
@@ -439,6 +439,8 @@ def _cmd_publish(args) -> int:
     if os.environ.get("DELTASYNC_TIMELINE"):  # this command's stamps (benchmarks/step_timeline.py)
         timeline.setLevel(logging.DEBUG)
         timeline.debug("mono=%.6f publish-start", time.monotonic())
+    if args.base:
+        small_pages()  # a delta's diff and encode: fresh arrays written sparsely
     # the command ends when it returns: every upload and the commit are awaited (and the Publisher closed)
     # first, so run_command may skip the interpreter's teardown (cli/run.py: ``exit_now``)
     args.exit_now = True
@@ -578,6 +580,7 @@ def cmd_subscribe(args, *, on_applied: Callable[[int], None] | None = None) -> i
     each version is downloaded, decoded and checked, just before it is written into the file (tests use it
     to die there: the file is then still the version before, untouched)."""
     _setup_logging(args)
+    small_pages()  # its applies: fresh arrays written sparsely
     if args.once and args.until is not None:
         print("deltasync subscribe: error: --once and --until exclude each other", file=sys.stderr)
         return 2

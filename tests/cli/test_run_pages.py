@@ -1,5 +1,6 @@
-"""cli/run.py's process settings for a command that is the program: numpy's huge-page advice off (unless the
-environment says otherwise), set for the processes it starts too, and at once when numpy is already imported."""
+"""cli/run.py's ``small_pages``: numpy's huge-page advice off in a command that is the program (``subscribe``,
+``publish --base``) unless the environment says otherwise, set for the processes it starts too, at once when
+numpy is already imported; a program that only embeds deltasync keeps its own setting."""
 
 from __future__ import annotations
 
@@ -24,25 +25,49 @@ def restore_pages():
 
 def test_small_pages_turns_numpys_advice_off_at_once(monkeypatch, restore_pages):
     monkeypatch.delenv("NUMPY_MADVISE_HUGEPAGE", raising=False)
+    monkeypatch.setattr(run, "_is_the_program", lambda: True)
     multiarray._set_madvise_hugepage(True)
-    run._small_pages()
+    run.small_pages()
     assert os.environ["NUMPY_MADVISE_HUGEPAGE"] == "0" and multiarray._get_madvise_hugepage() is False
 
 
 def test_the_environment_keeps_its_say(monkeypatch, restore_pages):
     monkeypatch.setenv("NUMPY_MADVISE_HUGEPAGE", "1")
+    monkeypatch.setattr(run, "_is_the_program", lambda: True)
     multiarray._set_madvise_hugepage(True)
-    run._small_pages()
+    run.small_pages()
     assert multiarray._get_madvise_hugepage() is True
 
 
-def test_a_command_that_is_the_program_runs_with_small_pages(monkeypatch, restore_pages):
+def test_a_program_that_embeds_deltasync_keeps_its_setting(monkeypatch, restore_pages):
+    monkeypatch.delenv("NUMPY_MADVISE_HUGEPAGE", raising=False)
+    monkeypatch.setattr(run, "_is_the_program", lambda: False)
+    multiarray._set_madvise_hugepage(True)
+    run.small_pages()
+    assert multiarray._get_madvise_hugepage() is True and "NUMPY_MADVISE_HUGEPAGE" not in os.environ
+
+
+def test_subscribe_and_publish_base_ask_for_small_pages(monkeypatch):
+    """The commands that diff or patch call it first thing; a keyframe's publish (no --base) does not."""
     import argparse
 
-    monkeypatch.delenv("NUMPY_MADVISE_HUGEPAGE", raising=False)
-    monkeypatch.setattr(run, "_is_the_program", lambda: True)
-    multiarray._set_madvise_hugepage(True)
-    seen = []
-    parser = argparse.ArgumentParser()
-    parser.set_defaults(func=lambda args: seen.append(multiarray._get_madvise_hugepage()))
-    assert run.run_command(parser, []) == 0 and seen == [False]
+    from deltasync.client import cli
+
+    class Stop(Exception):
+        pass
+
+    calls = []
+    monkeypatch.setattr(cli, "small_pages", lambda: calls.append(1))
+    monkeypatch.setattr(cli, "_read_token", lambda *a: (_ for _ in ()).throw(Stop()))  # the next step: stop there
+    monkeypatch.setattr(cli, "_setup_logging", lambda args: None)
+    for base, want in ((None, []), ("prev.safetensors", [1])):
+        calls.clear()
+        try:
+            cli._cmd_publish(argparse.Namespace(base=base, token_file=None))
+        except Stop:
+            pass
+        assert calls == want
+    calls.clear()
+    monkeypatch.setattr(cli, "_bounded_subscribe", lambda *a: None)
+    args = argparse.Namespace(once=True, until=1, signing_key=None)  # refused as bad usage, after the call
+    assert cli.cmd_subscribe(args) == 2 and calls == [1]
