@@ -31,7 +31,7 @@ from .blob import check_blob_id
 from .digest import DEFAULT_DIGEST, blob_digest, parse_digest
 from .dtypes import dtype_info, word_count
 from .errors import DeltaSyncError, FormatError, SignatureError
-from .lazytuple import LazyTuple, once
+from .lazytuple import LazyDict, LazyTuple
 from .signing import Ed25519Signer, Signer, Verifier, as_signer, as_verifier, is_public_key, load_key
 from .tensortable import ChunkRef, TableColumns, TensorRecord, fp_values, new_record, pack_table, unpack_table
 
@@ -424,125 +424,19 @@ class LazyRecords(LazyTuple):
         return self.__dict__["build"]()
 
 
-class LazyMeta(dict):
+class LazyMeta(LazyDict):
     """A format-2 manifest's meta whose per-tensor span entries (``deltasync.spans.<name>``) are added when first
     needed: any read of the whole mapping, or of a span key, adds them (~0.03 s at 70,000 tensors, which a publish
-    that compacts never needs). Reads of other keys answer from what is there. A dict in every other way, but to
-    C code that reads a dict's storage directly (json's and orjson's encoders): serialize ``dict(meta)``, as
-    :meth:`Manifest.to_obj` does."""
+    that compacts never needs). Reads of other keys answer from what is there. A dict in every other way
+    (:class:`~deltasync.lazytuple.LazyDict`: serialize ``dict(meta)``, as :meth:`Manifest.to_obj` does)."""
 
     def __init__(self, meta: Mapping[str, str], spans: Callable[[], Iterable[tuple[str, str]]]) -> None:
         super().__init__(meta)
-        self._spans: Callable[[], Iterable[tuple[str, str]]] | None = spans
-
-    def _full(self) -> None:
-        if self._spans is not None:  # added by one thread, others asking meanwhile wait for it
-            once(self, "_spans", lambda: dict.update(self, self._spans()))
+        self._pending = lambda d: dict.update(d, spans())
 
     def _for(self, key) -> None:
-        if self._spans is not None and (not isinstance(key, str) or key.startswith(SPANS_META_PREFIX)):
+        if self._pending is not None and (not isinstance(key, str) or key.startswith(SPANS_META_PREFIX)):
             self._full()
-
-    def __getitem__(self, key):
-        self._for(key)
-        return dict.__getitem__(self, key)
-
-    def get(self, key, default=None):
-        self._for(key)
-        return dict.get(self, key, default)
-
-    def __contains__(self, key) -> bool:
-        self._for(key)
-        return dict.__contains__(self, key)
-
-    def __len__(self) -> int:
-        self._full()
-        return dict.__len__(self)
-
-    def __iter__(self):
-        self._full()
-        return dict.__iter__(self)
-
-    def __reversed__(self):
-        self._full()
-        return dict.__reversed__(self)
-
-    def keys(self):
-        self._full()
-        return dict.keys(self)
-
-    def values(self):
-        self._full()
-        return dict.values(self)
-
-    def items(self):
-        self._full()
-        return dict.items(self)
-
-    def copy(self) -> dict:
-        self._full()
-        return dict(dict.items(self))
-
-    def __eq__(self, other):
-        self._full()
-        if isinstance(other, LazyMeta):
-            other._full()
-        return dict.__eq__(self, other)
-
-    def __ne__(self, other):
-        eq = self.__eq__(other)
-        return eq if eq is NotImplemented else not eq
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        self._full()
-        return dict.__repr__(self)
-
-    def __or__(self, other):
-        self._full()
-        return dict(dict.items(self)) | other
-
-    def __ror__(self, other):
-        self._full()
-        return other | dict(dict.items(self))
-
-    def __ior__(self, other):
-        self._full()
-        dict.update(self, other)
-        return self
-
-    def __setitem__(self, key, value) -> None:
-        self._full()
-        dict.__setitem__(self, key, value)
-
-    def __delitem__(self, key) -> None:
-        self._full()
-        dict.__delitem__(self, key)
-
-    def pop(self, *a):
-        self._full()
-        return dict.pop(self, *a)
-
-    def popitem(self):
-        self._full()
-        return dict.popitem(self)
-
-    def setdefault(self, key, default=None):
-        self._full()
-        return dict.setdefault(self, key, default)
-
-    def update(self, *a, **k) -> None:
-        self._full()
-        dict.update(self, *a, **k)
-
-    def clear(self) -> None:
-        self._full()
-        dict.clear(self)
-
-    def __reduce__(self):
-        self._full()
-        return (dict, (dict(dict.items(self)),))
 
 
 def parse_manifest(data: bytes | str | dict, *, verifier: Verifier | bytes | None = None,

@@ -57,7 +57,7 @@ from .dtypes import HostTensor, dtype_info, numpy_word_dtype, word_count
 from .errors import FormatError, IntegrityError
 from .frozen import maker
 from .gcpause import gc_paused
-from .lazytuple import LazyTuple, once
+from .lazytuple import LazyDict, LazyTuple
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -425,7 +425,7 @@ class TensorViews(Mapping):
         return name in self._entries
 
 
-class HostState(dict):
+class HostState(LazyDict):
     """:func:`host_tensors_of`'s mapping: name -> :class:`HostTensor`, in header order, that also knows the
     header it was made from (``header``), so a state of many tensors can be described without a pass over
     them (its layout, its bytes: :func:`deltasync.codec.same_layout`, :meth:`records`).
@@ -436,16 +436,11 @@ class HostState(dict):
 
     header: TensorHeader
     whole: np.ndarray | None = None  # the mapped buffer the tensors view (uint8), where made from one
-    _fill: Callable[[HostState], None] | None = None  # makes the tensors (None: made)
     _edited = False
 
     @property
     def pristine(self) -> bool:
         return not self._edited
-
-    def _made(self) -> None:
-        if self._fill is not None:  # made by one thread, others asking meanwhile wait for it
-            once(self, "_fill", lambda: self._fill(self))
 
     def records(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype name, shape) of every tensor, in header order."""
@@ -459,103 +454,12 @@ class HostState(dict):
             return sum(t.nbytes for t in self.values())
         return self.header.size - self.header.data_start
 
-    # -- the mapping, its tensors made first -----------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.header.entries) if self._fill is not None else dict.__len__(self)
+        return len(self.header.entries) if self._pending is not None else dict.__len__(self)
 
-    def __getitem__(self, name):
-        self._made()
-        return dict.__getitem__(self, name)
-
-    def __iter__(self):
-        self._made()
-        return dict.__iter__(self)
-
-    def __reversed__(self):
-        self._made()
-        return dict.__reversed__(self)
-
-    def __contains__(self, name) -> bool:
-        self._made()
-        return dict.__contains__(self, name)
-
-    def __eq__(self, other):
-        self._made()
-        if isinstance(other, HostState):
-            other._made()
-        return dict.__eq__(self, other)
-
-    def __ne__(self, other):
-        eq = self.__eq__(other)
-        return eq if eq is NotImplemented else not eq
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        self._made()
-        return dict.__repr__(self)
-
-    def __or__(self, other):
-        self._made()
-        return dict(self.items()) | other
-
-    def keys(self):
-        self._made()
-        return dict.keys(self)
-
-    def values(self):
-        self._made()
-        return dict.values(self)
-
-    def items(self):
-        self._made()
-        return dict.items(self)
-
-    def get(self, name, default=None):
-        self._made()
-        return dict.get(self, name, default)
-
-    def copy(self) -> dict:
-        self._made()
-        return dict(dict.items(self))
-
-    # changes: made first, and the state is no longer its header's
-    def _edit(self) -> None:
-        self._made()
+    def _edit(self) -> None:  # made first, and the state is no longer its header's
+        self._full()
         self._edited = True
-
-    def __setitem__(self, name, value) -> None:
-        self._edit()
-        dict.__setitem__(self, name, value)
-
-    def __delitem__(self, name) -> None:
-        self._edit()
-        dict.__delitem__(self, name)
-
-    def __ior__(self, other):
-        self._edit()
-        dict.update(self, other)
-        return self
-
-    def pop(self, *a):
-        self._edit()
-        return dict.pop(self, *a)
-
-    def popitem(self):
-        self._edit()
-        return dict.popitem(self)
-
-    def setdefault(self, name, default=None):
-        self._edit()
-        return dict.setdefault(self, name, default)
-
-    def update(self, *a, **k) -> None:
-        self._edit()
-        dict.update(self, *a, **k)
-
-    def clear(self) -> None:
-        self._edit()
-        dict.clear(self)
 
 
 def same_header(a: Mapping, b: Mapping) -> bool:
@@ -574,7 +478,7 @@ def host_tensors_of(whole: np.ndarray, header: TensorHeader) -> HostState:
     out = HostState()
     out.header = header
     out.whole = whole
-    out._fill = _host_tensors
+    out._pending = _host_tensors
     return out
 
 

@@ -171,9 +171,9 @@ def test_a_publish_makes_no_format_2_record(flat_min):
     parse_manifest(sent.to_json(), verifier=b"k" * 32)
     assert m.changed_words == ref.manifest.changed_words and m.total_bytes == ref.manifest.total_bytes
     assert m.coding == ref.manifest.coding
-    assert "made" not in m.tensors.__dict__ and m.meta._spans is not None  # neither made
+    assert "made" not in m.tensors.__dict__ and m.meta._pending is not None  # neither made
     assert sent.to_json() == ref.manifest.with_digests(ref.blobs).compact().sign(as_signer(b"k" * 32)).to_json()
-    assert dict(m.meta) == dict(ref.manifest.meta) and m.meta._spans is None
+    assert dict(m.meta) == dict(ref.manifest.meta) and m.meta._pending is None
     assert m.tensors == ref.manifest.tensors and "made" in m.tensors.__dict__
 
 
