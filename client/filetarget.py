@@ -866,29 +866,25 @@ class FileTarget(TensorApplier):
     def layout_columns(self) -> LayoutColumns | None:
         """This file's layout as :class:`~deltasync.apply.LayoutColumns`, made once per layout (None while the file
         holds no version)."""
+        return self._per_layout("_layout_cols", LayoutColumns)
+
+    def _per_layout(self, slot: str, make):
+        """``make(layout)`` of the file's layout, kept in ``slot`` until the layout changes (None: no layout)."""
         layout = self._layout
-        got = self._layout_cols
+        got = getattr(self, slot)
         if got is not None and got[0] is layout:
             return got[1]
         if layout is None:
             return None
-        cols = LayoutColumns(layout)
-        self._layout_cols = (layout, cols)
-        return cols
+        made = make(layout)
+        setattr(self, slot, (layout, made))
+        return made
 
     def state_lines(self) -> tuple[list[str], StateLines] | None:
         """This file's layout's names sorted and its :class:`StateLines` in that order, made once per layout: what
         ``check_base(state_lines=)`` takes and what ``LiveState.state_fp`` hashes the fingerprints after a step
         with (None while the file holds no version)."""
-        layout = self._layout
-        got = self._lines
-        if got is not None and got[0] is layout:
-            return got[1]
-        if layout is None:
-            return None
-        lines = layout_lines(layout)
-        self._lines = (layout, lines)
-        return lines
+        return self._per_layout("_lines", layout_lines)
 
     def _journal_columns(self, cols: ColumnarPatches):
         """The undo journal of a delta prepared as columns (jrnl03): per word size, one group of chunk rows, the
