@@ -27,6 +27,12 @@ def split_counts(counts: Sequence[int] | np.ndarray, parts: int) -> list[tuple[i
     (every item in exactly one range, none empty)."""
     if len(counts) > 64:  # many items (a blob's chunks): the same cuts found by binary search in the running sums
         return _split_sums(np.cumsum(np.asarray(counts, dtype=np.int64)), parts)
+    return _split_loop(counts, parts)
+
+
+def _split_loop(counts: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    """:func:`split_counts` item by item: a cut after the item whose running sum first reaches each next
+    ``1 / parts`` of the total."""
     total = sum(counts)
     if total <= 0:  # nothing to weigh by: equal numbers of items
         counts, total = [1] * len(counts), len(counts)

@@ -68,20 +68,8 @@ def test_many_counts_are_cut_where_the_loop_cuts_them():
 
     import numpy as np
 
+    from deltasync.parts import _split_loop as loop
     from deltasync.parts import split_counts
-
-    def loop(counts, p):
-        total = sum(counts)
-        if total <= 0:
-            counts, total = [1] * len(counts), len(counts)
-        out, a, acc = [], 0, 0
-        for i, c in enumerate(counts):
-            acc += c
-            if acc * p >= total * (len(out) + 1) and i + 1 < len(counts):
-                out.append((a, i + 1))
-                a = i + 1
-        out.append((a, len(counts)))
-        return [r for r in out if r[0] < r[1]]
 
     rng = random.Random(3)
     for _ in range(3000):
