@@ -70,9 +70,10 @@ class EncodeOptions:
     # across tensors (a TP rank's rows of every column-parallel tensor share blobs), with tensors whose name
     # ends with one of ``dim1_suffixes`` (sharded on dim 1 by engines: every rank needs all of them) after.
     pack: str = "tensor"
-    # Blob format version written (docs/FORMAT.md §3): 2 = rANS-coded positions and steps (``ans`` chunks);
-    # 1 = the byte-token coding every older reader understands (publish it while a fleet still runs them).
-    format: int = 2
+    # Blob format version written (docs/FORMAT.md §4): 4 = rANS-coded positions and steps (``ans`` chunks) under
+    # binary chunk records; 2 = the same chunks under JSON records (what readers before version 4 understand);
+    # 1 = the byte-token coding every older reader understands (publish 2 or 1 while a fleet still runs them).
+    format: int = 4
     # "base-free" (formats 1/2: relays squash chains without the model) or "base-conditioned" (blob format 3:
     # positions and steps modelled by the old word's exponent, ~30% smaller on AdamW traces; decoding needs the
     # base, so relays cannot squash the stream: subscribers walk its chain). docs/FORMAT.md §4.4.
@@ -88,13 +89,13 @@ class EncodeOptions:
             raise ValueError(f"zstd level must be in [-7, 22], got {self.level}")
         if self.pack not in ("tensor", "cells"):
             raise ValueError(f"pack must be 'tensor' or 'cells', got {self.pack!r}")
-        if self.format not in (1, 2, 3):
-            raise ValueError(f"format must be 1, 2 or 3, got {self.format!r}")
+        if self.format not in (1, 2, 3, 4):
+            raise ValueError(f"format must be 1, 2, 3 or 4, got {self.format!r}")
         if self.coding not in CODINGS:
             raise ValueError(f"coding must be one of {CODINGS}, got {self.coding!r}")
-        if (self.format == 3) != (self.coding == CODING_BASE_CONDITIONED) and self.format != 2:
+        if (self.format == 3) != (self.coding == CODING_BASE_CONDITIONED) and self.format not in (2, 4):
             raise ValueError(f"blob format {self.format} cannot carry the {self.coding} coding "
-                             "(base-conditioned is format 3; base-free is 1 or 2)")
+                             "(base-conditioned is format 3; base-free is 1, 2 or 4)")
 
     @property
     def blob_format(self) -> int:
@@ -482,7 +483,7 @@ class ChunkPacker:
 
     def takes_words(self, c: ChunkDiff) -> bool:
         """Does :meth:`add_words` apply to this chunk (compiled kernels, format 2, not a rewrite)?"""
-        return (self.options.blob_format == 2 and 0 < c.positions.size < c.stop - c.start
+        return (self.options.blob_format in (2, 4) and 0 < c.positions.size < c.stop - c.start
                 and kernels.cpu_kernels() is not None)
 
     def add_words(self, name: str, info: DtypeInfo, c: ChunkDiff, symbols=None, *, checked: bool = False) -> bool:
@@ -755,6 +756,7 @@ CHUNK_MODES: dict[int, dict[str, Callable[[dict, int], dict[str, int]]]] = {
     },
 }
 CHUNK_MODES[3] = {**CHUNK_MODES[2], "ansx": lambda r, w: {"ansx": 2 * r["na"], f"raw{w}": r["nr"]}}
+CHUNK_MODES[4] = CHUNK_MODES[2]  # version 2's chunks, their records as binary columns
 
 
 def chunk_bytes(version: int, rec: dict, word_size: int) -> int:
@@ -973,38 +975,51 @@ _INTS = itemgetter("start", "stop", "count", "na", "nr")
 
 
 def _ans_blob_rows(reader: BlobReader):
-    """A format-2/3 blob whose chunks are all ``ans`` chunks, its records checked as columns: (tensor names,
+    """A format-2/3/4 blob whose chunks are all ``ans`` chunks, its records checked as columns: (tensor names,
     dtype names, int64 kernel rows ``(at, na, count, length, start, r0, nr, word size)``, its tables, its raw
     word streams); None for any other blob or where any check fails (the record-by-record loop then raises
     the error, in chunk order). The same checks as that loop: fields, types, ranges, stream lengths."""
     if reader.version < 2 or kernels.cpu_kernels() is None:
         return None
-    chunks = reader.chunks
-    n = len(chunks)
+    cols = reader.columns
+    n = len(cols) if cols is not None else len(reader.chunks)
     if not n:
         return None
     try:
-        if not all(map(operator.eq, map(dict.keys, chunks), repeat(_CHUNK_KEYS_V2))):
-            return None
-        if set(map(_MODE, chunks)) != {"ans"}:
-            return None
-        names = list(map(_TENSOR, chunks))
-        dtns = list(map(_DTYPE, chunks))
-        if set(map(type, names)) != {str} or set(map(type, dtns)) != {str}:
-            return None
-        ints = list(map(_INTS, chunks))  # (start, stop, count, na, nr) of each record
-        if set(map(type, chain.from_iterable(ints))) != {int}:
-            return None
-        arr = np.array(ints, dtype=np.int64).reshape(n, 5).T
+        if cols is not None:  # version 4: the records are columns already
+            if (cols.mode != 0).any():  # COLUMN_MODES[0] == "ans"
+                return None
+            names = cols.names
+            infos = {d: dtype_info(d) for d in set(cols.dtype_names)}
+            code_ws = np.array([infos[d].word_size for d in cols.dtype_names], dtype=np.int64)
+            canon_of = [infos[d].name for d in cols.dtype_names]
+            dtn_list = [canon_of[i] for i in cols.dtype.tolist()] if len(canon_of) > 1 else [canon_of[0]] * n
+            ws = code_ws[cols.dtype]
+            arr = cols.ints.view(np.int64)  # past 2**63: negative, refused below as past MAX_WORDS is
+        else:
+            chunks = reader.chunks
+            if not all(map(operator.eq, map(dict.keys, chunks), repeat(_CHUNK_KEYS_V2))):
+                return None
+            if set(map(_MODE, chunks)) != {"ans"}:
+                return None
+            names = list(map(_TENSOR, chunks))
+            dtns = list(map(_DTYPE, chunks))
+            if set(map(type, names)) != {str} or set(map(type, dtns)) != {str}:
+                return None
+            ints = list(map(_INTS, chunks))  # (start, stop, count, na, nr) of each record
+            if set(map(type, chain.from_iterable(ints))) != {int}:
+                return None
+            arr = np.array(ints, dtype=np.int64).reshape(n, 5).T
+            infos = {d: dtype_info(d) for d in set(dtns)}
+            canon = {d: i.name for d, i in infos.items()}
+            dtn_list = [canon[d] for d in dtns]
+            ws = np.array([infos[d].word_size for d in dtns], dtype=np.int64)
         if (arr < 0).any() or (arr > MAX_WORDS).any():
             return None
         start, stop, count, na, nr = arr
         length = stop - start
         if ((length <= 0) | (count == 0) | (count > length)).any():
             return None
-        infos = {d: dtype_info(d) for d in set(dtns)}
-        canon = {d: i.name for d, i in infos.items()}
-        ws = np.array([infos[d].word_size for d in dtns], dtype=np.int64)
         wsizes = np.unique(ws).tolist()
         if not set(reader.stream_names) <= {"ans", "ansm", *(f"raw{w}" for w in wsizes)}:
             return None  # a stream no chunk uses
@@ -1033,7 +1048,7 @@ def _ans_blob_rows(reader: BlobReader):
     rows[:, 5] = r0
     rows[:, 6] = nr
     rows[:, 7] = ws
-    return names, [canon[d] for d in dtns], rows, tables, raws
+    return names, dtn_list, rows, tables, raws
 
 
 _record, _chunk_ref, _chunk_diff = maker(TensorRecord), maker(ChunkRef), maker(ChunkDiff)

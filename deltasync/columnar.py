@@ -26,11 +26,12 @@ from operator import itemgetter
 import numpy as np
 
 from . import kernels
-from .blob import blob_id, pack_blob
+from .blob import blob_id, newline_joined, pack_blob, pack_chunk_columns
 from . import diffs as _diffs
 from .diffs import (SHARD_CELLS, ChunkDiff, Encoded, StateDiff, _cell, _check_layout, _on_host, _span_words,
                     tensor_chunk_ranges)
 from .dtypes import HostTensor, dtype_info, numpy_word_dtype
+from .errors import FormatError
 from .entropy import _RAW_LIMIT, AnsTables
 from .fingerprint import StateLines, _ascending
 from .gcpause import gc_paused
@@ -416,9 +417,9 @@ def _compare(names, dtypes, shapes, tables, owners, words_of, wsize_of, k, *, ba
 
 def takes_flat(diff, options) -> bool:
     """Does :func:`encode_flat` encode ``diff`` under ``options`` (a :class:`FlatDiff` of ``FLAT_MIN`` chunks or
-    more, blob format 2, packing by tensor, the compiled kernels)?"""
+    more, blob format 2 or 4, packing by tensor, the compiled kernels)?"""
     flat = getattr(diff, "flat", None)
-    return (ENABLED and flat is not None and flat.tensor.size >= FLAT_MIN and options.blob_format == 2
+    return (ENABLED and flat is not None and flat.tensor.size >= FLAT_MIN and options.blob_format in (2, 4)
             and options.pack == "tensor" and kernels.cpu_kernels() is not None)
 
 
@@ -521,8 +522,12 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
         np.zeros(0, np.int64)
     nblobs = int(blob_of[-1]) + 1 if C else 0
     firsts = np.searchsorted(blob_of, np.arange(nblobs + 1))
-    texts = _record_texts(names, list(dt_codes), t_code)
     level, blob_version = options.level, options.blob_format
+    dt_names = list(dt_codes)
+    if blob_version == 4 and C and newline_joined(names) is None:
+        blob_version = 2  # a name holding a newline: version 4 cannot list it (the same chunks in JSON)
+    texts = _record_texts(names, dt_names, t_code) if blob_version == 2 else None
+    chunk_dtype = t_code[tensor].astype(np.uint8) if blob_version == 4 else None
 
     def blob(b: int) -> tuple[bytes, str]:
         c0, c1 = int(firsts[b]), int(firsts[b + 1])
@@ -564,9 +569,20 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
                 _, _, n_words = segs[int(seg[j])]
                 parts.setdefault(f"dense{int(wsz[j])}", []).append(n_words[int(lo[j]) : int(hi[j])])
         rng = slice(c0, c1)
-        records = ansbatch.chunk_records(count[rng], na, np.where(dn, 0, nr[rng]), start[rng], stop[rng], dn,
-                                         tensor[rng], *texts)
-        data = pack_blob(parts, records.tobytes(), version=blob_version, cctx=compressor(level))
+        if blob_version == 4:
+            ints = np.stack([start[rng], stop[rng], count[rng], na, np.where(dn, 0, nr[rng])])
+            codes = chunk_dtype[rng]  # the blob's dtypes numbered in order of first appearance (as BlobWriter's)
+            used, first = np.unique(codes, return_index=True)
+            used = used[np.argsort(first)]
+            renum = np.zeros(len(dt_names), np.uint8)
+            renum[used] = np.arange(used.size, dtype=np.uint8)
+            block = pack_chunk_columns(list(map(names.__getitem__, tensor[rng].tolist())),
+                                       [dt_names[u] for u in used.tolist()], renum[codes], dn.view(np.uint8),
+                                       ints)  # (COLUMN_MODES: 0 ans, 1 dense)
+        else:
+            block = ansbatch.chunk_records(count[rng], na, np.where(dn, 0, nr[rng]), start[rng], stop[rng], dn,
+                                           tensor[rng], *texts).tobytes()
+        data = pack_blob(parts, block, version=blob_version, cctx=compressor(level))
         return data, blob_id(data)
 
     made = list(map_parts(blob, range(nblobs), executor,
@@ -623,9 +639,12 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
     counts = np.ones(len(owners), np.int64) if single else np.diff(np.asarray(bounds, np.int64))
     position = {b: i for i, b in enumerate(blobs)}
     cblob = np.array([position[i] for i in ids], np.int64)[blob_of] if C else np.zeros(0, np.int64)
-    remember_compact(manifest.tensors, tuple(blobs), meta, meta3,
-                     _compact_table(owners, names, dtypes, shapes, flat.fp_after, sums, counts, cblob, index, start,
-                                    stop))
+    try:
+        table = _compact_table(owners, names, dtypes, shapes, flat.fp_after, sums, counts, cblob, index, start, stop)
+    except FormatError:  # a name format 3 cannot carry (a newline): compact() says so where it is asked for
+        pass
+    else:
+        remember_compact(manifest.tensors, tuple(blobs), meta, meta3, table)
     return Encoded(manifest=manifest, blobs=blobs, fps=dict(diff.fps_after))
 
 

@@ -129,8 +129,9 @@ def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes]
             data = get_blob(ref.id)
             if len(data) != ref.size:
                 raise IntegrityError(f"v{m.version}: blob {ref.id} is {len(data)} bytes, its manifest says {ref.size}")
-            newest = max(newest, blob_version(data))
-            if newest >= 3:  # a base-conditioned blob under a manifest that does not say so
+            version = blob_version(data)
+            newest = max(newest, version)
+            if version == 3:  # a base-conditioned blob under a manifest that does not say so
                 raise UnsupportedError(f"v{m.version}: blob {ref.id} uses the base-conditioned coding (format 3), which "
                                        "cannot be squashed without the model; fetch the chain version by version")
             for patch in decode_blob(data):

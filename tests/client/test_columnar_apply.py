@@ -315,11 +315,13 @@ def test_a_malformed_ans_record_fails_as_the_record_loop_says(delta, monkeypatch
     from deltasync import codec
 
     old, new, enc = delta
-    data = next(iter(enc.blobs.values()))
+    fmt2 = dataclasses.replace(_options(enc), format=2)  # JSON records: any value of any type can be forged
+    data = next(iter(encode_delta(old, new, model="m", version=2, parent=1, options=fmt2).blobs.values()))
     real = codec.BlobReader
 
     def mutated(raw, **kw):
         reader = real(raw, **kw)
+        assert reader.version == 2
         rec = dict(reader.chunks[1])
         if value == "drop":
             del rec[field]
@@ -328,6 +330,56 @@ def test_a_malformed_ans_record_fails_as_the_record_loop_says(delta, monkeypatch
         else:
             rec[field] = value
         reader.chunks = [reader.chunks[0], rec, *reader.chunks[2:]]
+        return reader
+
+    monkeypatch.setattr(codec, "BlobReader", mutated)
+
+    def outcome():
+        try:
+            return [(p.tensor, p.start, p.stop, p.count) for p in codec.decode_blob(data)]
+        except Exception as e:  # noqa: BLE001 - compared below
+            return type(e), str(e)
+
+    fast = outcome()
+    monkeypatch.setattr(codec, "_ans_blob_rows", lambda reader: None)
+    assert fast == outcome()
+    assert isinstance(fast, tuple) and issubclass(fast[0], FormatError), fast
+
+
+def _options(enc) -> EncodeOptions:
+    """The options the ``delta`` fixture encoded with (one blob, or many small ones)."""
+    return EncodeOptions() if len(enc.manifest.blobs) == 1 else EncodeOptions(chunk_words=64, blob_target=4096)
+
+
+_COLUMN_CASES = [("start", -1), ("stop", 0), ("count", 0), ("count", 10**6), ("na", "+1"), ("nr", "+1"),
+                 ("count", 2**60), ("start", 2**48 + 1), ("dtype", "int64"), ("dtype", "float128"), ("mode", 1)]
+
+
+@pytest.mark.parametrize("field,value", _COLUMN_CASES, ids=[f"{f}={v!r}" for f, v in _COLUMN_CASES])
+def test_a_malformed_column_fails_as_the_record_loop_says(delta, monkeypatch, field, value):
+    """Blob version 4: a chunk's column forged (as u64, so -1 is 2**64 - 1) is refused by the columns' checks
+    (codec._ans_blob_rows) and by the record-by-record loop with the same FormatError."""
+    from deltasync import codec
+    from deltasync.blob import COLUMN_INTS
+
+    old, new, enc = delta
+    data = next(iter(enc.blobs.values()))
+    real = codec.BlobReader
+
+    def mutated(raw, **kw):
+        reader = real(raw, **kw)
+        cols = reader.columns
+        assert reader.version == 4 and cols is not None
+        ints, dtype, mode, dnames = cols.ints.copy(), cols.dtype.copy(), cols.mode.copy(), list(cols.dtype_names)
+        if field in COLUMN_INTS:
+            row = COLUMN_INTS.index(field)
+            ints[row, 1] = ints[row, 1] + 1 if value == "+1" else np.uint64(value % 2**64)
+        elif field == "dtype":
+            dnames.append(value)
+            dtype[1] = len(dnames) - 1
+        else:
+            mode[1] = value
+        reader.columns = dataclasses.replace(cols, ints=ints, dtype=dtype, mode=mode, dtype_names=dnames)
         return reader
 
     monkeypatch.setattr(codec, "BlobReader", mutated)

@@ -4,6 +4,7 @@ old blobs still decoding, and chains mixing both formats squashing to the direct
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -62,7 +63,11 @@ def test_ans_chunks_round_trip_bit_for_bit(seed, w, density, big, raw):
         chunks.append((f"t{k}", w, start, start + n, Changes(positions=ch.positions + start, raw=ch.raw, values=ch.values)))
     packer = _pack(chunks)
     (blob,) = packer.blobs.values()
-    assert BlobReader(blob).version == 2
+    assert BlobReader(blob).version == 4
+    (blob2,) = _pack(chunks, EncodeOptions(format=2)).blobs.values()  # the same chunks under JSON records
+    assert BlobReader(blob2).version == 2
+    assert [(p.tensor, p.start, p.stop, p.count) for p in decode_blob(blob2)] == \
+        [(p.tensor, p.start, p.stop, p.count) for p in decode_blob(blob)]
     patches = decode_blob(blob)
     assert len(patches) == len(chunks)
     for p, (name, _, start, stop, ch) in zip(patches, chunks):
@@ -174,6 +179,35 @@ def test_format1_blobs_still_decode_and_mixed_chains_squash_to_the_direct_delta(
         return out
     assert np.array_equal(final_words(d_patch), final_words(s_patch))
     assert sum(len(p.as_changes()) for p in d_patch) == sum(len(p.as_changes()) for p in s_patch)
+
+
+def test_chains_mixing_versions_2_and_4_squash_in_version_4():
+    """A chain published across the upgrade to blob version 4 (2, 4, 2) squashes, without the model, into version
+    4 (the newest in the chain), equal to its versions applied one by one; a base-conditioned (version 3) blob
+    after a version-4 one is still refused (the check is per blob, not on the newest version seen)."""
+    rng = np.random.default_rng(9)
+    n = 20_000
+    states = [torch.from_numpy(rng.normal(0, 0.05, n).astype(np.float32)).to(torch.bfloat16)]
+    for _ in range(3):
+        w = states[-1].view(torch.int16).clone()
+        idx = torch.from_numpy(rng.choice(n, 300, replace=False))
+        w[idx] += torch.from_numpy(rng.integers(1, 4, 300).astype(np.int16))
+        states.append(w.view(torch.bfloat16))
+    encs = [encode_delta({"x": a}, {"x": b}, model="m", version=v + 1, parent=v, options=EncodeOptions(format=f))
+            for v, (a, b, f) in enumerate(zip(states, states[1:], (2, 4, 2)))]
+    assert [BlobReader(b).version for e in encs for b in e.blobs.values()] == [2, 4, 2]
+    blobs = {k: v for e in encs for k, v in e.blobs.items()}
+    sq = squash_chain([e.manifest for e in encs], blobs.__getitem__)
+    assert {BlobReader(b).version for b in sq.blobs.values()} == {4}
+    live = {"x": states[0].clone()}
+    apply_delta(live, sq.manifest, sq.blobs)
+    assert tensor_bytes(live["x"]) == tensor_bytes(states[3])
+    cond = encode_delta({"x": states[2]}, {"x": states[3]}, model="m", version=3, parent=2,
+                        options=EncodeOptions(coding="base-conditioned"))
+    blobs.update(cond.blobs)
+    from deltasync.errors import UnsupportedError
+    with pytest.raises(UnsupportedError, match="base-conditioned"):
+        squash_chain([encs[0].manifest, encs[1].manifest, replace(cond.manifest, meta={})], blobs.__getitem__)
 
 
 def test_format_option_is_checked():

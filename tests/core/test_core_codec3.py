@@ -197,7 +197,8 @@ def test_coding_option_is_checked():
         EncodeOptions(format=3)
     assert EncodeOptions(coding="base-conditioned").blob_format == 3
     assert EncodeOptions(format=3, coding="base-conditioned").blob_format == 3
-    assert EncodeOptions().blob_format == 2
+    assert EncodeOptions().blob_format == 4
+    assert EncodeOptions(format=2, coding="base-conditioned").blob_format == 3
 
 
 def test_corrupt_messages_and_tables_are_format_errors():

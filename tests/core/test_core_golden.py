@@ -211,7 +211,7 @@ def test_golden2_blob_bytes():
     """Also pins zstd's output for the (compressed) header frame: if only this fails while the two tests
     below pass, only the compressor's choice moved."""
     old, new = golden_states()
-    enc = encode_delta(old, new, model="policy", version=2, parent=1)
+    enc = encode_delta(old, new, model="policy", version=2, parent=1, options=EncodeOptions(format=2))
     assert list(enc.blobs) == [GOLDEN2_BLOB_ID]
     assert enc.blobs[GOLDEN2_BLOB_ID].hex() == GOLDEN2_BLOB.hex()
     assert enc.manifest.to_json().decode() == GOLDEN2_MANIFEST
@@ -242,6 +242,59 @@ def test_golden2_bytes_still_decode():
 
 
 # -- blob format 3 (EncodeOptions(coding="base-conditioned"), docs/FORMAT.md §4.4): the same states ------------
+
+# Blob version 4 (FORMAT.md §4.5, what encoders write by default): GOLDEN2's chunks and streams, its records as
+# binary columns. The header frame decompresses to GOLDEN4_HEADER.
+GOLDEN4_BLOB = bytes.fromhex(
+    "4453594e43424c42040000009200000028b52ffd600b00450400d2881c1d60a933060a3b55a1c2b0a298b5a308124037115a5ac0549"
+    "0ad806e2405ff5a1b09b21204d17fbdb18e1448897fc2a6451a38ac29cc22a2a140807ec07ffcc76271e04bc774575d035fb2443ca43e"
+    "4edbea32f0e54a152545a90fd3a8d3b431f872aaa898fab8d5c634005f56544cc52f0807000a468005b5391e186ce5b6a24625344c332"
+    "8b52ffd200e71000039f20d0069d5bf914e9b02f7110028b52ffd204ced000090ab0500d60aab0500aa050000d60aaa05d60a03004e2"
+    "1189000ac240128b52ffd2004210000bc40b8df28b52ffd20021100009ac028b52ffd2004210000000080bf")
+GOLDEN4_BLOB_ID = "cdc4a7bc7dc19551de16555b193b00f1"
+GOLDEN4_MANIFEST = GOLDEN2_MANIFEST.replace(GOLDEN2_BLOB_ID, GOLDEN4_BLOB_ID).replace('"size":318', '"size":260')
+GOLDEN4_HEADER = (
+    # u32 88, the streams' JSON (as version 2's "streams")
+    b'X\x00\x00\x00{"ans":[0,23,14],"ansm":[23,38,76],"dense1":[61,13,4],"raw2":[74,11,2],"raw4":[85,13,4]}'
+    # u32 n = 3 chunks, u32 k = 3 dtypes, u32 28 + the dtype names, u32 5 + the tensor names
+    + b"\x03\x00\x00\x00\x03\x00\x00\x00\x1c\x00\x00\x00bfloat16\nfloat32\nfloat8_e5m2\x05\x00\x00\x00a\nb\nd"
+    + bytes([0, 1, 2])  # u8 dtype per chunk
+    + bytes([0, 0, 1])  # u8 mode per chunk: ans, ans, dense
+    # start (0, 0, 0), stop (300, 4, 4), count (5, 1, 4), na (5, 2, 0), nr (1, 1, 0) as u64, byte-plane shuffled:
+    # the 15 low bytes, then the 15 second bytes (300 = 0x012c), then 13 x 15 zero bytes
+    + bytes([0, 0, 0, 0x2C, 4, 4, 5, 1, 4, 5, 2, 0, 1, 1, 0]) + bytes([0, 0, 0, 1] + [0] * 11) + bytes(15 * 6))
+
+
+def test_golden4_blob_bytes():
+    """What encoders write by default; also pins zstd's output for the header frame (if only this fails while
+    the two tests below pass, only the compressor's choice moved)."""
+    old, new = golden_states()
+    enc = encode_delta(old, new, model="policy", version=2, parent=1)
+    assert list(enc.blobs) == [GOLDEN4_BLOB_ID] and blob_id(GOLDEN4_BLOB) == GOLDEN4_BLOB_ID
+    assert enc.blobs[GOLDEN4_BLOB_ID].hex() == GOLDEN4_BLOB.hex()
+    assert enc.manifest.to_json().decode() == GOLDEN4_MANIFEST
+
+
+def test_golden4_header_and_streams_below_zstd():
+    magic, version, hlen = struct.unpack_from("<8sII", GOLDEN4_BLOB)
+    assert (magic, version, 16 + hlen) == (b"DSYNCBLB", 4, 16 + 0x92)
+    assert zstandard.ZstdDecompressor().decompress(GOLDEN4_BLOB[16:16 + hlen]) == GOLDEN4_HEADER
+    reader = BlobReader(GOLDEN4_BLOB)
+    assert reader.chunks == GOLDEN2_CHUNKS  # version 2's records, from the columns
+    got = {n: reader.stream(n).view(np.uint8).tobytes().hex() for n in sorted(reader.stream_names)}
+    assert got == GOLDEN2_STREAMS
+
+
+def test_golden4_bytes_still_decode():
+    old, new = golden_states()
+    patches = decode_blob(GOLDEN4_BLOB)
+    v2 = decode_blob(GOLDEN2_BLOB)
+    assert [(p.tensor, p.dtype, p.start, p.stop, p.count) for p in patches] == [
+        (p.tensor, p.dtype, p.start, p.stop, p.count) for p in v2]
+    target = {n: t.clone() for n, t in old.items()}
+    apply_delta(target, parse_manifest(GOLDEN4_MANIFEST), {GOLDEN4_BLOB_ID: GOLDEN4_BLOB})
+    assert {n: tensor_bytes(t) for n, t in target.items()} == {n: tensor_bytes(t) for n, t in new.items()}
+
 
 GOLDEN3_BLOB_HEX = (
     "4453594e43424c4203000000ce00000028b52ffd608c0025060032cd251d7049aa0366506113fda6d5386af653d0feff"
@@ -327,7 +380,7 @@ GOLDEN_M3_TABLE = (
 
 def test_golden_manifest_format3():
     old, new = golden_states()
-    enc = encode_delta(old, new, model="policy", version=2, parent=1)
+    enc = encode_delta(old, new, model="policy", version=2, parent=1, options=EncodeOptions(format=2))
     compact = enc.manifest.compact()
     assert compact.to_json().decode() == GOLDEN_M3
     m = parse_manifest(GOLDEN_M3)

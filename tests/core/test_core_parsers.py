@@ -747,3 +747,93 @@ def test_decoder_accepts_every_valid_choice_of_coding(variant):
 
     apply_changes_np(words, patches[0].changes)
     assert np.flatnonzero(words).tolist() == [299, 599, 603] and set(words[[299, 599, 603]]) == {want}
+
+
+# -- blob version 4: binary chunk columns (docs/FORMAT.md §4.5) -----------------------------------------------
+
+def _v4_parts():
+    """(streams JSON, chunk block) of a real version-4 blob of two ans chunks and its bytes."""
+    old = {"a": torch.arange(300, dtype=torch.float32).to(torch.bfloat16), "b": torch.ones(40, dtype=torch.float32)}
+    new = {n: t.clone() for n, t in old.items()}
+    new["a"].view(torch.int16)[::7] += 1
+    new["b"][3] = -1.0
+    (blob,) = encode_delta(old, new, model="m", version=1, parent=0).blobs.values()
+    hlen = _PREFIX.unpack_from(blob)[2]
+    text = zstandard.ZstdDecompressor().decompress(blob[16:16 + hlen])
+    slen = struct.unpack_from("<I", text)[0]
+    return text[4:4 + slen], text[4 + slen:], blob[16 + hlen:]
+
+
+def _v4(streams: bytes, block: bytes, body: bytes) -> bytes:
+    h = zstandard.ZstdCompressor().compress(struct.pack("<I", len(streams)) + streams + block)
+    return _PREFIX.pack(b"DSYNCBLB", 4, len(h)) + h + body
+
+
+def test_blob_v4_parts_round_trip():
+    streams, block, body = _v4_parts()
+    patches = decode_blob(_v4(streams, block, body))
+    assert [(p.tensor, p.count) for p in patches] == [("a", 43), ("b", 1)]
+
+
+def _v4_cases():
+    streams, block, body = _v4_parts()
+    n = 2
+    names_at = 12 + struct.unpack_from("<I", block, 8)[0]  # after u32 n, u32 k, u32 dlen and the dtype names
+    cols_at = names_at + 4 + struct.unpack_from("<I", block, names_at)[0]
+    ints_at = cols_at + 2 * n  # after u8 dtype[n], u8 mode[n]
+    assert len(block) == ints_at + 40 * n
+    return {
+        "truncated block": (streams, block[:-1]),
+        "block too long": (streams, block + b"\0"),
+        "no block": (streams, b""),
+        "more chunks declared": (streams, struct.pack("<I", n + 1) + block[4:]),
+        "more dtypes declared": (streams, block[:4] + struct.pack("<I", 9) + block[8:]),
+        "dtype text past the end": (streams, block[:8] + struct.pack("<I", 1 << 30) + block[12:]),
+        "names not utf-8": (streams, block[:names_at + 4] + b"\xff" + block[names_at + 5:]),
+        "dtype index past the names": (streams, block[:cols_at] + b"\x07" + block[cols_at + 1:]),
+        "unknown mode": (streams, block[:cols_at + n] + b"\x05" + block[cols_at + n + 1:]),
+        "ansx mode code": (streams, block[:cols_at + n] + b"\x02" + block[cols_at + n + 1:]),
+        # the 5n u64 values are byte-plane shuffled: byte k of value j at ints_at + k * 5n + j; values: start[n],
+        # stop[n], count[n], na[n], nr[n]
+        "start past 2**48": (streams, block[:ints_at + 6 * 5 * n] + b"\x7f" + block[ints_at + 6 * 5 * n + 1:]),
+        "count zero": (streams, block[:ints_at + 2 * n] + b"\0" * n + block[ints_at + 3 * n:]),
+        "streams not an object": (b"[]", block),
+        "a v1 stream": (streams[:-1] + b',"gap":[0,0,0]}', block),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_v4_cases()))
+def test_blob_v4_malformed_columns_are_format_errors(case):
+    streams, block = _v4_cases()[case]
+    _, _, body = _v4_parts()
+    with pytest.raises(FormatError):
+        decode_blob(_v4(streams, block, body))
+
+
+def test_blob_v4_streams_length_past_the_header():
+    streams, block, body = _v4_parts()
+    h = zstandard.ZstdCompressor().compress(struct.pack("<I", 1 << 20) + streams + block)
+    with pytest.raises(FormatError, match="streams' JSON"):
+        decode_blob(_PREFIX.pack(b"DSYNCBLB", 4, len(h)) + h + body)
+
+
+def test_blob_v4_falls_back_to_v2_for_a_newline_in_a_name():
+    """A tensor name holding a newline cannot be listed in version 4's names: that blob is written in version 2
+    (JSON records), by the chunk packer and by the columnar encoder alike, and decodes to the same chunks."""
+    from deltasync import columnar
+
+    names = [f"t{i}" for i in range(40)] + ["odd\nname"]
+    old = {n: torch.zeros(64, dtype=torch.bfloat16) for n in names}
+    new = {n: t.clone() for n, t in old.items()}
+    for t in new.values():
+        t.view(torch.int16)[5] += 1
+    saved = columnar.FLAT_MIN
+    try:
+        for flat_min in (saved, 1):  # the packer's path, then the columnar encoder's
+            columnar.FLAT_MIN = flat_min
+            enc = encode_delta(old, new, model="m", version=1, parent=0)
+            assert {BlobReader(b).version for b in enc.blobs.values()} == {2}
+            got = {p.tensor: p.count for b in enc.blobs.values() for p in decode_blob(b)}
+            assert got == {n: 1 for n in names}
+    finally:
+        columnar.FLAT_MIN = saved
