@@ -23,7 +23,7 @@ bytecode: $(STAMP)
 # in a fresh clone's first demo that stalled the trainer's first publish 6 s and the subscribers 16 versions.
 KERNELS := $(VENV)/.kernels
 kernels: $(KERNELS)
-$(KERNELS): $(STAMP) deltasync/kernels/cpu.py deltasync/kernels/rans.py deltasync/conditioned.py deltasync/precompile.py
+$(KERNELS): $(STAMP) $(wildcard deltasync/kernels/*.py) deltasync/conditioned.py deltasync/precompile.py
 	$(BIN)/deltasync compile-kernels
 	@touch $(KERNELS)
 

@@ -37,6 +37,7 @@ from .fingerprint import StateLines, _ascending
 from .gcpause import gc_paused
 from .kernels import rans
 from .kernels.fpkeys import C0, MASK64, T_NP
+from .lazytuple import lazy_zip
 from .manifest import SPANS_META_PREFIX, BlobRef, LazyMeta, LazyRecords, Manifest, remember_compact
 from .parts import map_parts
 from .tensortable import fp_texts, new_chunk, new_record, pack_columns
@@ -398,7 +399,7 @@ def _compare(names, dtypes, shapes, tables, owners, words_of, wsize_of, k, *, ba
         tensor = start = stop = wsz = seg = lo = hi = np.zeros(0, np.int64)
     if want:
         before = lane_t + words_of.astype(np.uint64) * lanes_per.astype(np.uint64) * np.uint64(C0)
-        fps_before = dict(zip(names, before.tolist()))
+        fps_before = lazy_zip(names, before)
     else:
         fps_before = dict(base_fps)
         try:
@@ -406,11 +407,11 @@ def _compare(names, dtypes, shapes, tables, owners, words_of, wsize_of, k, *, ba
         except OverflowError:
             before = np.array([base_fps[n] & MASK64 for n in names], dtype=np.uint64)
     after = before + fpd_t
-    layout = dict(zip(names, zip(dtypes, shapes)))
+    layout = lazy_zip(names, zip(dtypes, shapes))
     flat = FlatDiff(names=names, dtypes=dtypes, shapes=shapes, tensor=tensor, start=start, stop=stop, word_size=wsz,
                     seg=seg, lo=lo, hi=hi, segs=segs, words=words_of, fp_before=before, fp_after=after)
-    return StateDiff(layout=layout, chunks=LazyChunks(flat), fps_before=fps_before,
-                     fps_after=dict(zip(names, after.tolist())), flat=flat)
+    return StateDiff(layout=layout, chunks=LazyChunks(flat), fps_before=fps_before, fps_after=lazy_zip(names, after),
+                     flat=flat)
 
 
 # -- encode --------------------------------------------------------------------------------------------
@@ -468,15 +469,11 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
             for p, o, _ in segs]
     nb = np.zeros(C, np.int64)
     nr = np.zeros(C, np.int64)
-    # each chunk's symbol counts: int32 (a chunk holds under 2**31 changes), half the fresh pages of int64 (~19 MB
-    # at 70k chunks, and each page's first write is a fault on a fresh process)
-    gl = np.zeros((C, rans.N_GAP), np.int32)
-    vl = np.zeros((C, rans.N_VAL), np.int32)
     dt_codes = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}
     t_code = np.fromiter(map(dt_codes.__getitem__, dtypes), np.int64, len(dtypes))
     is_float = np.array([dtype_info(d).is_float for d in dt_codes], np.bool_)[t_code][tensor]
-    # symbols, segment by segment (a chunk's rows of nb/nr/gl/vl written in place where the chunks of each
-    # segment are contiguous: one word size), in parts on the executor's threads (nogil)
+    # symbols, segment by segment (a chunk's rows of nb/nr written in place where the chunks of each segment are
+    # contiguous: one word size), in parts on the executor's threads (nogil)
     order = None if C < 2 or bool((seg[1:] >= seg[:-1]).all()) else np.argsort(seg, kind="stable")
     bounds = np.searchsorted(seg if order is None else seg[order], np.arange(len(segs) + 1)).tolist()
     work = []
@@ -485,26 +482,25 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
         if a == b:
             continue
         if order is None:
-            rows = (lo[a:b], hi[a:b], start[a:b], is_float[a:b], nb[a:b], nr[a:b], gl[a:b], vl[a:b])
+            rows = (lo[a:b], hi[a:b], start[a:b], is_float[a:b], nb[a:b], nr[a:b])
         else:
             idx = order[a:b]
             rows = (lo[idx], hi[idx], start[idx], is_float[idx], np.zeros(b - a, np.int64), np.zeros(b - a, np.int64),
-                    np.zeros((b - a, rans.N_GAP), np.int32), np.zeros((b - a, rans.N_VAL), np.int32), idx)
+                    idx)
         work.append((g, rows))
 
     def symbols(item):
-        g, (a, b, st, fl, nbv, nrv, gv, vv, *_) = item
+        g, (a, b, st, fl, nbv, nrv, *_) = item
         p, o, n = segs[g]
         sy, bn, bm, rw = outs[g]
-        return ansbatch.word_symbols_chunks(p, o, n, a, b, st, fl, _RAW_LIMIT[o.itemsize], sy, bn, bm, rw, nbv, nrv,
-                                            gv, vv)
+        return ansbatch.word_symbols_chunks(p, o, n, a, b, st, fl, _RAW_LIMIT[o.itemsize], sy, bn, bm, rw, nbv, nrv)
 
     bad = list(map_parts(symbols, work, executor, weight=lambda item: int(item[1][1][-1] - item[1][0][0])))
     if any(x >= 0 for x in bad):
         raise ValueError("a zero step is not a change")
     if order is not None:
-        for _, (_, _, _, _, nbv, nrv, gv, vv, idx) in work:
-            nb[idx], nr[idx], gl[idx], vl[idx] = nbv, nrv, gv, vv
+        for _, (_, _, _, _, nbv, nrv, idx) in work:
+            nb[idx], nr[idx] = nbv, nrv
     # dense chunks (rewritten: every word changed, most of them raw) and each chunk's raw bytes in its blob
     length = stop - start
     dense = (count == length) & (2 * nr > count)
@@ -536,19 +532,19 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
         na = np.zeros(c1 - c0, np.int64)
         ans = np.flatnonzero(~dn) + c0
         if ans.size:
-            # the blob's counts: its rows summed in place (a view), the dense chunks' taken back out
-            g = gl[c0:c1].sum(axis=0, dtype=np.int64)
-            v = vl[c0:c1].sum(axis=0, dtype=np.int64)
-            if dn.any():
-                g -= gl[c0:c1][dn].sum(axis=0, dtype=np.int64)
-                v -= vl[c0:c1][dn].sum(axis=0, dtype=np.int64)
-            tables = AnsTables.from_freqs(rans.normalize(g), rans.normalize(v))
-            (gf, gc, _), (vf, vc, _) = tables.g, tables.v
-            parts["ansm"] = [tables.to_bytes()]
             # runs of consecutive ans chunks in one segment: a compiled call each (one run a segment the blob
             # spans where word sizes do not interleave)
             sg = seg[ans]
             cuts = [0, *(np.flatnonzero(sg[1:] != sg[:-1]) + 1).tolist(), ans.size]
+            # the blob's counts (its ans chunks' gap buckets and value symbols), then its models
+            g = np.zeros(rans.N_GAP, np.int64)
+            v = np.zeros(rans.N_VAL, np.int64)
+            for x, y in zip(cuts, cuts[1:]):
+                sel = ans[x:y]
+                ansbatch.chunk_histograms(segs[int(sg[x])][0], outs[int(sg[x])][0], lo[sel], hi[sel], start[sel], g, v)
+            tables = AnsTables.from_freqs(rans.normalize(g), rans.normalize(v))
+            (gf, gc, _), (vf, vc, _) = tables.g, tables.v
+            parts["ansm"] = [tables.to_bytes()]
             for x, y in zip(cuts, cuts[1:]):
                 sel = ans[x:y]
                 p, _, _ = segs[int(sg[x])]
@@ -645,7 +641,7 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
         pass
     else:
         remember_compact(manifest.tensors, tuple(blobs), meta, meta3, table)
-    return Encoded(manifest=manifest, blobs=blobs, fps=dict(diff.fps_after))
+    return Encoded(manifest=manifest, blobs=blobs, fps=lazy_zip(names, flat.fp_after))
 
 
 def _compact_table(owners: list[int], names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]],
