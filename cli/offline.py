@@ -18,6 +18,7 @@ from deltasync.errors import ChainError
 from deltasync.signing import HmacSigner, HmacVerifier
 
 from deltasync.keyfiles import read_key_file, signer_from_file, verifier_from_file
+from .options import blob_format_option
 from .progress import Progress, say
 
 
@@ -47,6 +48,7 @@ def register(sub) -> None:
                    help="how the delta is coded: base-free (default; squash composes it) or base-conditioned "
                         "(~30%% smaller on AdamW steps; decoding reads each changed chunk of the base, so replay "
                         "decodes it but squash refuses it; docs/FORMAT.md §4.4)")
+    blob_format_option(p)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads comparing and coding chunks (default: one per core)")
     p.add_argument("--quiet", action="store_true")
@@ -203,7 +205,7 @@ def cmd_diff(args) -> int:
             from deltasync.codec import EncodeOptions, encode_delta
 
             raw = _nbytes(new)
-            options = EncodeOptions(level=args.level, coding=args.coding, **({} if args.chunk_words is None else
+            options = EncodeOptions(level=args.level, coding=args.coding, format=args.blob_format, **({} if args.chunk_words is None else
                                                           {"chunk_words": args.chunk_words}))
             with ThreadPoolExecutor(threads, thread_name_prefix="deltasync-diff") as pool:  # kernels release the GIL
                 enc = encode_delta(old, new, model=model, version=version, parent=parent,

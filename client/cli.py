@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from deltasync.cli.options import blob_format_option
 from deltasync.cli.run import run_command, settle_heap, small_pages
 from deltasync.errors import BaseMismatchError, DeltaSyncError
 
@@ -174,7 +175,7 @@ async def _publish_files(args, token: str, signer, verifier: Verifier | None, st
     if base is not None:  # the codec (and numba with it, ~0.2 s) only for a delta: a keyframe needs neither yet
         from deltasync.codec import EncodeOptions, same_layout
 
-        options = EncodeOptions(coding=args.coding)
+        options = EncodeOptions(coding=args.coding, format=args.blob_format)
     async with contextlib.AsyncExitStack() as stack:
         pool = stack.enter_context(compare_pool())
         compared = None
@@ -361,7 +362,7 @@ def _publish_serving(args) -> int:
                     if got is not None and got[1] is not None:
                         base = (got[0], got[1][0], got[1][1])
                 pub = Publisher(args.origin, name, token, signer, keyframe_every=0, base=base, check_origin=False,
-                                ssl=_ssl(args), options=EncodeOptions(coding=args.coding))
+                                ssl=_ssl(args), options=EncodeOptions(coding=args.coding, format=args.blob_format))
                 try:
                     res = pub.publish(step, qnew, keyframe=False, meta=serving_meta(args.model, fmt)).result(args.timeout)
                     pub.flush(args.timeout)
@@ -523,7 +524,7 @@ def _cmd_publish(args) -> int:
     if base is None and head_v is not None:
         _say(args, f"origin has v{head_v} but its state could not be rebuilt here; publishing a keyframe")
     pub = Publisher(args.origin, args.model, token, signer, keyframe_every=0, base=base, check_origin=False,
-                    budget=policy, ssl=_ssl(args), options=EncodeOptions(coding=args.coding))
+                    budget=policy, ssl=_ssl(args), options=EncodeOptions(coding=args.coding, format=args.blob_format))
     if budgeter is not None and pub.budgeter is not None:
         pub.budgeter.load_ledger(budgeter.ledger_state())  # what the served view in --state-dir still owes
     try:
@@ -634,7 +635,7 @@ def cmd_sidecar(args) -> int:
     car = Sidecar(args.watch, args.origin, args.model, token, signer, keyframe_every=args.keyframe_every,
                   delete_published=args.delete_published, marker=args.marker, poll=args.poll,
                   state_file=args.state_file, on_event=on_event, budget=_policy(args), ssl=_ssl(args),
-                  coding=args.coding, serve=tuple(args.serve_format or ()))
+                  coding=args.coding, blob_format=args.blob_format, serve=tuple(args.serve_format or ()))
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -670,6 +671,8 @@ def _coding_option(p: argparse.ArgumentParser) -> None:
                    help="how deltas are coded: base-free (default; relays squash chains) or base-conditioned "
                         "(~30%% smaller on AdamW steps; decoding reads each changed chunk of the base, and relays "
                         "cannot squash the stream: subscribers walk its chain; docs/FORMAT.md §4.4)")
+    blob_format_option(p)
+
 
 
 def _budget_options(p: argparse.ArgumentParser) -> None:

@@ -92,7 +92,7 @@ class Sidecar:
                  poll: float = 1.0, state_file: str | os.PathLike | None = None,
                  on_event: Callable[[SidecarEvent], None] | None = None,
                  budget: int | BudgetPolicy | None = None, ssl=None, coding: str = "base-free",
-                 serve: tuple[str, ...] | list[str] = ()) -> None:
+                 blob_format: int = 4, serve: tuple[str, ...] | list[str] = ()) -> None:
         if coding != "base-free" and budget is not None:
             raise ValueError(f"the {coding} coding and a budget exclude each other (use coding base-free)")
         self.dir = Path(watch_dir)
@@ -104,7 +104,7 @@ class Sidecar:
         self.marker = marker
         self.poll = poll
         self.state_path = Path(state_file) if state_file else self.dir / STATE_NAME
-        self.options = EncodeOptions(coding=coding)  # coding: docs/FORMAT.md §4.4
+        self.options = EncodeOptions(coding=coding, format=blob_format)  # docs/FORMAT.md §4.4, §4.5
         self.client = HttpClient([origin], token=token, timeouts=Timeouts(), ssl=ssl, read_token=token)
         self.on_event = on_event
         # resumable state
@@ -130,7 +130,7 @@ class Sidecar:
 
             self.serving = ServingStreams(model, serve, lambda name: Publisher(
                 origin, name, token, self.signer, keyframe_every=keyframe_every, budget=budget, ssl=ssl,
-                options=EncodeOptions(coding=coding)))
+                options=EncodeOptions(coding=coding, format=blob_format)))
 
     # -- state file ----------------------------------------------------------------------------
     def _save_state(self) -> None:

@@ -74,3 +74,31 @@ def test_a_base_conditioned_diff_records_its_coding_and_replays_bit_for_bit(pair
     run("verify", "out.safetensors", "cond.dsd", cwd=d)
     r = run("squash", "cond.dsd", "-o", "sq.dsd", cwd=d, ok=False)
     assert r.returncode != 0 and "base-conditioned coding" in r.stderr and not (d / "sq.dsd").exists()
+
+
+def test_blob_format_2_for_a_fleet_not_yet_on_format_4(pair):
+    """``--blob-format 2`` (publish, sidecar, diff: one option): base-free blobs under JSON records, what readers
+    before blob format 4 read; the delta replays bit for bit and squashes; inspect counts the same chunks as the
+    default format 4's; the base-conditioned coding stays format 3 whatever is asked."""
+    d = pair
+    for command in ("diff", "publish", "sidecar"):
+        a = next(x for x in build_parser(command)._actions if x.dest == "command").choices[command]
+        opt = next(x for x in a._actions if "--blob-format" in x.option_strings)
+        assert tuple(opt.choices) == (4, 2) and opt.default == 4, command
+    run("diff", "s1.safetensors", "s2.safetensors", "-o", "v2.dsd", "--blob-format", "2", cwd=d)
+    run("diff", "s1.safetensors", "s2.safetensors", "-o", "v4.dsd", cwd=d)
+    run("diff", "s1.safetensors", "s2.safetensors", "-o", "c.dsd", "--blob-format", "2", "--coding", "base-conditioned",
+        cwd=d)
+    v2, v4 = read_delta_file(d / "v2.dsd"), read_delta_file(d / "v4.dsd")
+    assert {BlobReader(b).version for b in v2.blobs.values()} == {2}
+    assert {BlobReader(b).version for b in v4.blobs.values()} == {4}
+    assert {BlobReader(b).version for b in read_delta_file(d / "c.dsd").blobs.values()} == {3}
+    assert [BlobReader(b).chunks for b in v2.blobs.values()] == [BlobReader(b).chunks for b in v4.blobs.values()]
+    assert (d / "v4.dsd").stat().st_size <= (d / "v2.dsd").stat().st_size
+    i2, i4 = (json.loads(run("inspect", f, "--json", cwd=d).stdout) for f in ("v2.dsd", "v4.dsd"))
+    assert [t["encoding"] for t in i2["tensors"]] == [t["encoding"] for t in i4["tensors"]]
+    run("replay", "s1.safetensors", "v2.dsd", "-o", "out2.safetensors", "--verify", "full", cwd=d)
+    got, want = read_state_file(d / "out2.safetensors"), read_state_file(d / "s2.safetensors")
+    assert all(torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)) for n in want)
+    run("squash", "v2.dsd", "-o", "sq2.dsd", cwd=d)
+    assert {BlobReader(b).version for b in read_delta_file(d / "sq2.dsd").blobs.values()} == {2}  # the chain's newest

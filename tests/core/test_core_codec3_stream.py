@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 import torch
 
+from deltasync.blob import blob_version
 from deltasync.cli.cluster import LocalCluster
 from deltasync.client.publisher import Publisher
 from deltasync.client.subscriber import SyncEvent, ThreadedSubscriber
@@ -98,3 +99,30 @@ def test_cli_publish_base_conditioned_and_subscribe_out_patches_the_file(cluster
     r = _cli(*sub)
     assert r.returncode == 0, r.stdout + r.stderr
     assert _same(read_state_file(out), s[2])
+
+
+def test_cli_publish_blob_format_2_reaches_a_subscriber(cluster, tmp_path):
+    """``publish --base --blob-format 2`` (a fleet not yet reading blob format 4): the origin stores version-2 blobs,
+    the relay serves them and ``subscribe --out`` patches the file to the step, bit for bit."""
+    trace = RLTrace(SHAPE, lr=1e-4, seed=23)
+    key, token = cluster.key_file, cluster.token_file
+    pub = ["publish", "--origin", cluster.origin, "--model", "fmt2cli", "--token-file", str(token),
+           "--key-file", str(key), "--blob-format", "2"]
+    out = tmp_path / "out.safetensors"
+    sub = ["subscribe", "--from", cluster.url("relay"), "--model", "fmt2cli", "--key-file", str(key), "--out", str(out),
+           "--once", "--timeout", "120"]
+    s = [trace.step() for _ in range(2)]
+    for i, st in enumerate(s):
+        write_state_file(tmp_path / f"s{i}.safetensors", st)
+    r = _cli(*pub, str(tmp_path / "s0.safetensors"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _cli(*sub).returncode == 0
+    r = _cli(*pub, "--base", str(tmp_path / "s0.safetensors"), str(tmp_path / "s1.safetensors"))
+    assert r.returncode == 0 and "v1: delta" in r.stdout, r.stdout + r.stderr
+    m = parse_manifest(urllib.request.urlopen(f"{cluster.origin}/v1/models/fmt2cli/versions/1", timeout=10).read())
+    for ref in m.blobs:
+        data = urllib.request.urlopen(f"{cluster.origin}/v1/blobs/{ref.id}", timeout=10).read()
+        assert blob_version(data) == 2
+    r = _cli(*sub)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _same(read_state_file(out), s[1])
