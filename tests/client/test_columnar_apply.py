@@ -332,6 +332,14 @@ def test_a_malformed_ans_record_fails_as_the_record_loop_says(delta, monkeypatch
         reader.chunks = [reader.chunks[0], rec, *reader.chunks[2:]]
         return reader
 
+    _fails_as_the_record_loop_says(monkeypatch, data, mutated)
+
+
+def _fails_as_the_record_loop_says(monkeypatch, data: bytes, mutated) -> None:
+    """``decode_blob(data)`` with blobs read by ``mutated`` fails with a FormatError, the same one (or the same
+    chunks) through the columns' checks (``codec._ans_blob_rows``) and through the record-by-record loop."""
+    from deltasync import codec
+
     monkeypatch.setattr(codec, "BlobReader", mutated)
 
     def outcome():
@@ -382,15 +390,4 @@ def test_a_malformed_column_fails_as_the_record_loop_says(delta, monkeypatch, fi
         reader.columns = dataclasses.replace(cols, ints=ints, dtype=dtype, mode=mode, dtype_names=dnames)
         return reader
 
-    monkeypatch.setattr(codec, "BlobReader", mutated)
-
-    def outcome():
-        try:
-            return [(p.tensor, p.start, p.stop, p.count) for p in codec.decode_blob(data)]
-        except Exception as e:  # noqa: BLE001 - compared below
-            return type(e), str(e)
-
-    fast = outcome()
-    monkeypatch.setattr(codec, "_ans_blob_rows", lambda reader: None)
-    assert fast == outcome()
-    assert isinstance(fast, tuple) and issubclass(fast[0], FormatError), fast
+    _fails_as_the_record_loop_says(monkeypatch, data, mutated)
