@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from deltasync import quant
@@ -23,6 +24,16 @@ from server_fixtures import KEY, KEY_HEX, TOKEN, origin
 from vllm_reference import engine_env, greedy, make_llm, shutdown
 
 PROMPTS = [[5, 6, 7, 8, 9], [17, 3, 99, 150, 42, 7]]
+
+#: vLLM-CPU's FP8 block-scaled GEMM (``CPUFp8BlockScaledMMKernel``, ``CPUFp8W8A8BlockScaledMMKernel``) and its INT4
+#: MoE experts (``CPUExpertsInt4``) run only on a CPU with AMX tiles (Intel Sapphire Rapids or newer): elsewhere
+#: (an AMD EPYC, an older Xeon) the engine refuses to start ("Failed to find a kernel that can implement the
+#: ScaledMM linear layer", "No WNA16 MoE backend supports the deployment configuration"), so there is no engine to
+#: follow the stream. Its dense INT4 layers (``CPUWNA16LinearKernel``) run on any x86-64 CPU.
+needs_amx = pytest.mark.skipif(
+    not (hasattr(torch.cpu, "_is_amx_tile_supported") and torch.cpu._is_amx_tile_supported()),
+    reason="vLLM-CPU's FP8 block GEMM and INT4 MoE experts need AMX tiles (Intel Sapphire Rapids or newer); "
+           "this CPU has none, and vLLM refuses to load such a model here")
 
 
 class AdamWTrainer:

@@ -23,7 +23,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (it co
 import torch  # noqa: E402
 
 from deltasync import quant  # noqa: E402
-from quant_engines import follow_serving_stream  # noqa: E402
+from quant_engines import follow_serving_stream, needs_amx  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -44,7 +44,8 @@ def llama_config(tp: int = 1):
     return cfg
 
 
-@pytest.mark.parametrize("fmt_name,tp", [("fp8-block", 1), ("int4", 1), ("fp8-block", 2), ("int4", 2)],
+@pytest.mark.parametrize("fmt_name,tp", [pytest.param("fp8-block", 1, marks=needs_amx), ("int4", 1),
+                                         pytest.param("fp8-block", 2, marks=needs_amx), ("int4", 2)],
                          ids=["fp8-tp1", "int4-tp1", "fp8-tp2", "int4-tp2"])
 def test_serving_stream_patches_vllms_quantized_parameters_bit_for_bit(fmt_name, tp, tmp_path):
     # every step compared with a fresh engine of its checkpoint; the corrupt step moves one layer's down_proj

