@@ -99,7 +99,11 @@ def small_pages() -> None:
     if "NUMPY_MADVISE_HUGEPAGE" in os.environ or not _is_the_program():
         return
     os.environ["NUMPY_MADVISE_HUGEPAGE"] = "0"
-    if "numpy" in sys.modules:
+    np_mod = sys.modules.get("numpy")
+    # numpy imported already (read the variable when it was): switch it off. Not while another thread is still
+    # importing it (a command's warm-up thread): importing its parts from here then fails ("partially initialized
+    # module", seen as a publish --base that died at its start); call this before such a thread starts.
+    if np_mod is not None and not getattr(getattr(np_mod, "__spec__", None), "_initializing", False):
         try:
             from numpy._core import multiarray
         except ImportError:  # numpy 1.x

@@ -408,6 +408,8 @@ def _warm_up_kernels() -> threading.Thread:
 
 
 def cmd_publish(args) -> int:
+    if args.base:
+        small_pages()  # a delta's diff and encode: fresh arrays written sparsely (before any thread imports numpy)
     warming = _warm_up_kernels()
     try:
         rc = _cmd_publish(args)
@@ -440,8 +442,6 @@ def _cmd_publish(args) -> int:
     if os.environ.get("DELTASYNC_TIMELINE"):  # this command's stamps (benchmarks/step_timeline.py)
         timeline.setLevel(logging.DEBUG)
         timeline.debug("mono=%.6f publish-start", time.monotonic())
-    if args.base:
-        small_pages()  # a delta's diff and encode: fresh arrays written sparsely
     # the command ends when it returns: every upload and the commit are awaited (and the Publisher closed)
     # first, so run_command may skip the interpreter's teardown (cli/run.py: ``exit_now``)
     args.exit_now = True
