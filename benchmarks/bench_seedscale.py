@@ -204,8 +204,10 @@ def _file_version(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _wait_file_version(path: Path, version: int, timeout: float, follower: _Child) -> float:
-    """Poll F every 5 ms until it holds ``version``; returns perf_counter() then."""
+def _wait_file_version(path: Path, version: int, timeout: float, follower: _Child,
+                       publisher: _Child | None = None) -> float:
+    """Poll F every 5 ms until it holds ``version``; returns perf_counter() then. Fails at once where the follower
+    exits, or the ``publisher`` of that version fails (nothing will arrive)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = _file_version(path)
@@ -213,6 +215,8 @@ def _wait_file_version(path: Path, version: int, timeout: float, follower: _Chil
             return time.perf_counter()
         if follower.code is not None:
             raise RuntimeError(f"the follower exited {follower.code} before F held v{version}:\n{follower.log()[-1500:]}")
+        if publisher is not None and publisher.code not in (None, 0):
+            raise RuntimeError(f"the publish of v{version} exited {publisher.code}:\n{publisher.log()[-1500:]}")
         time.sleep(0.005)
     held = "mid-apply: its undo journal is there" if journal_path(path).exists() else f"it holds v{_file_version(path)}"
     raise BenchTimeout(f"step delivery: {path.name} did not hold v{version} within {timeout:.0f} s "
@@ -280,7 +284,7 @@ def _cli_rows(r: dict, cluster: LocalCluster, work: Path, base: Path, step: Path
         pids = {"follower": follower.pid, **servers}
         cpu0 = {n: cpu_seconds(pid) for n, pid in pids.items()}
         ps = _Child(_cli(*pub, "--base", str(base), str(step)), work / "publish-step.log")
-        t_delivered = _wait_file_version(out, 1, timeout, follower)
+        t_delivered = _wait_file_version(out, 1, timeout, follower, ps)
         cpu1 = {n: cpu_seconds(pid) for n, pid in pids.items()}
         r["step_delivery_s"] = t_delivered - ps.started
         r["publish_base_s"] = ps.wait(max(1.0, timeout - (time.perf_counter() - ps.started)), "publish --base",
