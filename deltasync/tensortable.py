@@ -26,6 +26,7 @@ from operator import lt
 import numpy as np
 import zstandard
 
+from .blob import newline_joined
 from .dtypes import dtype_info, word_count
 from .errors import FormatError
 from .frozen import maker
@@ -95,8 +96,8 @@ MAX_TABLE_BYTES = 1 << 30  # decompressed
 
 
 def _text(items: list[str], what: str) -> bytes:
-    data = "\n".join(items).encode()
-    if data.count(b"\n") != max(len(items) - 1, 0):
+    data = newline_joined(items)
+    if data is None:
         raise FormatError(f"a format-3 manifest cannot carry {what} holding a newline")
     return data
 

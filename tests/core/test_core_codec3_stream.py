@@ -73,19 +73,26 @@ def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def _cli_stream(cluster, tmp_path, model: str, steps: int, seed: int, *publish_options: str):
+    """A CLI stream's commands and states: (``publish`` args with ``publish_options``, ``subscribe --out --once``
+    args from the relay, its file, the trace's ``steps`` states, written as ``s{i}.safetensors``)."""
+    trace = RLTrace(SHAPE, lr=1e-4, seed=seed)
+    key, token = cluster.key_file, cluster.token_file
+    pub = ["publish", "--origin", cluster.origin, "--model", model, "--token-file", str(token),
+           "--key-file", str(key), *publish_options]
+    out = tmp_path / "out.safetensors"
+    sub = ["subscribe", "--from", cluster.url("relay"), "--model", model, "--key-file", str(key), "--out", str(out),
+           "--once", "--timeout", "120"]
+    states = [trace.step() for _ in range(steps)]
+    for i, st in enumerate(states):
+        write_state_file(tmp_path / f"s{i}.safetensors", st)
+    return pub, sub, out, states
+
+
 def test_cli_publish_base_conditioned_and_subscribe_out_patches_the_file(cluster, tmp_path):
     """``publish --base --coding base-conditioned`` and ``subscribe --out`` (the file target decodes each
     chunk against the file's own words, under its journal)."""
-    trace = RLTrace(SHAPE, lr=1e-4, seed=22)
-    key, token = cluster.key_file, cluster.token_file
-    pub = ["publish", "--origin", cluster.origin, "--model", "condcli", "--token-file", str(token),
-           "--key-file", str(key), "--coding", "base-conditioned"]
-    out = tmp_path / "out.safetensors"
-    sub = ["subscribe", "--from", cluster.url("relay"), "--model", "condcli", "--key-file", str(key), "--out", str(out),
-           "--once", "--timeout", "120"]
-    s = [trace.step() for _ in range(3)]
-    for i, st in enumerate(s):
-        write_state_file(tmp_path / f"s{i}.safetensors", st)
+    pub, sub, out, s = _cli_stream(cluster, tmp_path, "condcli", 3, 22, "--coding", "base-conditioned")
     p = lambda i: str(tmp_path / f"s{i}.safetensors")  # noqa: E731
     r = _cli(*pub, "--base", p(0), p(0))
     assert r.returncode == 0 and "keyframe" in r.stdout, r.stdout + r.stderr
@@ -104,16 +111,7 @@ def test_cli_publish_base_conditioned_and_subscribe_out_patches_the_file(cluster
 def test_cli_publish_blob_format_2_reaches_a_subscriber(cluster, tmp_path):
     """``publish --base --blob-format 2`` (a fleet not yet reading blob format 4): the origin stores version-2 blobs,
     the relay serves them and ``subscribe --out`` patches the file to the step, bit for bit."""
-    trace = RLTrace(SHAPE, lr=1e-4, seed=23)
-    key, token = cluster.key_file, cluster.token_file
-    pub = ["publish", "--origin", cluster.origin, "--model", "fmt2cli", "--token-file", str(token),
-           "--key-file", str(key), "--blob-format", "2"]
-    out = tmp_path / "out.safetensors"
-    sub = ["subscribe", "--from", cluster.url("relay"), "--model", "fmt2cli", "--key-file", str(key), "--out", str(out),
-           "--once", "--timeout", "120"]
-    s = [trace.step() for _ in range(2)]
-    for i, st in enumerate(s):
-        write_state_file(tmp_path / f"s{i}.safetensors", st)
+    pub, sub, out, s = _cli_stream(cluster, tmp_path, "fmt2cli", 2, 23, "--blob-format", "2")
     r = _cli(*pub, str(tmp_path / "s0.safetensors"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert _cli(*sub).returncode == 0
