@@ -48,6 +48,8 @@ BYTE_STREAMS = V2_BYTE_STREAMS | {"ansx", "ansxm"}  # v3: base-conditioned messa
 STREAMS = BYTE_STREAMS | set(WORD_STREAMS)
 _STREAMS_OF = {1: V1_BYTE_STREAMS | set(WORD_STREAMS), 2: V2_BYTE_STREAMS | set(WORD_STREAMS), 3: STREAMS,
                4: {"ans", "ansm"} | set(WORD_STREAMS)}
+#: the versions whose chunks are ``ans`` or ``dense`` only, base-free (4: 2's under binary records)
+ANS_VERSIONS = (2, 4)
 #: version 4's chunk modes, by their code in the ``mode`` column
 COLUMN_MODES = ("ans", "dense")
 _MODE_CODE = {m: i for i, m in enumerate(COLUMN_MODES)}

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .blob import BlobReader, BlobWriter, blob_id
+from .blob import ANS_VERSIONS, BlobReader, BlobWriter, blob_id
 from .dtypes import DtypeInfo, HostTensor, dtype_info, host_words, numpy_word_dtype, word_count, word_view
 from .errors import FormatError, UnsupportedError
 from .frozen import maker
@@ -93,7 +93,7 @@ class EncodeOptions:
             raise ValueError(f"format must be 1, 2, 3 or 4, got {self.format!r}")
         if self.coding not in CODINGS:
             raise ValueError(f"coding must be one of {CODINGS}, got {self.coding!r}")
-        if (self.format == 3) != (self.coding == CODING_BASE_CONDITIONED) and self.format not in (2, 4):
+        if (self.format == 3) != (self.coding == CODING_BASE_CONDITIONED) and self.format not in ANS_VERSIONS:
             raise ValueError(f"blob format {self.format} cannot carry the {self.coding} coding "
                              "(base-conditioned is format 3; base-free is 1, 2 or 4)")
 
@@ -483,7 +483,7 @@ class ChunkPacker:
 
     def takes_words(self, c: ChunkDiff) -> bool:
         """Does :meth:`add_words` apply to this chunk (compiled kernels, format 2, not a rewrite)?"""
-        return (self.options.blob_format in (2, 4) and 0 < c.positions.size < c.stop - c.start
+        return (self.options.blob_format in ANS_VERSIONS and 0 < c.positions.size < c.stop - c.start
                 and kernels.cpu_kernels() is not None)
 
     def add_words(self, name: str, info: DtypeInfo, c: ChunkDiff, symbols=None, *, checked: bool = False) -> bool:

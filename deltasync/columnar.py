@@ -26,7 +26,7 @@ from operator import itemgetter
 import numpy as np
 
 from . import kernels
-from .blob import blob_id, newline_joined, pack_blob, pack_chunk_columns
+from .blob import ANS_VERSIONS, blob_id, newline_joined, pack_blob, pack_chunk_columns
 from . import diffs as _diffs
 from .diffs import (SHARD_CELLS, ChunkDiff, Encoded, StateDiff, _cell, _check_layout, _on_host, _span_words,
                     tensor_chunk_ranges)
@@ -420,7 +420,7 @@ def takes_flat(diff, options) -> bool:
     """Does :func:`encode_flat` encode ``diff`` under ``options`` (a :class:`FlatDiff` of ``FLAT_MIN`` chunks or
     more, blob format 2 or 4, packing by tensor, the compiled kernels)?"""
     flat = getattr(diff, "flat", None)
-    return (ENABLED and flat is not None and flat.tensor.size >= FLAT_MIN and options.blob_format in (2, 4)
+    return (ENABLED and flat is not None and flat.tensor.size >= FLAT_MIN and options.blob_format in ANS_VERSIONS
             and options.pack == "tensor" and kernels.cpu_kernels() is not None)
 
 
