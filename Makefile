@@ -69,11 +69,11 @@ else
 endif
 
 # The wheels a GPU machine lacks (it has torch, triton, numba, transformers, aiohttp, uvloop, xxhash, safetensors;
-# /work/.library/device/README.md): zstandard, blake3, cryptography (needs cffi, which needs pycparser) and
+# /work/.library/device/README.md): zstandard, blake3, cryptography (needs cffi, which needs pycparser), orjson and
 # obstore, at this venv's versions, for CPython $(GPU_WHEEL_PY) on manylinux x86-64, into $(GPU_WHEELS)/ (ignored by
 # git; carry it to the machine). --no-deps: each dependency is named here.
 GPU_WHEEL_PY ?= 3.12
-GPU_WHEEL_PKGS := zstandard blake3 cryptography cffi pycparser obstore
+GPU_WHEEL_PKGS := zstandard blake3 cryptography cffi pycparser obstore orjson
 gpu-wheels: $(STAMP)
 	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version $(GPU_WHEEL_PY) --implementation cp \
 	  --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +84,10 @@ def run_tests(dev, rehearsal: bool) -> int:
         if routed:
             kernels.triton_on_cpu(True)
     print(f"Triton self-check passed on {dev.type} ({time.perf_counter() - t0:.1f} s)", flush=True)
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text())
+    if not files:  # pytest given no file would collect the whole suite
+        print("gpu tests: no test file carries the gpu marker", flush=True)
+        return 1
     # only the files with gpu tests: the others import test-only packages a bare GPU machine lacks
     rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files],
                          cwd=ROOT)
@@ -302,28 +306,35 @@ def main(argv: list[str] | None = None) -> int:
     if rehearsal and "triton" in sys.modules:
         kernels.select("reference")
         kernels.triton_on_cpu(True)
-    rc = 0
     t_start = time.perf_counter()
-    for part in parts:
+    failed = []
+    for part in parts:  # each part runs even when one before it failed: one lease shows every failure
         t0 = time.perf_counter()
         print(f"== {part}", flush=True)
-        if part == "tests":
-            rc = rc or run_tests(dev, rehearsal)
-        elif part == "bench":
-            print(bench(dev, args.gib if args.gib is not None else (0.0005 if rehearsal else 2.0)), flush=True)
-        elif part == "hf":
-            try:
-                import transformers  # noqa: F401
-            except ImportError:
-                print("hf: transformers does not import" + (" (the rehearsal skips it; `pip install transformers`)"
-                                                            if rehearsal else ""), flush=True)
-                rc = rc or (0 if rehearsal else 1)
-                continue
-            print(follow_hf(dev, args.steps if args.steps is not None else (3 if rehearsal else 10), not rehearsal),
-                  flush=True)
-        print(f"== {part}: {time.perf_counter() - t0:.1f} s", flush=True)
+        try:
+            if part == "tests":
+                if run_tests(dev, rehearsal):
+                    failed.append(part)
+            elif part == "bench":
+                print(bench(dev, args.gib if args.gib is not None else (0.0005 if rehearsal else 2.0)), flush=True)
+            elif part == "hf":
+                try:
+                    import transformers  # noqa: F401
+                except ImportError:
+                    print("hf: transformers does not import" + (" (the rehearsal skips it; `pip install transformers`)"
+                                                                if rehearsal else ""), flush=True)
+                    if not rehearsal:
+                        failed.append(part)
+                    continue
+                print(follow_hf(dev, args.steps if args.steps is not None else (3 if rehearsal else 10), not rehearsal),
+                      flush=True)
+        except Exception:
+            traceback.print_exc()
+            failed.append(part)
+        print(f"== {part}: {time.perf_counter() - t0:.1f} s{' FAILED' if part in failed else ''}", flush=True)
+    rc = 1 if failed else 0
     print(f"gpu-check {'rehearsal ' if rehearsal else ''}done in {time.perf_counter() - t_start:.1f} s, "
-          f"exit status {rc}")
+          f"exit status {rc}" + (f" (failed: {', '.join(failed)})" if failed else ""))
     return rc
 
 
