@@ -175,8 +175,12 @@ def bench(dev, gib: float) -> str:
 
 # -- hf ----------------------------------------------------------------------------------------------
 
-def follow_hf(dev, steps: int, big: bool) -> str:
-    """A live transformers model on ``dev`` follows its trainer's stream while it generates."""
+def follow_hf(dev, steps: int, big: bool, profile: Path | None = None) -> str:
+    """A live transformers model on ``dev`` follows its trainer's stream while it generates. ``profile``: a
+    folder for cProfile's tables of the applies (the pauses) and of the publishes (what held the trainer)."""
+    import cProfile
+    import pstats
+
     import torch
     import transformers
 
@@ -209,6 +213,17 @@ def follow_hf(dev, steps: int, big: bool) -> str:
         return {n: t.detach() for n, t in saver.state_dict().items() if n != "lm_head.weight"}  # as save_pretrained
 
     pauses, blocking, sizes = [], [], []
+    profs = {"apply": cProfile.Profile(), "publish": cProfile.Profile()} if profile is not None else None
+
+    def profiled(kind, fn, *a):
+        if profs is None:
+            return fn(*a)
+        profs[kind].enable()
+        try:
+            return fn(*a)
+        finally:
+            sync()
+            profs[kind].disable()
     with tempfile.TemporaryDirectory() as tmp:
         cluster = LocalCluster(tmp)
         try:
@@ -221,7 +236,9 @@ def follow_hf(dev, steps: int, big: bool) -> str:
                         opt.zero_grad()
                         loss.backward()
                         opt.step()
-                    pending = pub.publish(step, bf16_state())  # step 0: the keyframe
+                    state = bf16_state()
+                    pending = (pub.publish(step, state) if not step else
+                               profiled("publish", pub.publish, step, state))  # step 0: the keyframe
                     blocking.append(pending.blocking_s)
                     if step == 0:
                         ref_devices = {t.device.type for t in pub.served.values()}
@@ -236,7 +253,8 @@ def follow_hf(dev, steps: int, big: bool) -> str:
                         tokens += 4
                     sync()
                     t0 = time.perf_counter()
-                    version = sub.apply_pending()  # the pause: the engine's thread patches in place
+                    version = (sub.apply_pending() if not step else
+                               profiled("apply", sub.apply_pending))  # the pause: the engine's thread patches in place
                     sync()
                     if step:
                         pauses.append(time.perf_counter() - t0)
@@ -248,6 +266,12 @@ def follow_hf(dev, steps: int, big: bool) -> str:
                 sizes = [r.blob_bytes for r in pub.results]
         finally:
             cluster.close()
+    if profs is not None:
+        profile.mkdir(parents=True, exist_ok=True)
+        for kind, prof in profs.items():
+            with open(profile / f"{kind}.txt", "w") as f:
+                for order in ("cumulative", "tottime"):
+                    pstats.Stats(prof, stream=f).sort_stats(order).print_stats(45)
     final = bf16_state()
     got = {n: t for n, t in live.state_dict().items() if n != "lm_head.weight"}
     for n, t in final.items():
@@ -276,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
     ap.add_argument("--gib", type=float, default=None, help="bench state size (default 2 on cuda, 0.0005 on cpu)")
     ap.add_argument("--steps", type=int, default=None, help="hf: published steps (default 10 on cuda, 3 on cpu)")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="hf: write cProfile tables of the applies and publishes (steps 1+) into this folder")
     args = ap.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     if unknown := set(parts) - set(PARTS):
@@ -326,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                     if not rehearsal:
                         failed.append(part)
                     continue
-                print(follow_hf(dev, args.steps if args.steps is not None else (3 if rehearsal else 10), not rehearsal),
-                      flush=True)
+                print(follow_hf(dev, args.steps if args.steps is not None else (3 if rehearsal else 10), not rehearsal,
+                            args.profile), flush=True)
         except Exception:
             traceback.print_exc()
             failed.append(part)
