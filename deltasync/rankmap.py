@@ -86,6 +86,9 @@ class RankMap:
     run_len: np.ndarray  # -1: a column split (divmod path); 0: a general region
     run_dst: np.ndarray
     general: tuple[Region | None, ...]  # per region row: the region when it is not a 2-D box (translate() serves it)
+    # per stream tensor: its region row when it has exactly one and that one is a run of whole rows (a change at
+    # stream word p lands at parameter word p + run_dst - run_src, for run_src <= p < run_src + run_len), else -1
+    direct: np.ndarray
 
     @classmethod
     def compile(cls, layout: RankLayout, *, skip: Iterable[str] = ()) -> "RankMap":
@@ -121,13 +124,19 @@ class RankMap:
         is_box = np.asarray([g is None for g in general], dtype=bool)
         run_len = np.where(whole, rows * ncols, -1) * is_box
         ws = [dtype_info(layout.stream[n][0]).word_size for n in names]
+        run_src, run_dst = src_row0 * src_cols, dst_row0 * dst_cols
+        p_words = np.asarray([math.prod(layout.params[p][1]) for p in params], dtype=np.int64)
+        lone = first_np[:-1][np.diff(first_np) == 1]
+        inside = (run_len[lone] > 0) & (run_dst[lone] + run_len[lone] <= p_words[a(0)[lone]])
+        direct = np.full(len(names), -1, dtype=np.int64)
+        direct[np.flatnonzero(np.diff(first_np) == 1)[inside]] = lone[inside]
         return cls(names=names, ids={n: i for i, n in enumerate(names)},
                    keys={n: i * 16 + w for i, (n, w) in enumerate(zip(names, ws))}, params=params,
                    word_sizes=np.asarray(ws, dtype=np.int64),
                    first=first_np, width=int(np.diff(first_np).max(initial=0)), param=a(0, np.int32),
                    counted=np.asarray(counted, dtype=bool), src_cols=src_cols, src_row0=src_row0, rows=rows,
                    src_col0=src_col0, cols=ncols, dst_cols=dst_cols, dst_row0=dst_row0, dst_col0=dst_col0,
-                   run_src=src_row0 * src_cols, run_len=run_len, run_dst=dst_row0 * dst_cols, general=tuple(general))
+                   run_src=run_src, run_len=run_len, run_dst=run_dst, general=tuple(general), direct=direct)
 
     # -- translation --
 
@@ -211,33 +220,46 @@ class RankMap:
         ignored (nothing of them lives on this rank)."""
         import torch
 
-        # per word size: (tensor id per chunk, changes per chunk); the only Python per tensor is this lookup
+        # per word size: (tensor id per chunk, changes per chunk) to translate, and the chunks of direct tensors
+        # that lie inside their run (no translation: an offset per chunk); the only Python per tensor is this lookup
         by_ws: dict[int, tuple[list, list]] = {}
-        keys = self.keys
-        last_ws, g = 0, None
+        direct: dict[int, list] = {}
+        keys, row_of, run_src, run_end = self.keys, self.direct, self.run_src, self.run_src + self.run_len
+        hit = np.zeros(len(self.names), dtype=bool)
+        last_ws, g, dl = 0, None, None
         for name, chunks in patches.items():
             key = keys.get(name)
             if key is None:
                 continue
             ws, t = key & 15, key >> 4
             if ws != last_ws:
-                g = by_ws.get(ws)
-                if g is None:
-                    g = by_ws[ws] = ([], [])
+                g = by_ws.setdefault(ws, ([], []))
+                dl = direct.setdefault(ws, [])
                 last_ws = ws
+            hit[t] = True
+            r = int(row_of[t])
+            lo, hi = (int(run_src[r]), int(run_end[r])) if r >= 0 else (0, -1)
             for c in chunks:
-                g[0].append(t)
-                g[1].append(c.as_changes())
+                if lo <= c.start and c.stop <= hi:
+                    dl.append((int(self.param[r]), t, r, c.as_changes()))
+                elif hi >= 0 and (c.stop <= lo or c.start >= hi):
+                    continue  # its words live on other ranks (a change that is not where its chunk says fails the vote)
+                else:
+                    g[0].append(t)
+                    g[1].append(c.as_changes())
         acc = np.zeros(len(self.names), dtype=np.uint64)
-        hit = np.zeros(len(self.names), dtype=bool)
+        for ws, items in direct.items():
+            if items:
+                self._patch_direct(int(ws), items, words, undo, touched, acc)
         for ws, (tl, cl) in by_ws.items():
             ws = int(ws)
+            if not tl:
+                continue
             counts = np.fromiter((ch.positions.size for ch in cl), dtype=np.int64, count=len(cl))
             tids = np.repeat(np.asarray(tl, dtype=np.int64), counts)
             pos = np.concatenate([ch.positions for ch in cl]).astype(np.int64, copy=False)
             raw = np.concatenate([ch.raw for ch in cl])
             vals = np.concatenate([ch.values for ch in cl]).view(np.dtype(f"i{ws}"))
-            hit[tl] = True
             ci, rr, dst = self._placements(tids, pos, layout)
             if ci.size == 0:
                 continue
@@ -271,23 +293,141 @@ class RankMap:
                     r[2].append(old)
                     r[3].append(w.index_select(0, idx))  # read back: verify what landed
                 for dev, (pl, tl2, ol, nl) in read.items():
-                    _fingerprint_changes(np.concatenate(pl), np.concatenate(tl2), torch.cat(ol), torch.cat(nl),
-                                         ws, dev, acc)
+                    _fingerprint_sums(torch.from_numpy(np.concatenate(pl)).to(dev),
+                                      torch.from_numpy(np.concatenate(tl2)).to(dev), torch.cat(ol), torch.cat(nl),
+                                      ws, len(self.names), acc)
         return {self.names[t]: int(v) for t, v in zip(np.flatnonzero(hit).tolist(), acc[hit].tolist())}
 
 
-def _fingerprint_changes(pos: np.ndarray, tids: np.ndarray, old, new, ws: int, dev, acc: np.ndarray) -> None:
-    """acc[tensor] += sum (new - old) * K(lane) over the words' lanes at stream positions ``pos`` (mod 2**64)."""
+    def _patch_direct(self, ws: int, items: list, words: Mapping[str, "torch.Tensor"], undo: list,
+                      touched: set[str], acc: np.ndarray) -> None:
+        """:meth:`patch` of the chunks that lie inside their tensor's one run (``items``: (parameter, tensor id,
+        region row, changes)): no translation, no per-change tables on the host. A parameter's chunks whose run
+        starts at stream word 0 patch a host parameter through the compiled ``patch_jobs`` (one pass: old words,
+        write, read back, fingerprint change; the run's words are the jobs' whole range, so its bounds check is
+        the run's); the others (a device's parameters, a TP shard's rows) in torch on the parameter's device,
+        each device's changes uploaded once, their positions checked against their runs there, the fingerprint
+        change summed per tensor there."""
+        items.sort(key=_by_param)  # stable: each tensor's chunks stay in order
+        n = len(items)
+        pids = np.fromiter((it[0] for it in items), np.int64, n)
+        rows = np.fromiter((it[2] for it in items), np.int64, n)
+        cuts = [0, *(np.flatnonzero(np.diff(pids)) + 1).tolist(), n]
+        cpu = cpu_kernels()
+        on_device: dict = {}  # device -> chunk indices (parameter order)
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            name = self.params[int(pids[a])]
+            w = words[name]
+            touched.add(name)
+            if cpu is not None and w.is_cpu and w.is_contiguous() and not self.run_src[rows[a:b]].any():
+                self._patch_jobs(ws, items[a:b], w, undo, acc)
+            else:
+                on_device.setdefault(w.device, []).extend(range(a, b))
+        for dev, sel in on_device.items():
+            self._patch_torch(ws, [items[q] for q in sel], words, dev, undo, acc)
+
+    def _patch_jobs(self, ws: int, items: list, w, undo: list, acc: np.ndarray) -> None:
+        import torch
+
+        from . import kernels
+        from .dtypes import numpy_word_dtype
+
+        wdt = numpy_word_dtype(ws)
+        addresses = cpu_kernels().array_addresses
+        jobs, kept = [], []
+        base = w.data_ptr()
+        for _, t, r, ch in items:
+            off, size = int(self.run_dst[r]), int(self.run_len[r])
+            vals = ch.values if ch.values.dtype == wdt else ch.values.astype(wdt)
+            pos, raw = ch.positions, ch.raw
+            if not (pos.flags.c_contiguous and raw.flags.c_contiguous and vals.flags.c_contiguous):
+                pos, raw, vals = np.ascontiguousarray(pos), np.ascontiguousarray(raw), np.ascontiguousarray(vals)
+            jobs.append((base + off * ws, size, *addresses(pos, raw, vals), pos.size))
+            kept.append((t, r, off, size, pos, raw, vals))
+        counts = [k[4].size for k in kept]
+        offsets = np.zeros(len(kept) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        old = np.empty(int(offsets[-1]), wdt)
+        fpds = np.zeros(len(kept), np.uint64)
+        j, k = kernels.patch_jobs(np.array(jobs, dtype=np.int64).reshape(-1, 6), np.empty(0, wdt), old, fpds, ws)
+        done = len(kept) if j < 0 else j
+        signed = old.view(np.dtype(f"i{ws}"))
+        for q in range(done):  # every written chunk into the undo log before anything may raise
+            t, r, off, size, pos, _, _ = kept[q]
+            undo.append((w[off:off + size], torch.from_numpy(pos), torch.from_numpy(signed[offsets[q]:offsets[q + 1]])))
+        counted = [q for q in range(done) if self.counted[kept[q][1]]]
+        np.add.at(acc, np.asarray([kept[q][0] for q in counted], dtype=np.int64), fpds[counted])
+        if j >= 0:
+            t, _, _, size, pos, _, _ = kept[j]
+            raise IndexError(f"{self.names[t]}: change position {int(pos[k])} is outside its run of {size} words "
+                             "on this rank")
+
+    def _patch_torch(self, ws: int, items: list, words: Mapping[str, "torch.Tensor"], dev, undo: list,
+                     acc: np.ndarray) -> None:
+        import torch
+
+        n = len(items)
+        tids = np.fromiter((it[1] for it in items), np.int64, n)
+        rows = np.fromiter((it[2] for it in items), np.int64, n)
+        chs = [it[3] for it in items]
+        counts = np.fromiter((ch.positions.size for ch in chs), np.int64, n)
+        if not counts.any():
+            return
+        up = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
+        pos = up(np.concatenate([ch.positions for ch in chs]).astype(np.int64, copy=False))
+        raw = up(np.concatenate([ch.raw for ch in chs]))
+        vals = up(np.concatenate([ch.values for ch in chs]).view(np.dtype(f"i{ws}")))
+        chunk = torch.repeat_interleave(torch.arange(n, device=dev), up(counts))
+        lo = up(self.run_src[rows])[chunk]
+        if not bool(((pos >= lo) & (pos < lo + up(self.run_len[rows])[chunk])).all()):  # one sync: before any write
+            bad = int(torch.nonzero((pos < lo) | (pos >= lo + up(self.run_len[rows])[chunk]))[0, 0])
+            t = int(tids[int(chunk[bad])])
+            raise IndexError(f"{self.names[t]}: change position {int(pos[bad])} is outside its run on this rank")
+        offs = self.run_dst[rows] - self.run_src[rows]
+        dst = pos + up(offs)[chunk] if offs.any() else pos
+        sdt = signed_word_dtype(ws)
+        ends = np.cumsum(counts)
+        pids = np.fromiter((it[0] for it in items), np.int64, n)
+        cuts = [0, *(np.flatnonzero(np.diff(pids)) + 1).tolist(), n]
+        olds, backs = [], []
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            s, e = int(ends[a - 1]) if a else 0, int(ends[b - 1])
+            w = words[self.params[int(pids[a])]]
+            idx = dst[s:e]
+            old = w.index_select(0, idx)
+            v = vals[s:e]
+            undo.append((w, idx, old))
+            w.index_copy_(0, idx, torch.where(raw[s:e], v, old + v).to(sdt))
+            olds.append(old)
+            backs.append(w.index_select(0, idx))  # read back: verify what landed
+        counted = self.counted[rows]
+        keep = None if counted.all() else up(counted)[chunk]
+        tid = up(tids)[chunk]
+        old, back = torch.cat(olds), torch.cat(backs)
+        if keep is not None:
+            pos, tid, old, back = pos[keep], tid[keep], old[keep], back[keep]
+        _fingerprint_sums(pos, tid, old, back, ws, len(self.names), acc)
+
+
+def _by_param(item) -> int:
+    return item[0]
+
+
+def _fingerprint_sums(pos, tid, old, new, ws: int, n_tensors: int, acc: np.ndarray) -> None:
+    """acc[tensor] += sum (new - old) * K(lane) over the lanes of the words at stream positions ``pos`` of
+    tensors ``tid`` (mod 2**64), summed on the words' device: one small copy back."""
     import torch
 
     from .kernels.fpkeys import lane_keys, word_lanes as _word_lanes
 
-    p = torch.from_numpy(pos).to(dev)
-    lane_idx, o = _word_lanes(p, old, ws)
-    _, n = _word_lanes(p, new, ws)
-    d = ((n - o) * lane_keys(lane_idx)).cpu().numpy().view(np.uint64)
+    if pos.numel() == 0:
+        return
+    lane_idx, o = _word_lanes(pos, old, ws)
+    _, nw = _word_lanes(pos, new, ws)
     per = 1 if ws <= 2 else ws // 2
-    np.add.at(acc, np.repeat(tids, per) if per > 1 else tids, d)
+    sums = torch.zeros(n_tensors, dtype=torch.int64, device=pos.device)
+    sums.index_add_(0, tid if per == 1 else tid.repeat_interleave(per), (nw - o) * lane_keys(lane_idx))
+    acc += sums.cpu().numpy().view(np.uint64)
 
 
 __all__ = ["RankMap"]

@@ -170,3 +170,116 @@ def test_the_map_is_built_once_and_a_step_walks_no_region(monkeypatch):
     print(f"\nRankMap, 128 experts/layer, TP=2 rank 0: {n2} tensors: build {b2 * 1e3:.1f} ms, step (1% of every "
           f"tensor, {c2} changes) {s2 * 1e3:.1f} ms; {n64} tensors: build {b64 * 1e3:.0f} ms, step ({c64} changes) "
           f"{s64 * 1e3:.0f} ms ({s64 / n64 * 1e6:.2f} us per tensor)")
+
+
+def _runs_layout() -> RankLayout:
+    """Direct tensors of every kind: an fp32 identity, an fp32 TP row shard (its run starts at stream word 12), two
+    bf16 experts stacked into one parameter's rows, and a bf16 column split that still needs the translation."""
+    return RankLayout(
+        stream={"d": ("float32", (6, 4)), "e": ("float32", (5,)), "f0": ("bfloat16", (2, 4)),
+                "f1": ("bfloat16", (2, 4)), "h": ("bfloat16", (4, 6))},
+        params={"pd": ("float32", (3, 4)), "pe": ("float32", (5,)), "pf": ("bfloat16", (4, 4)),
+                "ph": ("bfloat16", (4, 3))},
+        regions=(Region(source="d", param="pd", src=((3, 3), (0, 4)), dst=((0, 3), (0, 4))),
+                 Region(source="e", param="pe", src=((0, 5),), dst=((0, 5),)),
+                 Region(source="f0", param="pf", src=((0, 2), (0, 4)), dst=((0, 2), (0, 4))),
+                 Region(source="f1", param="pf", src=((0, 2), (0, 4)), dst=((2, 2), (0, 4))),
+                 Region(source="h", param="ph", src=((0, 4), (3, 3)), dst=((0, 4), (0, 3)))))
+
+
+def _placed(lay: RankLayout, stream: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The parameters' words holding ``stream``'s words, region by region (``translate``)."""
+    out = {p: np.zeros(int(np.prod(shape)), dtype=np.uint16 if dt == "bfloat16" else np.uint32)
+           for p, (dt, shape) in lay.params.items()}
+    for name, words in stream.items():
+        for r in lay.by_source().get(name, ()):
+            keep, local = translate(r, lay.stream[name][1], lay.params[r.param][1], np.arange(words.size))
+            out[r.param][local] = words[keep]
+    return out
+
+
+@pytest.mark.parametrize("selection", ["numba", "reference"])
+@pytest.mark.parametrize("case", ["runs", "dense-tp4", "moe128-tp2", "moe128-ep2"])
+def test_direct_runs_patch_like_the_region_by_region_path(case, selection):
+    """Chunks inside their tensor's one run are patched without translation (the compiled jobs on host parameters
+    whose run starts at word 0, torch elsewhere); chunks across a shard's edge still go through the translation.
+    Words, each tensor's fingerprint change (its counted regions only) and the undo log all equal the region-by-region
+    path's, with raw and modular changes mixed and several chunks per tensor."""
+    from deltasync import kernels
+
+    kernels.select(selection)
+    try:
+        if case == "runs":
+            lay = _runs_layout()
+        else:
+            facts, par = {"dense-tp4": (DENSE, Parallel(tp_rank=3, tp_size=4)),
+                          "moe128-tp2": (MOE128, Parallel(tp_rank=1, tp_size=2)),
+                          "moe128-ep2": (MOE128, Parallel(tp_rank=1, tp_size=2, ep_rank=1, ep_size=2))}[case]
+            lay = vllm_layout(facts, par)
+        rm = RankMap.compile(lay)
+        assert (rm.direct >= 0).any()
+        rng = np.random.default_rng(7)
+        u = {n: np.uint16 if dt == "bfloat16" else np.uint32 for n, (dt, _) in lay.stream.items()}
+        old = {n: rng.integers(0, 1 << 15, int(np.prod(s)), dtype=np.int64).astype(u[n]) for n, (_, s) in lay.stream.items()}
+        new = {n: w.copy() for n, w in old.items()}
+        patches = {}
+        for n, w in new.items():
+            size = w.size
+            pos = np.sort(rng.choice(size, size=max(1, size // 3), replace=False)).astype(np.int64)
+            w[pos] += rng.integers(1, 9, pos.size).astype(w.dtype)
+            raw = rng.random(pos.size) < 0.5
+            vals = np.where(raw, w[pos], w[pos] - old[n][pos]).astype(w.dtype)
+            span = max(1, size // 3 + 1)  # three chunks: some inside a shard's run, some across its edge
+            chunks = []
+            for s in range(0, size, span):
+                k = (pos >= s) & (pos < s + span)
+                chunks.append(ChunkPatch(tensor=n, dtype=lay.stream[n][0], start=s, stop=min(size, s + span),
+                                         changes=Changes(positions=pos[k], raw=raw[k], values=vals[k])))
+            patches[n] = chunks
+        before, want = _placed(lay, old), _placed(lay, new)
+        dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+        params = {p: torch.from_numpy(before[p].view(np.int16 if d == "bfloat16" else np.int32).copy()).view(dt[d])
+                  for p, (d, _) in lay.params.items()}
+        words = {p: word_view(t) for p, t in params.items()}
+        undo, touched = [], set()
+        fpd = rm.patch(patches, words, undo, touched, layout=lay)
+        for p, t in params.items():
+            assert np.array_equal(word_view(t).numpy().view(want[p].dtype), want[p]), p
+        for n in lay.stream:
+            ws = 2 if u[n] is np.uint16 else 4
+            total = 0
+            for r in lay.by_source().get(n, ()):
+                if not r.counted:
+                    continue
+                pos = np.flatnonzero(old[n] != new[n]).astype(np.int64)
+                keep, local = translate(r, lay.stream[n][1], lay.params[r.param][1], pos)
+                sdt = torch.int16 if ws == 2 else torch.int32
+                total += fingerprint_delta(torch.from_numpy(pos[keep]), torch.from_numpy(before[r.param][local]).view(sdt),
+                                           torch.from_numpy(want[r.param][local]).view(sdt), ws)
+            assert fpd.get(n, 0) == total & ((1 << 64) - 1), n
+        for w, idx, o in reversed(undo):
+            w.index_copy_(0, idx, o)
+        for p, t in params.items():
+            assert np.array_equal(word_view(t).numpy().view(before[p].dtype), before[p]), p
+    finally:
+        kernels.select("auto")
+
+
+def test_a_direct_change_outside_its_run_is_refused_before_it_lands():
+    """A chunk that says it lies in a shard's run but carries a position outside it: refused (IndexError, which the
+    sharded applier votes on and rolls back), nothing written outside the run."""
+    lay = _runs_layout()
+    rm = RankMap.compile(lay)
+    params = {p: torch.zeros(shape, dtype=torch.float32 if d == "float32" else torch.bfloat16)
+              for p, (d, shape) in lay.params.items()}
+    words = {p: word_view(t) for p, t in params.items()}
+    for name, bad in (("d", 5), ("e", 7)):  # d: before its run (the shard's rows start at word 12); e: past its end
+        ch = ChunkPatch(tensor=name, dtype="float32", start=12 if name == "d" else 0, stop=16 if name == "d" else 5,
+                        changes=Changes(positions=np.asarray([bad], np.int64), raw=np.ones(1, bool),
+                                        values=np.ones(1, np.uint32)))
+        undo = []
+        with pytest.raises(IndexError, match="outside its run"):
+            rm.patch({name: [ch]}, words, undo, set(), layout=lay)
+        for w, idx, o in reversed(undo):
+            w.index_copy_(0, idx, o)
+        assert all(not t.any() for t in params.values())
