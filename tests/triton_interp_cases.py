@@ -14,8 +14,8 @@ payloads, -0.0 and fp8 compare exactly):
 
 The cases: the three kernels alone (compare + compaction, patch, lane-block sums) on odd sizes and tile
 edges; then, per codec dtype, the core paths that reach them on CUDA: fingerprints (full, range, copy),
-``diff_chunk`` (with ``update_old``), ``encode_delta`` (the blobs and the manifest), the publisher's
-``Reference.diff_and_update`` + ``encode_diff``, ``apply_delta`` (in place, dense and sparse chunks,
+``diff_chunk`` (with ``update_old``) and ``diff_device_words`` (a tensor's chunks at once), ``encode_delta``
+(the blobs and the manifest), the publisher's ``Reference.diff_and_update`` + ``encode_diff``, ``apply_delta`` (in place, dense and sparse chunks,
 non-contiguous live tensors) and its rollback.
 """
 
@@ -268,7 +268,7 @@ def case_fingerprints(c: Checks) -> None:
 
 
 def case_diff_chunk(c: Checks) -> None:
-    from deltasync.codec import diff_chunk
+    from deltasync.codec import diff_chunk, diff_device_words
     from deltasync.dtypes import host_words, word_view
 
     rng = np.random.default_rng(6)
@@ -293,6 +293,22 @@ def case_diff_chunk(c: Checks) -> None:
                         for field in ("start", "stop", "positions", "old", "new"):
                             c.eq(getattr(ref, field), getattr(got, field), f"{what} {field}")
                     c.eq(ref_old, dev_old, what + " reference copy")
+                # the whole tensor's chunks at once (diff_states on a device): the chunks' diffs, their summed
+                # fingerprint change and the reference copy, as chunk by chunk on the host
+                ranges = [r for r in ((0, n // 3), (n // 3, n - n // 5), (n - n // 5, n)) if r[1] > r[0]]
+                ref_old, dev_old = base.clone(), base.clone()
+                with reference():
+                    refs = [diff_chunk(host_words(ref_old), host_words(nxt), s, e, w, update_old=True) for s, e in ranges]
+                with cuda_path():
+                    got, fpd = diff_device_words(word_view(dev_old), word_view(nxt), ranges, w, update_old=True)
+                what = f"diff_device_words w={w} n={n} {pattern} {ranges}"
+                want = [r for r, _ in refs if r is not None]
+                c.eq(len(want), len(got), what + " chunks")
+                for ref, g in zip(want, got):
+                    for field in ("start", "stop", "positions", "old", "new"):
+                        c.eq(getattr(ref, field), getattr(g, field), f"{what} {field}")
+                c.eq(sum(f for _, f in refs) & ((1 << 64) - 1), fpd & ((1 << 64) - 1), what + " fingerprint change")
+                c.eq(ref_old, dev_old, what + " reference copy")
 
 
 def encoded(old, new, options, base_fps=None):
