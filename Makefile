@@ -53,7 +53,8 @@ bench: bytecode $(KERNELS)
 # there is no CUDA. `make gpu-check GPU_CHECK_ARGS='--device cpu'` rehearses it on CPU (Triton interpreted; its
 # hf part needs transformers). On a GPU machine without network (and without this venv: `GPU_PY=python3`) the
 # wheels of `make gpu-wheels` (in .whl/, if there) go into $(GPU_SITE) and this tree is installed editable, all
-# without an index or dependencies.
+# without an index or dependencies. GPU_CHECK_ARGS='--out FILE' also writes the results as markdown: committed as
+# benchmarks/gpu_check.md, BENCHMARKS.md carries them (benchmarks/run.py).
 GPU_PY ?= $(BIN)/python
 GPU_SITE ?= /tmp/deltasync-gpu-site
 GPU_WHEELS ?= .whl

@@ -43,6 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("tests", "bench", "hf")
+REPORT: list[str] = []  # what --out writes: each part's result, as markdown
 
 
 def _timed(fn, sync, n: int = 5) -> float:
@@ -89,10 +90,15 @@ def run_tests(dev, rehearsal: bool) -> int:
         print("gpu tests: no test file carries the gpu marker", flush=True)
         return 1
     # only the files with gpu tests: the others import test-only packages a bare GPU machine lacks
-    rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files],
-                         cwd=ROOT)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(run.stdout, end="", flush=True)
+    rc = run.returncode
+    summary = next((ln.strip("= ") for ln in reversed(run.stdout.splitlines()) if ln.strip()), "")
     print(f"gpu tests ({', '.join(files)}): exit status {rc}" + (" (they skip without CUDA)" if rehearsal else ""),
           flush=True)
+    REPORT.append(f"- Triton self-check ({'interpreted' if rehearsal else dev.type}): passed. `gpu` tests "
+                  f"({len(files)} files): {summary} (exit status {rc}).")
     return 0 if rc in (0, 5) and rehearsal else rc
 
 
@@ -212,7 +218,7 @@ def follow_hf(dev, steps: int, big: bool, profile: Path | None = None) -> str:
         saver.load_state_dict(trainer.state_dict())
         return {n: t.detach() for n, t in saver.state_dict().items() if n != "lm_head.weight"}  # as save_pretrained
 
-    pauses, blocking, sizes = [], [], []
+    pauses, blocking, sizes, steps_log = [], [], [], []
     profs = {"apply": cProfile.Profile(), "publish": cProfile.Profile()} if profile is not None else None
 
     def profiled(kind, fn, *a):
@@ -259,9 +265,11 @@ def follow_hf(dev, steps: int, big: bool, profile: Path | None = None) -> str:
                     if step:
                         pauses.append(time.perf_counter() - t0)
                     assert version == step, f"applied v{version}, expected v{step}"
-                    print(f"  step {step}: generated {tokens} tokens while it arrived; applied in "
-                          f"{(time.perf_counter() - t0) * 1e3:.1f} ms; publish() held the trainer "
-                          f"{pending.blocking_s * 1e3:.1f} ms", flush=True)
+                    line = (f"step {step}: generated {tokens} tokens while it arrived; applied in "
+                            f"{(time.perf_counter() - t0) * 1e3:.1f} ms; publish() held the trainer "
+                            f"{pending.blocking_s * 1e3:.1f} ms")
+                    print("  " + line, flush=True)
+                    steps_log.append(line)
                 pub.flush(60)
                 sizes = [r.blob_bytes for r in pub.results]
         finally:
@@ -284,11 +292,13 @@ def follow_hf(dev, steps: int, big: bool, profile: Path | None = None) -> str:
     params = sum(t.numel() for t in final.values())
     pauses_ms = sorted(p * 1e3 for p in pauses)
     deltas = sizes[1:] if len(sizes) > 1 else sizes
-    return (f"hf: Qwen2ForCausalLM ({params:,} parameters, bf16) on {dev.type} followed {steps} steps "
+    summary = (f"hf: Qwen2ForCausalLM ({params:,} parameters, bf16) on {dev.type} followed {steps} steps "
             f"bit-exactly while generating; apply pause per step: median {pauses_ms[len(pauses_ms) // 2]:.1f} ms, "
             f"max {pauses_ms[-1]:.1f} ms; publish() held the trainer: median "
             f"{sorted(blocking[1:])[len(blocking[1:]) // 2] * 1e3:.1f} ms (diff on {dev.type}); delta blobs median "
             f"{sorted(deltas)[len(deltas) // 2] / 1e3:.1f} kB")
+    REPORT.extend(["- " + summary, "", "  " + "; ".join(steps_log)])
+    return summary
 
 
 # -- main --------------------------------------------------------------------------------------------
@@ -300,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
     ap.add_argument("--gib", type=float, default=None, help="bench state size (default 2 on cuda, 0.0005 on cpu)")
     ap.add_argument("--steps", type=int, default=None, help="hf: published steps (default 10 on cuda, 3 on cpu)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="also write the results as markdown here (BENCHMARKS.md's GPU section: benchmarks/run.py "
+                         "includes benchmarks/results/gpu_check.md)")
     ap.add_argument("--profile", type=Path, default=None,
                     help="hf: write cProfile tables of the applies and publishes (steps 1+) into this folder")
     args = ap.parse_args(argv)
@@ -342,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
                 if run_tests(dev, rehearsal):
                     failed.append(part)
             elif part == "bench":
-                print(bench(dev, args.gib if args.gib is not None else (0.0005 if rehearsal else 2.0)), flush=True)
+                table = bench(dev, args.gib if args.gib is not None else (0.0005 if rehearsal else 2.0))
+                print(table, flush=True)
+                REPORT.extend(["", table])
             elif part == "hf":
                 try:
                     import transformers  # noqa: F401
@@ -359,6 +374,18 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(part)
         print(f"== {part}: {time.perf_counter() - t0:.1f} s{' FAILED' if part in failed else ''}", flush=True)
     rc = 1 if failed else 0
+    if args.out is not None:
+        import platform
+
+        import triton
+
+        gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "no GPU (rehearsal on CPU)"
+        head = [f"`make gpu-check`{' (rehearsal: --device cpu)' if rehearsal else ''}, "
+                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {gpu_name}; {os.cpu_count()} CPUs; Python "
+                f"{platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}. Parts "
+                f"{', '.join(parts)}: " + (f"failed: {', '.join(failed)}" if failed else "all passed") +
+                f", {time.perf_counter() - t_start:.0f} s.", ""]
+        args.out.write_text("\n".join(head + REPORT).rstrip() + "\n")
     print(f"gpu-check {'rehearsal ' if rehearsal else ''}done in {time.perf_counter() - t_start:.1f} s, "
           f"exit status {rc}" + (f" (failed: {', '.join(failed)})" if failed else ""))
     return rc
