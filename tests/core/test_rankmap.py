@@ -198,13 +198,29 @@ def _placed(lay: RankLayout, stream: dict[str, np.ndarray]) -> dict[str, np.ndar
     return out
 
 
+RUN_CASES = ["runs", "dense-tp4", "moe128-tp2", "moe128-ep2"]
+
+
 @pytest.mark.parametrize("selection", ["numba", "reference"])
-@pytest.mark.parametrize("case", ["runs", "dense-tp4", "moe128-tp2", "moe128-ep2"])
+@pytest.mark.parametrize("case", RUN_CASES)
 def test_direct_runs_patch_like_the_region_by_region_path(case, selection):
     """Chunks inside their tensor's one run are patched without translation (the compiled jobs on host parameters
     whose run starts at word 0, torch elsewhere); chunks across a shard's edge still go through the translation.
     Words, each tensor's fingerprint change (its counted regions only) and the undo log all equal the region-by-region
     path's, with raw and modular changes mixed and several chunks per tensor."""
+    _direct_runs(case, selection, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", RUN_CASES)
+def test_direct_runs_on_cuda_parameters(case):
+    """The same on CUDA parameters: each device's changes uploaded once, positions checked against their runs and
+    the fingerprint changes summed on the device (``make gpu-check``)."""
+    _direct_runs(case, "numba", "cuda")
+
+
+def _direct_runs(case: str, selection: str, device: str) -> None:
     from deltasync import kernels
 
     kernels.select(selection)
@@ -239,12 +255,12 @@ def test_direct_runs_patch_like_the_region_by_region_path(case, selection):
         before, want = _placed(lay, old), _placed(lay, new)
         dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}
         params = {p: torch.from_numpy(before[p].view(np.int16 if d == "bfloat16" else np.int32).copy()).view(dt[d])
-                  for p, (d, _) in lay.params.items()}
+                  .to(device) for p, (d, _) in lay.params.items()}
         words = {p: word_view(t) for p, t in params.items()}
         undo, touched = [], set()
         fpd = rm.patch(patches, words, undo, touched, layout=lay)
         for p, t in params.items():
-            assert np.array_equal(word_view(t).numpy().view(want[p].dtype), want[p]), p
+            assert np.array_equal(word_view(t).cpu().numpy().view(want[p].dtype), want[p]), p
         for n in lay.stream:
             ws = 2 if u[n] is np.uint16 else 4
             total = 0
@@ -260,7 +276,7 @@ def test_direct_runs_patch_like_the_region_by_region_path(case, selection):
         for w, idx, o in reversed(undo):
             w.index_copy_(0, idx, o)
         for p, t in params.items():
-            assert np.array_equal(word_view(t).numpy().view(before[p].dtype), before[p]), p
+            assert np.array_equal(word_view(t).cpu().numpy().view(before[p].dtype), before[p]), p
     finally:
         kernels.select("auto")
 
