@@ -48,7 +48,7 @@ from deltasync.fingerprint import (
 )
 from deltasync.layout import RankLayout, Region, region_rows
 from deltasync.manifest import Manifest
-from deltasync.rankmap import RankMap
+from deltasync.rankmap import RankMap, restore
 
 _MASK64 = (1 << 64) - 1
 _BLOCK_WORDS = 1 << 20  # scan: words per sub-box (bounds the temporary memory)
@@ -115,11 +115,7 @@ class ShardedStaged:
 
 def _restore(undo: list) -> None:
     with torch.no_grad():
-        for words, where, old in reversed(undo):
-            if words is not None:
-                words.index_copy_(0, where, old)
-            else:
-                where.copy_(old)  # a box view (keyframes)
+        restore(undo)  # the map's records and this applier's box copies (keyframes: (None, view, old))
     undo.clear()
 
 

@@ -398,11 +398,7 @@ class _Undo:
         for entry in reversed(self.entries):
             if entry[0] is _COLUMNS:  # jobs of patch_jobs run again, each writing its old words back (raw)
                 _, jobs, old, offsets, w, keep = entry
-                back = jobs.copy()
-                ones = np.ones(int(jobs[:, 5].max()), dtype=np.uint8)
-                back[:, 3] = ones.ctypes.data
-                back[:, 4] = old.ctypes.data + offsets[:-1] * w
-                kernels.patch_jobs(back, old[:0], np.empty(old.size, old.dtype), np.zeros(back.shape[0], np.uint64), w)
+                kernels.unpatch_jobs(jobs, old, offsets, w)
                 continue
             if entry[0] is _BATCHED:  # a contiguous CPU tensor patched in place: its words shared with numpy
                 _, t, positions, old = entry
@@ -954,10 +950,10 @@ def _patch_batched(tensors: Mapping[str, torch.Tensor], work: list[tuple[str, li
                 pos, raw = ch.positions, ch.raw
                 if not (pos.flags.c_contiguous and raw.flags.c_contiguous and vals.flags.c_contiguous):
                     pos, raw, vals = np.ascontiguousarray(pos), np.ascontiguousarray(raw), np.ascontiguousarray(vals)
-                rows.append((addr, n, *addresses(pos, raw, vals), pos.size))
+                rows.append((addr, n, *addresses(pos, raw, vals), pos.size, 0))
                 owners.append((i, t, pos, raw, vals))
                 counts.append(pos.size)
-        jobs = np.array(rows, dtype=np.int64).reshape(-1, 6)
+        jobs = np.array(rows, dtype=np.int64).reshape(-1, 7)
         offsets = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
         old = np.empty(int(offsets[-1]), wdt)
@@ -1059,7 +1055,7 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
         seg = cols.seg[sel]
         at = cols.at[sel]
         counts = cols.counts[sel]
-        jobs = np.empty((sel.size, 6), dtype=np.int64)
+        jobs = np.zeros((sel.size, 7), dtype=np.int64)  # column 6, the first writable word: 0
         jobs[:, 0] = addr[ti]
         jobs[:, 1] = nwords[ti]
         for k, item in enumerate((8, 1, w)):  # each segment's positions, raw flags, values: their addresses

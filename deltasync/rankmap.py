@@ -89,6 +89,8 @@ class RankMap:
     # per stream tensor: its region row when it has exactly one and that one is a run of whole rows (a change at
     # stream word p lands at parameter word p + run_dst - run_src, for run_src <= p < run_src + run_len), else -1
     direct: np.ndarray
+    runs: tuple[tuple[int, int, int, int] | None, ...]  # per stream tensor: (first word, end, parameter, region row) of
+    # its direct run, or None (Python ints: what :meth:`patch` reads per tensor)
 
     @classmethod
     def compile(cls, layout: RankLayout, *, skip: Iterable[str] = ()) -> "RankMap":
@@ -130,13 +132,18 @@ class RankMap:
         inside = (run_len[lone] > 0) & (run_dst[lone] + run_len[lone] <= p_words[a(0)[lone]])
         direct = np.full(len(names), -1, dtype=np.int64)
         direct[np.flatnonzero(np.diff(first_np) == 1)[inside]] = lone[inside]
+        pid_rows = a(0).tolist()
+        runs = tuple(None if r < 0 else (s, s + n, pid_rows[r], r)
+                     for r, s, n in zip(direct.tolist(), run_src[np.maximum(direct, 0)].tolist(),
+                                        run_len[np.maximum(direct, 0)].tolist()))
         return cls(names=names, ids={n: i for i, n in enumerate(names)},
                    keys={n: i * 16 + w for i, (n, w) in enumerate(zip(names, ws))}, params=params,
                    word_sizes=np.asarray(ws, dtype=np.int64),
                    first=first_np, width=int(np.diff(first_np).max(initial=0)), param=a(0, np.int32),
                    counted=np.asarray(counted, dtype=bool), src_cols=src_cols, src_row0=src_row0, rows=rows,
                    src_col0=src_col0, cols=ncols, dst_cols=dst_cols, dst_row0=dst_row0, dst_col0=dst_col0,
-                   run_src=run_src, run_len=run_len, run_dst=run_dst, general=tuple(general), direct=direct)
+                   run_src=run_src, run_len=run_len, run_dst=run_dst, general=tuple(general), direct=direct,
+                   runs=runs)
 
     # -- translation --
 
@@ -215,16 +222,17 @@ class RankMap:
               touched: set[str], *, layout: RankLayout | None = None) -> dict[str, int]:
         """Write a step's decoded chunks (``PreparedDelta.patches``: stream name -> ChunkPatch list) into the
         parameters' flat signed word views ``words``; returns each patched stream tensor's fingerprint change
-        from the counted boxes (mod 2**64). Appends ``(words, index, old words)`` to ``undo`` per parameter
-        written (restore in reverse order) and the names written to ``touched``. Tensors the map lacks are
-        ignored (nothing of them lives on this rank)."""
+        from the counted boxes (mod 2**64). Appends its undo records to ``undo`` (``(words, index, old words)``
+        per parameter written, a :class:`JobsUndo` per compiled call; :func:`restore` undoes them, newest first)
+        and the names written to ``touched``. Tensors the map lacks are ignored (nothing of them lives on this
+        rank)."""
         import torch
 
         # per word size: (tensor id per chunk, changes per chunk) to translate, and the chunks of direct tensors
         # that lie inside their run (no translation: an offset per chunk); the only Python per tensor is this lookup
         by_ws: dict[int, tuple[list, list]] = {}
-        direct: dict[int, list] = {}
-        keys, row_of, run_src, run_end = self.keys, self.direct, self.run_src, self.run_src + self.run_len
+        direct: dict[int, tuple[list, list, list, list]] = {}  # per word size: parameters, tensors, rows, changes
+        keys, runs = self.keys, self.runs
         hit = np.zeros(len(self.names), dtype=bool)
         last_ws, g, dl = 0, None, None
         for name, chunks in patches.items():
@@ -234,23 +242,26 @@ class RankMap:
             ws, t = key & 15, key >> 4
             if ws != last_ws:
                 g = by_ws.setdefault(ws, ([], []))
-                dl = direct.setdefault(ws, [])
+                dl = direct.setdefault(ws, ([], [], [], []))
                 last_ws = ws
             hit[t] = True
-            r = int(row_of[t])
-            lo, hi = (int(run_src[r]), int(run_end[r])) if r >= 0 else (0, -1)
+            run = runs[t]
+            lo, hi, p, r = run if run is not None else (0, -1, 0, 0)
             for c in chunks:
                 if lo <= c.start and c.stop <= hi:
-                    dl.append((int(self.param[r]), t, r, c.as_changes()))
+                    dl[0].append(p)
+                    dl[1].append(t)
+                    dl[2].append(r)
+                    dl[3].append(c.as_changes())
                 elif hi >= 0 and (c.stop <= lo or c.start >= hi):
                     continue  # its words live on other ranks (a change that is not where its chunk says fails the vote)
                 else:
                     g[0].append(t)
                     g[1].append(c.as_changes())
         acc = np.zeros(len(self.names), dtype=np.uint64)
-        for ws, items in direct.items():
-            if items:
-                self._patch_direct(int(ws), items, words, undo, touched, acc)
+        for ws, (ps, ts, rs, cs) in direct.items():
+            if ps:
+                self._patch_direct(int(ws), ps, ts, rs, cs, words, undo, touched, acc)
         for ws, (tl, cl) in by_ws.items():
             ws = int(ws)
             if not tl:
@@ -299,77 +310,111 @@ class RankMap:
         return {self.names[t]: int(v) for t, v in zip(np.flatnonzero(hit).tolist(), acc[hit].tolist())}
 
 
-    def _patch_direct(self, ws: int, items: list, words: Mapping[str, "torch.Tensor"], undo: list,
-                      touched: set[str], acc: np.ndarray) -> None:
-        """:meth:`patch` of the chunks that lie inside their tensor's one run (``items``: (parameter, tensor id,
-        region row, changes)): no translation, no per-change tables on the host. A parameter's chunks whose run
-        starts at stream word 0 patch a host parameter through the compiled ``patch_jobs`` (one pass: old words,
-        write, read back, fingerprint change; the run's words are the jobs' whole range, so its bounds check is
-        the run's); the others (a device's parameters, a TP shard's rows) in torch on the parameter's device,
-        each device's changes uploaded once, their positions checked against their runs there, the fingerprint
-        change summed per tensor there."""
-        items.sort(key=_by_param)  # stable: each tensor's chunks stay in order
-        n = len(items)
-        pids = np.fromiter((it[0] for it in items), np.int64, n)
-        rows = np.fromiter((it[2] for it in items), np.int64, n)
+    def _patch_direct(self, ws: int, ps: list, ts: list, rs: list, cs: list, words: Mapping[str, "torch.Tensor"],
+                      undo: list, touched: set[str], acc: np.ndarray) -> None:
+        """:meth:`patch` of the chunks that lie inside their tensor's one run (per chunk: parameter, tensor id,
+        region row, changes): no translation, no per-change tables. Host parameters: one compiled ``patch_jobs``
+        call for all of them (a job per chunk, built by numpy: old words, write, read back, fingerprint change in
+        one pass; each job may write its run's words only). A device's parameters: torch there, its changes
+        uploaded once, their positions checked against their runs and their fingerprint changes summed there."""
+        pids = np.asarray(ps, dtype=np.int64)
+        tids, rows = np.asarray(ts, dtype=np.int64), np.asarray(rs, dtype=np.int64)
+        if pids.size > 1 and (pids[1:] < pids[:-1]).any():  # by parameter, stable: each tensor's chunks in order
+            order = np.argsort(pids, kind="stable")
+            pids, tids, rows, cs = pids[order], tids[order], rows[order], [cs[i] for i in order.tolist()]
+        n = pids.size
         cuts = [0, *(np.flatnonzero(np.diff(pids)) + 1).tolist(), n]
-        cpu = cpu_kernels()
-        on_device: dict = {}  # device -> chunk indices (parameter order)
+        host = cpu_kernels() is not None
+        on_host, on_device = [], {}  # (first chunk, end, parameter words) of whole parameters, per place
         for a, b in zip(cuts[:-1], cuts[1:]):
             name = self.params[int(pids[a])]
             w = words[name]
             touched.add(name)
-            if cpu is not None and w.is_cpu and w.is_contiguous() and not self.run_src[rows[a:b]].any():
-                self._patch_jobs(ws, items[a:b], w, undo, acc)
+            if host and w.is_cpu and w.is_contiguous():
+                on_host.append((a, b, w))
             else:
-                on_device.setdefault(w.device, []).extend(range(a, b))
-        for dev, sel in on_device.items():
-            self._patch_torch(ws, [items[q] for q in sel], words, dev, undo, acc)
+                on_device.setdefault(w.device, []).append((a, b, w))
+        for place, segs in ([(None, on_host)] if on_host else []) + list(on_device.items()):
+            if len(segs) == len(cuts) - 1:  # every parameter here (the usual case): no selection
+                sel_t, sel_r, sel_c, rebased = tids, rows, cs, segs
+            else:
+                idx = np.concatenate([np.arange(a, b) for a, b, _ in segs])
+                sel_t, sel_r, sel_c = tids[idx], rows[idx], [cs[i] for i in idx.tolist()]
+                rebased, at = [], 0
+                for a, b, w in segs:
+                    rebased.append((at, at + b - a, w))
+                    at += b - a
+            if place is None:
+                self._patch_jobs(ws, sel_t, sel_r, sel_c, rebased, undo, acc)
+            else:
+                self._patch_torch(ws, sel_t, sel_r, sel_c, rebased, place, undo, acc)
 
-    def _patch_jobs(self, ws: int, items: list, w, undo: list, acc: np.ndarray) -> None:
-        import torch
-
+    def _patch_jobs(self, ws: int, tids: np.ndarray, rows: np.ndarray, chs: list, params: list, undo: list,
+                    acc: np.ndarray) -> None:
         from . import kernels
         from .dtypes import numpy_word_dtype
 
+        m = len(chs)
         wdt = numpy_word_dtype(ws)
-        addresses = cpu_kernels().array_addresses
-        jobs, kept = [], []
-        base = w.data_ptr()
-        for _, t, r, ch in items:
-            off, size = int(self.run_dst[r]), int(self.run_len[r])
-            vals = ch.values if ch.values.dtype == wdt else ch.values.astype(wdt)
-            pos, raw = ch.positions, ch.raw
-            if not (pos.flags.c_contiguous and raw.flags.c_contiguous and vals.flags.c_contiguous):
-                pos, raw, vals = np.ascontiguousarray(pos), np.ascontiguousarray(raw), np.ascontiguousarray(vals)
-            jobs.append((base + off * ws, size, *addresses(pos, raw, vals), pos.size))
-            kept.append((t, r, off, size, pos, raw, vals))
-        counts = [k[4].size for k in kept]
-        offsets = np.zeros(len(kept) + 1, dtype=np.int64)
+        counts = np.fromiter((ch.positions.size for ch in chs), np.int64, m)
+        offsets = np.zeros(m + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
-        old = np.empty(int(offsets[-1]), wdt)
-        fpds = np.zeros(len(kept), np.uint64)
-        j, k = kernels.patch_jobs(np.array(jobs, dtype=np.int64).reshape(-1, 6), np.empty(0, wdt), old, fpds, ws)
-        done = len(kept) if j < 0 else j
-        signed = old.view(np.dtype(f"i{ws}"))
-        for q in range(done):  # every written chunk into the undo log before anything may raise
-            t, r, off, size, pos, _, _ = kept[q]
-            undo.append((w[off:off + size], torch.from_numpy(pos), torch.from_numpy(signed[offsets[q]:offsets[q + 1]])))
-        counted = [q for q in range(done) if self.counted[kept[q][1]]]
-        np.add.at(acc, np.asarray([kept[q][0] for q in counted], dtype=np.int64), fpds[counted])
+        lo = self.run_src[rows]
+        jobs = np.empty((m, 7), dtype=np.int64)  # stream word p of a chunk lands at parameter word p + run_dst - lo
+        jobs[:, 0] = np.repeat(np.asarray([w.data_ptr() for _, _, w in params], dtype=np.int64),
+                               [b - a for a, b, _ in params]) + (self.run_dst[rows] - lo) * ws
+        jobs[:, 1] = lo + self.run_len[rows]
+        jobs[:, 5] = counts
+        jobs[:, 6] = lo
+        if offsets[-1] < JOIN_CHANGES * m:
+            # many small chunks (an MoE's experts): their arrays joined, every job's addresses by numpy (a call
+            # per chunk for its three addresses costs more than the copy)
+            pos = np.concatenate([ch.positions for ch in chs]).astype(np.int64, copy=False)
+            raw = np.concatenate([ch.raw for ch in chs]).view(np.uint8)
+            vals = np.concatenate([ch.values for ch in chs]).astype(wdt, copy=False)
+            arrays = [(pos, raw, vals)]
+            jobs[:, 2] = pos.ctypes.data + offsets[:-1] * 8
+            jobs[:, 3] = raw.ctypes.data + offsets[:-1]
+            jobs[:, 4] = vals.ctypes.data + offsets[:-1] * ws
+        else:  # large chunks: addressed where they are (joining a step's 30M changes would write ~350 MB of fresh pages)
+            addresses = cpu_kernels().array_addresses
+            arrays = []  # each chunk's arrays as the jobs address them (kept alive by the undo record)
+            for ch in chs:
+                pos, raw, vals = ch.positions, ch.raw, ch.values
+                if not (vals.dtype == wdt and pos.dtype == np.int64 and pos.flags.c_contiguous
+                        and raw.flags.c_contiguous and vals.flags.c_contiguous):
+                    pos, raw = np.ascontiguousarray(pos, dtype=np.int64), np.ascontiguousarray(raw)
+                    vals = np.ascontiguousarray(vals, dtype=wdt)
+                arrays.append((pos, raw, vals))
+            jobs[:, 2:5] = np.array([addresses(*a) for a in arrays], dtype=np.int64).reshape(m, 3)
+        fpds = np.zeros(m, np.uint64)
+        like = np.empty(0, wdt)
+        # in parts of at most PART_BYTES of old words: numpy takes a larger array's memory from fresh pages every
+        # step (glibc's mmap threshold stops at 32 MiB), and the first write to each page then faults in the kernel
+        step = max(PART_BYTES // ws, 1)
+        cuts = np.unique(np.searchsorted(offsets, np.arange(step, int(offsets[-1]), step), side="right") - 1)
+        j, k, done = -1, 0, 0
+        for a, b in zip([0, *cuts[cuts > 0].tolist()], [*cuts[cuts > 0].tolist(), m]):
+            old = np.empty(int(offsets[b] - offsets[a]), wdt)
+            j, k = kernels.patch_jobs(jobs[a:b], like, old, fpds[a:b], ws)
+            done = b if j < 0 else a + j
+            if done > a:  # the jobs that ran, undone by running them again with their old words (no index arrays)
+                undo.append(JobsUndo(jobs[a:done], old[:offsets[done] - offsets[a]], offsets[a:done + 1] - offsets[a],
+                                     ws, arrays))
+            if j >= 0:
+                j += a
+                break
+        counted = self.counted[rows[:done]]
+        np.add.at(acc, tids[:done][counted], fpds[:done][counted])
         if j >= 0:
-            t, _, _, size, pos, _, _ = kept[j]
-            raise IndexError(f"{self.names[t]}: change position {int(pos[k])} is outside its run of {size} words "
-                             "on this rank")
+            raise IndexError(f"{self.names[int(tids[j])]}: change position {int(chs[j].positions[k])} is outside its "
+                             f"run of words [{int(lo[j])}, {int(jobs[j, 1])}) on this rank")
 
-    def _patch_torch(self, ws: int, items: list, words: Mapping[str, "torch.Tensor"], dev, undo: list,
+    def _patch_torch(self, ws: int, tids: np.ndarray, rows: np.ndarray, chs: list, params: list, dev, undo: list,
                      acc: np.ndarray) -> None:
         import torch
 
-        n = len(items)
-        tids = np.fromiter((it[1] for it in items), np.int64, n)
-        rows = np.fromiter((it[2] for it in items), np.int64, n)
-        chs = [it[3] for it in items]
+        n = len(chs)
         counts = np.fromiter((ch.positions.size for ch in chs), np.int64, n)
         if not counts.any():
             return
@@ -379,20 +424,18 @@ class RankMap:
         vals = up(np.concatenate([ch.values for ch in chs]).view(np.dtype(f"i{ws}")))
         chunk = torch.repeat_interleave(torch.arange(n, device=dev), up(counts))
         lo = up(self.run_src[rows])[chunk]
-        if not bool(((pos >= lo) & (pos < lo + up(self.run_len[rows])[chunk])).all()):  # one sync: before any write
-            bad = int(torch.nonzero((pos < lo) | (pos >= lo + up(self.run_len[rows])[chunk]))[0, 0])
-            t = int(tids[int(chunk[bad])])
-            raise IndexError(f"{self.names[t]}: change position {int(pos[bad])} is outside its run on this rank")
+        end = lo + up(self.run_len[rows])[chunk]
+        if not bool(((pos >= lo) & (pos < end)).all()):  # one synchronisation, before any write
+            bad = int(torch.nonzero((pos < lo) | (pos >= end))[0, 0])
+            raise IndexError(f"{self.names[int(tids[int(chunk[bad])])]}: change position {int(pos[bad])} is outside "
+                             "its run on this rank")
         offs = self.run_dst[rows] - self.run_src[rows]
         dst = pos + up(offs)[chunk] if offs.any() else pos
         sdt = signed_word_dtype(ws)
         ends = np.cumsum(counts)
-        pids = np.fromiter((it[0] for it in items), np.int64, n)
-        cuts = [0, *(np.flatnonzero(np.diff(pids)) + 1).tolist(), n]
         olds, backs = [], []
-        for a, b in zip(cuts[:-1], cuts[1:]):
+        for a, b, w in params:
             s, e = int(ends[a - 1]) if a else 0, int(ends[b - 1])
-            w = words[self.params[int(pids[a])]]
             idx = dst[s:e]
             old = w.index_select(0, idx)
             v = vals[s:e]
@@ -409,8 +452,38 @@ class RankMap:
         _fingerprint_sums(pos, tid, old, back, ws, len(self.names), acc)
 
 
-def _by_param(item) -> int:
-    return item[0]
+#: below this many changes a chunk on average, :meth:`RankMap.patch` joins the chunks' arrays for its compiled call
+JOIN_CHANGES = 4096
+#: old words per compiled call of :meth:`RankMap.patch` (and undo record)
+PART_BYTES = 16 << 20
+
+
+class JobsUndo:
+    """An undo record of :meth:`RankMap.patch`'s compiled jobs: :meth:`restore` runs them again, last first, with
+    their old words as raw values (``kernels.unpatch_jobs``). Holds the arrays the jobs address."""
+
+    __slots__ = ("jobs", "old", "offsets", "word_size", "keep")
+
+    def __init__(self, jobs: np.ndarray, old: np.ndarray, offsets: np.ndarray, word_size: int, keep) -> None:
+        self.jobs, self.old, self.offsets, self.word_size, self.keep = jobs, old, offsets, word_size, keep
+
+    def restore(self) -> None:
+        from . import kernels
+
+        kernels.unpatch_jobs(self.jobs, self.old, self.offsets, self.word_size)
+
+
+def restore(undo: list) -> None:
+    """Undo :meth:`RankMap.patch` (and a sharded applier's own box copies), newest record first: a
+    :class:`JobsUndo` runs its jobs back; ``(words, index, old)`` writes the old words at the index
+    (``words`` None: ``index`` is a view, ``old`` copied into it)."""
+    for entry in reversed(undo):
+        if type(entry) is JobsUndo:
+            entry.restore()
+        elif entry[0] is None:
+            entry[1].copy_(entry[2])
+        else:
+            entry[0].index_copy_(0, entry[1], entry[2])
 
 
 def _fingerprint_sums(pos, tid, old, new, ws: int, n_tensors: int, acc: np.ndarray) -> None:
@@ -430,4 +503,4 @@ def _fingerprint_sums(pos, tid, old, new, ws: int, n_tensors: int, acc: np.ndarr
     acc += sums.cpu().numpy().view(np.uint64)
 
 
-__all__ = ["RankMap"]
+__all__ = ["JobsUndo", "RankMap", "restore"]

@@ -41,6 +41,7 @@ raw, word_size)``
 word_size)``
 ``patch_chunk(words, changes, word_size)``     ``patch_words`` in one prefetching pass (apply.py)
 ``patch_jobs(jobs, like, old, fpds, w)``       ``patch_chunk`` of many tensors' chunks in one call (apply.py)
+``unpatch_jobs(jobs, old, offsets, w)``        ``patch_jobs`` undone: its old words written back, last job first
 ``gather_words`` / ``scatter_words``           ``out[:] = words[pos]`` / ``words[pos] = src`` (the
                                                ``--out`` journal, undo records)
 ``journal_gather(words, pos, start, stop,      a sparse chunk's ``--out`` undo record in one pass:
@@ -467,6 +468,19 @@ def patch_jobs(jobs: np.ndarray, like: np.ndarray, old: np.ndarray, fpds: np.nda
     (-1, 0), or (job, index) of the first out-of-range position (that job and later ones wrote nothing). Numba only."""
     j, k = cpu_kernels().patch_jobs(jobs, like, old, fpds, _per(word_size), _table())
     return int(j), int(k)
+
+
+def unpatch_jobs(jobs: np.ndarray, old: np.ndarray, offsets: np.ndarray, word_size: int) -> None:
+    """Undo :func:`patch_jobs`: the same jobs run again, last first, each writing its old words back (``old``, job
+    after job from ``offsets[j]``, as :func:`patch_jobs` left them) as raw values. Their positions were checked
+    when they ran. Numba only."""
+    if jobs.shape[0] == 0:
+        return
+    back = jobs[::-1].copy()
+    ones = np.ones(max(int(jobs[:, 5].max()), 1), dtype=np.uint8)
+    back[:, 3] = ones.ctypes.data
+    back[:, 4] = (old.ctypes.data + offsets[:-1] * word_size)[::-1]
+    patch_jobs(back, old[:0], np.empty(old.size, old.dtype), np.zeros(back.shape[0], np.uint64), word_size)
 
 
 def gather_words(words: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:

@@ -1070,17 +1070,21 @@ def array_addresses(a, b, c):
 
 @_jit
 def patch_jobs(jobs, like, old, fpds, per, table):
-    """:func:`patch_chunk` of many chunks (of many tensors of one word dtype) in one call. ``jobs`` int64[J, 6]
-    rows: (address of the tensor's words, its word count, address of the chunk's int64 positions, of its raw
-    flags (bytes), of its values (words like ``like``), change count). Old words go to ``old`` one job after
-    the other, each job's fingerprint change to ``fpds[j]``. Jobs run in order; returns (-1, 0), or (j, k)
-    at the first job whose position k is out of range: that job writes nothing, later ones do not run. The
-    caller keeps every addressed array alive and contiguous."""
+    """:func:`patch_chunk` of many chunks (of many tensors of one word dtype) in one call. ``jobs`` int64[J, 7]
+    rows: (address of word 0 of the tensor's words, the end of its writable words, address of the chunk's int64
+    positions, of its raw flags (bytes), of its values (words like ``like``), change count, the first writable
+    word): a job writes words [first, end) only (a tensor's: first 0; a rank's run of a stream tensor's words,
+    which its parameter holds from some word on: its first stream word, word 0's address then lies before the
+    parameter and is never read). Old words go to ``old`` one job after the other, each job's fingerprint
+    change to ``fpds[j]``. Jobs run in order; returns (-1, 0), or (j, k) at the first job whose position k is
+    out of range: that job writes nothing, later ones do not run. The caller keeps every addressed array alive
+    and contiguous."""
     pos_like = np.empty(0, np.int64)
     raw_like = np.empty(0, np.uint8)
     o = 0
     for j in range(jobs.shape[0]):
         n = jobs[j, 1]
+        first = jobs[j, 6]
         count = jobs[j, 5]
         words = carray(_addr_as(jobs[j, 0], like), n)
         positions = carray(_addr_as(jobs[j, 2], pos_like), count)
@@ -1088,7 +1092,7 @@ def patch_jobs(jobs, like, old, fpds, per, table):
         values = carray(_addr_as(jobs[j, 4], like), count)
         for k in range(count):
             p = positions[k]
-            if p < 0 or p >= n:
+            if p < first or p >= n:
                 return j, k
         fpds[j] = _patch_run(words, positions, raw, values, old, o, per, table)
         o += count

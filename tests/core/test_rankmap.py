@@ -18,7 +18,7 @@ from deltasync.codec import ChunkPatch
 from deltasync.dtypes import word_view
 from deltasync.fingerprint import fingerprint_delta, tensor_fingerprint
 from deltasync.layout import MoEFacts, ModelFacts, Parallel, RankLayout, Region, translate, vllm_layout
-from deltasync.rankmap import RankMap
+from deltasync.rankmap import RankMap, restore
 from deltasync.values import Changes
 
 DENSE = ModelFacts(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=48, vocab=100, qkv_bias=True)
@@ -122,8 +122,7 @@ def test_a_region_that_is_not_a_box_goes_through_translate_and_two_word_sizes_pa
         old_w = word_view(before[p].contiguous())[torch.from_numpy(local)]
         new_w = word_view(params[p])[torch.from_numpy(local)]
         assert fpd[n] == fingerprint_delta(torch.from_numpy(pos[keep]), old_w, new_w, 4 if n == "b" else 2), n
-    for w, idx, old in reversed(undo):
-        w.index_copy_(0, idx, old)
+    restore(undo)
     for n, t in params.items():
         assert torch.equal(word_view(t), word_view(before[n])), n
 
@@ -201,14 +200,20 @@ def _placed(lay: RankLayout, stream: dict[str, np.ndarray]) -> dict[str, np.ndar
 RUN_CASES = ["runs", "dense-tp4", "moe128-tp2", "moe128-ep2"]
 
 
-@pytest.mark.parametrize("selection", ["numba", "reference"])
+@pytest.mark.parametrize("selection", ["numba joined", "numba in place", "reference"])
 @pytest.mark.parametrize("case", RUN_CASES)
-def test_direct_runs_patch_like_the_region_by_region_path(case, selection):
+def test_direct_runs_patch_like_the_region_by_region_path(case, selection, monkeypatch):
     """Chunks inside their tensor's one run are patched without translation (the compiled jobs on host parameters
     whose run starts at word 0, torch elsewhere); chunks across a shard's edge still go through the translation.
     Words, each tensor's fingerprint change (its counted regions only) and the undo log all equal the region-by-region
-    path's, with raw and modular changes mixed and several chunks per tensor."""
-    _direct_runs(case, selection, "cpu")
+    path's, with raw and modular changes mixed and several chunks per tensor. The compiled call either joins the
+    chunks' arrays (small chunks) or addresses each where it is (large ones), in parts of a bounded size."""
+    import deltasync.rankmap
+
+    monkeypatch.setattr(deltasync.rankmap, "JOIN_CHANGES", 1 << 40 if selection == "numba joined" else 0)
+    if selection == "numba in place":
+        monkeypatch.setattr(deltasync.rankmap, "PART_BYTES", 64)  # many compiled calls, an undo record each
+    _direct_runs(case, selection.split()[0], "cpu")
 
 
 @pytest.mark.gpu
@@ -273,8 +278,7 @@ def _direct_runs(case: str, selection: str, device: str) -> None:
                 total += fingerprint_delta(torch.from_numpy(pos[keep]), torch.from_numpy(before[r.param][local]).view(sdt),
                                            torch.from_numpy(want[r.param][local]).view(sdt), ws)
             assert fpd.get(n, 0) == total & ((1 << 64) - 1), n
-        for w, idx, o in reversed(undo):
-            w.index_copy_(0, idx, o)
+        restore(undo)
         for p, t in params.items():
             assert np.array_equal(word_view(t).cpu().numpy().view(before[p].dtype), before[p]), p
     finally:
@@ -296,6 +300,5 @@ def test_a_direct_change_outside_its_run_is_refused_before_it_lands():
         undo = []
         with pytest.raises(IndexError, match="outside its run"):
             rm.patch({name: [ch]}, words, undo, set(), layout=lay)
-        for w, idx, o in reversed(undo):
-            w.index_copy_(0, idx, o)
+        restore(undo)
         assert all(not t.any() for t in params.values())
