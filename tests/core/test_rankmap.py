@@ -200,7 +200,7 @@ def _placed(lay: RankLayout, stream: dict[str, np.ndarray]) -> dict[str, np.ndar
 RUN_CASES = ["runs", "dense-tp4", "moe128-tp2", "moe128-ep2"]
 
 
-@pytest.mark.parametrize("selection", ["numba joined", "numba in place", "reference"])
+@pytest.mark.parametrize("selection", ["numba joined", "numba in place", "numba mixed", "reference"])
 @pytest.mark.parametrize("case", RUN_CASES)
 def test_direct_runs_patch_like_the_region_by_region_path(case, selection, monkeypatch):
     """Chunks inside their tensor's one run are patched without translation (the compiled jobs on host parameters
@@ -213,7 +213,7 @@ def test_direct_runs_patch_like_the_region_by_region_path(case, selection, monke
     monkeypatch.setattr(deltasync.rankmap, "JOIN_CHANGES", 1 << 40 if selection == "numba joined" else 0)
     if selection == "numba in place":
         monkeypatch.setattr(deltasync.rankmap, "PART_BYTES", 64)  # many compiled calls, an undo record each
-    _direct_runs(case, selection.split()[0], "cpu")
+    _direct_runs(case, selection.split()[0], "cpu", mixed=selection == "numba mixed")
 
 
 @pytest.mark.gpu
@@ -225,7 +225,7 @@ def test_direct_runs_on_cuda_parameters(case):
     _direct_runs(case, "numba", "cuda")
 
 
-def _direct_runs(case: str, selection: str, device: str) -> None:
+def _direct_runs(case: str, selection: str, device: str, mixed: bool = False) -> None:
     from deltasync import kernels
 
     kernels.select(selection)
@@ -262,10 +262,15 @@ def _direct_runs(case: str, selection: str, device: str) -> None:
         params = {p: torch.from_numpy(before[p].view(np.int16 if d == "bfloat16" else np.int32).copy()).view(dt[d])
                   .to(device) for p, (d, _) in lay.params.items()}
         words = {p: word_view(t) for p, t in params.items()}
+        if mixed:  # every other parameter's words strided (not contiguous): torch patches those, the jobs the rest
+            for p in list(words)[::2]:
+                spread = torch.zeros(2 * words[p].numel(), dtype=words[p].dtype)
+                spread[::2] = words[p]
+                words[p] = spread[::2]
         undo, touched = [], set()
         fpd = rm.patch(patches, words, undo, touched, layout=lay)
-        for p, t in params.items():
-            assert np.array_equal(word_view(t).cpu().numpy().view(want[p].dtype), want[p]), p
+        for p, w in words.items():
+            assert np.array_equal(w.cpu().numpy().view(want[p].dtype), want[p]), p
         for n in lay.stream:
             ws = 2 if u[n] is np.uint16 else 4
             total = 0
@@ -279,8 +284,8 @@ def _direct_runs(case: str, selection: str, device: str) -> None:
                                            torch.from_numpy(want[r.param][local]).view(sdt), ws)
             assert fpd.get(n, 0) == total & ((1 << 64) - 1), n
         restore(undo)
-        for p, t in params.items():
-            assert np.array_equal(word_view(t).cpu().numpy().view(before[p].dtype), before[p]), p
+        for p, w in words.items():
+            assert np.array_equal(w.cpu().numpy().view(before[p].dtype), before[p]), p
     finally:
         kernels.select("auto")
 
