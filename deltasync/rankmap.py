@@ -400,10 +400,13 @@ class RankMap:
             done = b if j < 0 else a + j
             if done > a:  # the jobs that ran, undone by running them again with their old words (no index arrays)
                 undo.append(JobsUndo(jobs[a:done], old[:offsets[done] - offsets[a]], offsets[a:done + 1] - offsets[a],
-                                     ws, arrays))
+                                     ws, arrays, [w for pa, pb, w in params if pa < done and pb > a]))
             if j >= 0:
                 j += a
                 break
+        # written through addresses: torch's version counters say so, as an in-place op's would (vLLM's CPU
+        # extension packs a layer again when its weights' version moved: client/vllm.py)
+        changed_versions(w for pa, _, w in params if pa < done)
         counted = self.counted[rows[:done]]
         np.add.at(acc, tids[:done][counted], fpds[:done][counted])
         if j >= 0:
@@ -462,15 +465,27 @@ class JobsUndo:
     """An undo record of :meth:`RankMap.patch`'s compiled jobs: :meth:`restore` runs them again, last first, with
     their old words as raw values (``kernels.unpatch_jobs``). Holds the arrays the jobs address."""
 
-    __slots__ = ("jobs", "old", "offsets", "word_size", "keep")
+    __slots__ = ("jobs", "old", "offsets", "word_size", "keep", "tensors")
 
-    def __init__(self, jobs: np.ndarray, old: np.ndarray, offsets: np.ndarray, word_size: int, keep) -> None:
+    def __init__(self, jobs: np.ndarray, old: np.ndarray, offsets: np.ndarray, word_size: int, keep,
+                 tensors: list) -> None:
         self.jobs, self.old, self.offsets, self.word_size, self.keep = jobs, old, offsets, word_size, keep
+        self.tensors = tensors  # the parameters' words the jobs write
 
     def restore(self) -> None:
         from . import kernels
 
         kernels.unpatch_jobs(self.jobs, self.old, self.offsets, self.word_size)
+        changed_versions(self.tensors)
+
+
+def changed_versions(tensors) -> None:
+    """Move the version counters of tensors written through their addresses (by a compiled kernel), as torch's own
+    in-place ops do: what watches them for changes sees these too."""
+    from torch.autograd.graph import increment_version
+
+    for t in tensors:
+        increment_version(t)
 
 
 def restore(undo: list) -> None:

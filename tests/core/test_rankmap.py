@@ -268,9 +268,12 @@ def _direct_runs(case: str, selection: str, device: str, mixed: bool = False) ->
                 spread[::2] = words[p]
                 words[p] = spread[::2]
         undo, touched = [], set()
+        versions = {p: w._version for p, w in words.items()}
         fpd = rm.patch(patches, words, undo, touched, layout=lay)
         for p, w in words.items():
             assert np.array_equal(w.cpu().numpy().view(want[p].dtype), want[p]), p
+            # written in place, through addresses or not: the version moved (vLLM's CPU extension repacks on it)
+            assert (w._version > versions[p]) == (p in touched), p
         for n in lay.stream:
             ws = 2 if u[n] is np.uint16 else 4
             total = 0
