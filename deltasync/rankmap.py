@@ -233,31 +233,38 @@ class RankMap:
         by_ws: dict[int, tuple[list, list]] = {}
         direct: dict[int, tuple[list, list, list, list]] = {}  # per word size: parameters, tensors, rows, changes
         keys, runs = self.keys, self.runs
-        hit = np.zeros(len(self.names), dtype=bool)
-        last_ws, g, dl = 0, None, None
+        seen: list[int] = []  # every tensor of the map the step patches (a fingerprint change each, 0 if elsewhere)
+        last_ws = 0
         for name, chunks in patches.items():
             key = keys.get(name)
             if key is None:
                 continue
             ws, t = key & 15, key >> 4
             if ws != last_ws:
-                g = by_ws.setdefault(ws, ([], []))
-                dl = direct.setdefault(ws, ([], [], [], []))
+                g_t, g_c = by_ws.setdefault(ws, ([], []))
+                d_p, d_t, d_r, d_c = direct.setdefault(ws, ([], [], [], []))
                 last_ws = ws
-            hit[t] = True
+            seen.append(t)
             run = runs[t]
-            lo, hi, p, r = run if run is not None else (0, -1, 0, 0)
+            if run is None:
+                for c in chunks:
+                    g_t.append(t)
+                    g_c.append(c.as_changes())
+                continue
+            lo, hi, p, r = run
             for c in chunks:
                 if lo <= c.start and c.stop <= hi:
-                    dl[0].append(p)
-                    dl[1].append(t)
-                    dl[2].append(r)
-                    dl[3].append(c.as_changes())
-                elif hi >= 0 and (c.stop <= lo or c.start >= hi):
+                    d_p.append(p)
+                    d_t.append(t)
+                    d_r.append(r)
+                    d_c.append(c.as_changes())
+                elif c.stop <= lo or c.start >= hi:
                     continue  # its words live on other ranks (a change that is not where its chunk says fails the vote)
                 else:
-                    g[0].append(t)
-                    g[1].append(c.as_changes())
+                    g_t.append(t)
+                    g_c.append(c.as_changes())
+        hit = np.zeros(len(self.names), dtype=bool)
+        hit[seen] = True
         acc = np.zeros(len(self.names), dtype=np.uint64)
         for ws, (ps, ts, rs, cs) in direct.items():
             if ps:
@@ -319,38 +326,46 @@ class RankMap:
         uploaded once, their positions checked against their runs and their fingerprint changes summed there."""
         pids = np.asarray(ps, dtype=np.int64)
         tids, rows = np.asarray(ts, dtype=np.int64), np.asarray(rs, dtype=np.int64)
+        host = cpu_kernels() is not None
+        uniq = np.unique(pids).tolist()
+        ws_of = {i: words[self.params[i]] for i in uniq}
+        touched.update(self.params[i] for i in uniq)
+        if host and all(w.is_cpu and w.is_contiguous() for w in ws_of.values()):
+            # every parameter on the host (the usual case): the jobs in stream order, each with its parameter's address
+            addr = np.zeros(len(self.params), dtype=np.int64)
+            addr[uniq] = [w.data_ptr() for w in ws_of.values()]
+            self._patch_jobs(ws, tids, rows, cs, addr[pids], list(ws_of.values()), undo, acc)
+            return
         if pids.size > 1 and (pids[1:] < pids[:-1]).any():  # by parameter, stable: each tensor's chunks in order
             order = np.argsort(pids, kind="stable")
             pids, tids, rows, cs = pids[order], tids[order], rows[order], [cs[i] for i in order.tolist()]
         n = pids.size
         cuts = [0, *(np.flatnonzero(np.diff(pids)) + 1).tolist(), n]
-        host = cpu_kernels() is not None
         on_host, on_device = [], {}  # (first chunk, end, parameter words) of whole parameters, per place
         for a, b in zip(cuts[:-1], cuts[1:]):
-            name = self.params[int(pids[a])]
-            w = words[name]
-            touched.add(name)
+            w = ws_of[int(pids[a])]
             if host and w.is_cpu and w.is_contiguous():
                 on_host.append((a, b, w))
             else:
                 on_device.setdefault(w.device, []).append((a, b, w))
         for place, segs in ([(None, on_host)] if on_host else []) + list(on_device.items()):
-            if len(segs) == len(cuts) - 1:  # every parameter here (the usual case): no selection
-                sel_t, sel_r, sel_c, rebased = tids, rows, cs, segs
+            idx = np.concatenate([np.arange(a, b) for a, b, _ in segs])
+            sel_t, sel_r, sel_c = tids[idx], rows[idx], [cs[i] for i in idx.tolist()]
+            if place is None:
+                base = np.repeat(np.asarray([w.data_ptr() for _, _, w in segs], dtype=np.int64),
+                                 [b - a for a, b, _ in segs])
+                self._patch_jobs(ws, sel_t, sel_r, sel_c, base, [w for _, _, w in segs], undo, acc)
             else:
-                idx = np.concatenate([np.arange(a, b) for a, b, _ in segs])
-                sel_t, sel_r, sel_c = tids[idx], rows[idx], [cs[i] for i in idx.tolist()]
                 rebased, at = [], 0
                 for a, b, w in segs:
                     rebased.append((at, at + b - a, w))
                     at += b - a
-            if place is None:
-                self._patch_jobs(ws, sel_t, sel_r, sel_c, rebased, undo, acc)
-            else:
                 self._patch_torch(ws, sel_t, sel_r, sel_c, rebased, place, undo, acc)
 
-    def _patch_jobs(self, ws: int, tids: np.ndarray, rows: np.ndarray, chs: list, params: list, undo: list,
-                    acc: np.ndarray) -> None:
+    def _patch_jobs(self, ws: int, tids: np.ndarray, rows: np.ndarray, chs: list, base: np.ndarray, tensors: list,
+                    undo: list, acc: np.ndarray) -> None:
+        """The compiled jobs of ``chs`` (``base``: the address of each one's parameter words; ``tensors``: those
+        parameters' words, for their version counters and the undo record)."""
         from . import kernels
         from .dtypes import numpy_word_dtype
 
@@ -361,8 +376,7 @@ class RankMap:
         np.cumsum(counts, out=offsets[1:])
         lo = self.run_src[rows]
         jobs = np.empty((m, 7), dtype=np.int64)  # stream word p of a chunk lands at parameter word p + run_dst - lo
-        jobs[:, 0] = np.repeat(np.asarray([w.data_ptr() for _, _, w in params], dtype=np.int64),
-                               [b - a for a, b, _ in params]) + (self.run_dst[rows] - lo) * ws
+        jobs[:, 0] = base + (self.run_dst[rows] - lo) * ws
         jobs[:, 1] = lo + self.run_len[rows]
         jobs[:, 5] = counts
         jobs[:, 6] = lo
@@ -400,13 +414,13 @@ class RankMap:
             done = b if j < 0 else a + j
             if done > a:  # the jobs that ran, undone by running them again with their old words (no index arrays)
                 undo.append(JobsUndo(jobs[a:done], old[:offsets[done] - offsets[a]], offsets[a:done + 1] - offsets[a],
-                                     ws, arrays, [w for pa, pb, w in params if pa < done and pb > a]))
+                                     ws, arrays, tensors))
             if j >= 0:
                 j += a
                 break
         # written through addresses: torch's version counters say so, as an in-place op's would (vLLM's CPU
         # extension packs a layer again when its weights' version moved: client/vllm.py)
-        changed_versions(w for pa, _, w in params if pa < done)
+        changed_versions(tensors)
         counted = self.counted[rows[:done]]
         np.add.at(acc, tids[:done][counted], fpds[:done][counted])
         if j >= 0:
