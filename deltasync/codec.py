@@ -225,22 +225,8 @@ def diff_chunk(old_words: torch.Tensor, new_words: torch.Tensor, start: int, sto
         if update_old:
             o[rel] = nw
         return ChunkDiff(start=start, stop=stop, positions=p, old=ow, new=nw), fpd
-    o = old_words[start:stop]
-    n = new_words[start:stop]
-    g = kernels.gpu_kernels(o)
-    rel = g.changed_positions(o, n) if g is not None else (o != n).nonzero().squeeze(1)
-    if rel.numel() == 0:
-        return None, 0
-    ow, nw = o.index_select(0, rel), n.index_select(0, rel)
-    p = rel + start
-    if rel.numel() * DENSE_FP > stop - start:
-        fpd = words_range_delta(o, n, start, word_size)
-    else:
-        fpd = fingerprint_delta(p, ow, nw, word_size)
-    if update_old:
-        o.index_copy_(0, rel, nw)
-    return ChunkDiff(start=start, stop=stop, positions=p.cpu().numpy(), old=ow.cpu().numpy().view(ndt),
-                     new=nw.cpu().numpy().view(ndt)), fpd
+    cds, fpd = diff_device_words(old_words, new_words, [(start, stop)], word_size, update_old=update_old)
+    return (cds[0] if cds else None), fpd
 
 
 def diff_device_words(old_words: torch.Tensor, new_words: torch.Tensor, ranges: list[tuple[int, int]],
@@ -261,7 +247,10 @@ def diff_device_words(old_words: torch.Tensor, new_words: torch.Tensor, ranges: 
         return [], 0
     ow, nw = o.index_select(0, rel), n.index_select(0, rel)
     p = rel + start
-    fpd = fingerprint_delta(p, ow, nw, word_size)
+    if rel.numel() * DENSE_FP > stop - start:  # many changes: two streaming passes beat per-change keys
+        fpd = words_range_delta(o, n, start, word_size)
+    else:
+        fpd = fingerprint_delta(p, ow, nw, word_size)
     if update_old:
         o.index_copy_(0, rel, nw)
     ndt = numpy_word_dtype(word_size)

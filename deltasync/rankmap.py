@@ -86,11 +86,10 @@ class RankMap:
     run_len: np.ndarray  # -1: a column split (divmod path); 0: a general region
     run_dst: np.ndarray
     general: tuple[Region | None, ...]  # per region row: the region when it is not a 2-D box (translate() serves it)
-    # per stream tensor: its region row when it has exactly one and that one is a run of whole rows (a change at
-    # stream word p lands at parameter word p + run_dst - run_src, for run_src <= p < run_src + run_len), else -1
-    direct: np.ndarray
-    runs: tuple[tuple[int, int, int, int] | None, ...]  # per stream tensor: (first word, end, parameter, region row) of
-    # its direct run, or None (Python ints: what :meth:`patch` reads per tensor)
+    # per stream tensor, when it has exactly one region and that one is a run of whole rows (a change at stream word
+    # p lands at parameter word p + run_dst - run_src, for run_src <= p < run_src + run_len): (run_src, its end,
+    # parameter, region row) as Python ints (what :meth:`patch` reads per tensor); else None
+    runs: tuple[tuple[int, int, int, int] | None, ...]
 
     @classmethod
     def compile(cls, layout: RankLayout, *, skip: Iterable[str] = ()) -> "RankMap":
@@ -142,8 +141,7 @@ class RankMap:
                    first=first_np, width=int(np.diff(first_np).max(initial=0)), param=a(0, np.int32),
                    counted=np.asarray(counted, dtype=bool), src_cols=src_cols, src_row0=src_row0, rows=rows,
                    src_col0=src_col0, cols=ncols, dst_cols=dst_cols, dst_row0=dst_row0, dst_col0=dst_col0,
-                   run_src=run_src, run_len=run_len, run_dst=run_dst, general=tuple(general), direct=direct,
-                   runs=runs)
+                   run_src=run_src, run_len=run_len, run_dst=run_dst, general=tuple(general), runs=runs)
 
     # -- translation --
 
