@@ -10,15 +10,21 @@ Per layout, through the CLI (each command its own process, as a user runs it): a
 the origin; ``deltasync.cli.cluster``, ``--no-fsync``, HMAC-signed manifests, the origin's write token), then
 
 - *keyframe publish*: ``deltasync publish BASE`` (the stream's first version, v0: a keyframe), start to exit;
-- *first subscribe*: ``deltasync subscribe --from RELAY --out F --once``, start to exit (F holds v0);
+- *first subscribe*: ``deltasync subscribe --from RELAY --out F --once``, start to exit (F holds v0), FIRSTS times
+  (F removed before each);
 - an already-running ``deltasync subscribe --out F`` (follow mode, resuming F at v0) and every server idle
-  before the clock starts;
-- *publish --base*: ``deltasync publish --base BASE STEP``, start to exit;
-- *step delivery*: from the publish command's start until the follower's F holds v1 (its header's
-  ``deltasync.version`` is 1 and no undo journal is left: the commit point);
-- the step's manifest bytes (``GET /v1/models/M/versions/1`` from the origin) and blob bytes;
-- CPU seconds (user + sys) during the step: the publish process (``wait4``), the follower, the relay and the
-  origin (``/proc/PID/stat`` before the publish starts and when F holds v1).
+  before each step's clock starts;
+- STEPS steps, each: *publish --base*: ``deltasync publish --base OLD NEW`` (base -> step, then step -> base, ...),
+  start to exit; *step delivery*: from the publish command's start until the follower's F holds the version (its
+  header's ``deltasync.version`` and no undo journal left: the commit point); CPU seconds (user + sys) during
+  the step: the publish process (``wait4``), the follower, the relay and the origin (``/proc/PID/stat`` before
+  the publish starts and when F holds the version);
+- the first step's manifest bytes (``GET /v1/models/M/versions/1`` from the origin) and blob bytes.
+
+Every layout's servers, files and follower are up together, and the repeated rows are measured interleaved:
+each repetition runs every layout once, the order reversed from one repetition to the next, and a row is the
+median of its repetitions. This machine's speed moved 2-3x within minutes while this was built; one run per
+layout, minutes apart, gave ratios that moved as much.
 
 Each layout has a header cache of its own (``deltasync/headercache.py``), empty when it starts: the keyframe publish
 parses the checkpoint's header and keeps its columns, the step's publish reads them back, as a trainer's second and
@@ -44,6 +50,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,6 +75,8 @@ INPROC_MODEL = "seedscale-inproc"
 KEY = bytes(range(32))
 STEP_TIMEOUT = 600.0  # seconds any one command or wait may take
 CHANGED = 0.01
+STEPS = 5  # steps per layout, interleaved with the other layouts' (each row: their median)
+FIRSTS = 3  # first subscribes per layout, likewise
 LAYOUTS = ("few", "kimi", "fp8")
 TITLES = {"few": "8 tensors", "kimi": "Kimi-K2 layout", "fp8": "FP8-served layout"}
 _VERSION = re.compile(rb'"deltasync\.version"\s*:\s*"(\d+)"')
@@ -122,11 +131,12 @@ def _cli(*args: str) -> list[str]:
 class _Child:
     """A CLI process reaped by ``wait4`` on a thread: exit time, status and its own CPU seconds."""
 
-    def __init__(self, cmd: list[str], log: Path) -> None:
+    def __init__(self, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log
         self._log = open(log, "wb")
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env)
         self.ended: float | None = None
         self.code: int | None = None
         self.cpu_s: float | None = None
@@ -251,57 +261,120 @@ def _manifest(origin: str, model: str, version: int) -> tuple[int, int]:
 
 # -- one layout ---------------------------------------------------------------------------------------
 
-def _cli_rows(r: dict, cluster: LocalCluster, work: Path, base: Path, step: Path, timeout: float) -> None:
-    """The CLI rows into ``r`` (what was measured before a failure stays there)."""
-    common = ["--model", MODEL, "--key-file", str(cluster.key_file)]
-    pub = ["publish", "--origin", cluster.origin, "--token-file", str(cluster.token_file), *common, "--quiet",
-           "--timeout", str(int(timeout))]
-    relay = cluster.url("relay")
-    out = work / "sub.safetensors"
-    servers = {n: cluster.servers[n].proc.pid for n in ("origin", "relay")}
+class _Stand:
+    """One layout's servers, files and follower, kept up for the whole run: its rows are measured interleaved
+    with the other layouts' (see :func:`run`)."""
 
-    p = _Child(_cli(*pub, str(base)), work / "publish-keyframe.log")
-    r["keyframe_publish_s"] = p.wait(timeout, "keyframe publish", "keyframe_publish_s")
-    r["keyframe_manifest_b"], r["keyframe_blob_b"] = _manifest(cluster.origin, MODEL, 0)
+    def __init__(self, which: str, work: Path, timeout: float, kimi_kwargs: dict) -> None:
+        self.which, self.work, self.timeout = which, work, timeout
+        t0 = time.perf_counter()
+        self.facts = _write_states(_layout(which, kimi_kwargs), work / "base.safetensors", work / "step.safetensors")
+        self.facts["write_s"] = time.perf_counter() - t0
+        self.base_t, self.step_t = self.facts.pop("base"), self.facts.pop("step")  # for the in-process rows
+        # a header cache of this layout's own (deltasync/headercache.py), empty at its start: the keyframe publish
+        # parses the checkpoint's header and keeps it, the step's publish reads it back, as a trainer's second
+        # and later checkpoints do; no layout reads another's
+        self.env = {**os.environ, "DELTASYNC_HEADER_CACHE": str(work / "header-cache")}
+        self.r: dict = {"facts": self.facts, "dir": str(work.parent.parent), "error": None, "load": os.getloadavg()[0]}
+        self.errors: list[str] = []
+        self.cli_ok = True  # no CLI part failed yet
+        self.started = False
+        self.cluster = LocalCluster(work / "servers", key=KEY)
+        self.sub: list[str] = []  # the commands' arguments, once the servers are up
+        self.pub: list[str] = []
+        self.out = work / "sub.safetensors"
+        self.follower: _Child | None = None
+        self.version = 0  # the newest version published
+        self.samples: dict[str, list[float]] = {}
 
-    # the relay learns v0 from the origin's event: a `subscribe --once` started before that finds no version there
-    t0 = time.perf_counter()
-    _wait_head(relay, MODEL, 0, timeout)
-    r["relay_has_keyframe_s"] = time.perf_counter() - t0
+    def start(self) -> None:
+        """An origin and one relay (parent: the origin)."""
+        self.started = True  # (close() stops what did start)
+        self.cluster.start_tree({"relay": ["origin"]})
+        common = ["--model", MODEL, "--key-file", str(self.cluster.key_file)]
+        self.sub = ["subscribe", "--from", self.cluster.url("relay"), *common]
+        self.pub = ["publish", "--origin", self.cluster.origin, "--token-file", str(self.cluster.token_file), *common,
+                    "--quiet", "--timeout", str(int(self.timeout))]
 
-    s = _Child(_cli("subscribe", "--from", relay, *common, "--out", str(out), "--once", "--quiet",
-                    "--timeout", str(int(timeout))), work / "subscribe-once.log")
-    r["first_subscribe_s"] = s.wait(timeout, "first subscribe --once", "first_subscribe_s")
-    if _file_version(out) != 0:
-        raise RuntimeError(f"first subscribe: {out} holds v{_file_version(out)}, not v0")
+    def child(self, args: list[str], log: str) -> _Child:
+        return _Child(_cli(*args), self.work / log, env=self.env)
 
-    follower = _Child(_cli("subscribe", "--from", relay, *common, "--out", str(out)), work / "follower.log")
-    ps: _Child | None = None  # the step's publish
-    try:
-        _idle({"follower": follower.pid, **servers}, timeout, "follower start")
-        if "resuming" not in follower.log() or follower.code is not None:
-            raise RuntimeError(f"the follower did not resume {out.name} at v0:\n{follower.log()[-1500:]}")
-        pids = {"follower": follower.pid, **servers}
+    def add(self, key: str, value: float) -> None:
+        self.samples.setdefault(key, []).append(value)
+
+    def keyframe(self) -> None:
+        """v0: ``publish BASE``, the relay's head at v0."""
+        p = self.child([*self.pub, str(self.work / "base.safetensors")], "publish-keyframe.log")
+        self.r["keyframe_publish_s"] = p.wait(self.timeout, "keyframe publish", "keyframe_publish_s")
+        self.r["keyframe_manifest_b"], self.r["keyframe_blob_b"] = _manifest(self.cluster.origin, MODEL, 0)
+        # the relay learns v0 from the origin's event: a `subscribe --once` started before that finds no version there
+        t0 = time.perf_counter()
+        _wait_head(self.cluster.url("relay"), MODEL, 0, self.timeout)
+        self.r["relay_has_keyframe_s"] = time.perf_counter() - t0
+
+    def first_subscribe(self, rep: int) -> None:
+        """``subscribe --out F --once`` from the relay into a new F (the one of the rep before removed first)."""
+        self.out.unlink(missing_ok=True)
+        s = self.child([*self.sub, "--out", str(self.out), "--once", "--quiet", "--timeout", str(int(self.timeout))],
+                       f"subscribe-once-{rep}.log")
+        self.add("first_subscribe_s", s.wait(self.timeout, "first subscribe --once", "first_subscribe_s"))
+        if _file_version(self.out) != 0:
+            raise RuntimeError(f"first subscribe: {self.out} holds v{_file_version(self.out)}, not v0")
+
+    def start_follower(self) -> None:
+        """``subscribe --out F`` in follow mode, resuming F at v0 (waited for: idle, in ``run``)."""
+        self.follower = self.child([*self.sub, "--out", str(self.out)], "follower.log")
+
+    def check_follower(self) -> None:
+        if "resuming" not in self.follower.log() or self.follower.code is not None:
+            raise RuntimeError(f"the follower did not resume {self.out.name} at v0:\n{self.follower.log()[-1500:]}")
+
+    def pids(self) -> dict[str, int]:
+        """The layout's running processes: origin, relay and (once started) the follower."""
+        follower = {"follower": self.follower.pid} if self.follower is not None else {}
+        return {**follower, **{n: self.cluster.servers[n].proc.pid for n in ("origin", "relay")}}
+
+    def step(self) -> None:
+        """One ~1%-changed step: ``publish --base`` of the state the stream does not hold against the one it does
+        (base -> step, then step -> base, ...), timed to the follower's commit of it."""
+        v = self.version + 1
+        files = [self.work / "base.safetensors", self.work / "step.safetensors"]
+        old, new = files[(v - 1) % 2], files[v % 2]
+        pids = self.pids()
         cpu0 = {n: cpu_seconds(pid) for n, pid in pids.items()}
-        ps = _Child(_cli(*pub, "--base", str(base), str(step)), work / "publish-step.log")
-        t_delivered = _wait_file_version(out, 1, timeout, follower, ps)
-        cpu1 = {n: cpu_seconds(pid) for n, pid in pids.items()}
-        r["step_delivery_s"] = t_delivered - ps.started
-        r["publish_base_s"] = ps.wait(max(1.0, timeout - (time.perf_counter() - ps.started)), "publish --base",
-                                      "publish_base_s")
-        r["cpu_publish_s"] = ps.cpu_s
-        for n in pids:
-            r[f"cpu_{n}_s"] = cpu1[n] - cpu0[n]
-    finally:
-        follower.stop()
-        if ps is not None:
+        ps = self.child([*self.pub, "--base", str(old), str(new)], f"publish-step-{v}.log")
+        try:
+            t_delivered = _wait_file_version(self.out, v, self.timeout, self.follower, ps)
+            cpu1 = {n: cpu_seconds(pid) for n, pid in pids.items()}
+            self.add("step_delivery_s", t_delivered - ps.started)
+            self.add("publish_base_s", ps.wait(max(1.0, self.timeout - (time.perf_counter() - ps.started)),
+                                               "publish --base", "publish_base_s"))
+            self.add("cpu_publish_s", ps.cpu_s)
+            for n in pids:
+                self.add(f"cpu_{n}_s", cpu1[n] - cpu0[n])
+        finally:
             if ps.code is None:  # the delivery failed first: the publish gets the rest of its time, then is stopped
-                ps._t.join(max(0.0, timeout - (time.perf_counter() - ps.started)))
+                ps._t.join(max(0.0, self.timeout - (time.perf_counter() - ps.started)))
                 ps.stop()
-            if ps.code == 0 and "publish_base_s" not in r:  # the step was published; its delivery is what failed
-                r["publish_base_s"], r["cpu_publish_s"] = ps.ended - ps.started, ps.cpu_s
             if ps.code == 0:
-                r["step_manifest_b"], r["step_blob_b"] = _manifest(cluster.origin, MODEL, 1)
+                self.version = v
+                if v == 1:
+                    self.r["step_manifest_b"], self.r["step_blob_b"] = _manifest(self.cluster.origin, MODEL, 1)
+                if "publish_base_s" not in self.samples:  # published; its delivery is what failed
+                    self.add("publish_base_s", ps.ended - ps.started)
+
+    def stop_follower(self) -> None:
+        if self.follower is not None:
+            self.follower.stop()
+
+    def close(self) -> None:
+        self.stop_follower()
+        self.cluster.close()
+        self.r["load_end"] = os.getloadavg()[0]
+        for key, xs in self.samples.items():  # each row: the median of its interleaved repetitions
+            self.r[key] = statistics.median(xs)
+            self.r.setdefault("samples", {})[key] = xs
+        self.r["error"] = "\n".join(self.errors) or None
 
 
 def _inproc_rows(r: dict, cluster: LocalCluster, base: dict[str, torch.Tensor], step: dict[str, torch.Tensor],
@@ -362,62 +435,87 @@ def _inproc_rows(r: dict, cluster: LocalCluster, base: dict[str, torch.Tensor], 
         pub.close(timeout)
 
 
-def _measure(which: str, timeout: float, kimi_kwargs: dict) -> dict:
-    root = _tmp_root()
-    with tempfile.TemporaryDirectory(prefix="deltasync-bench-seedscale-", dir=root) as tmp:
-        work = Path(tmp)
-        t0 = time.perf_counter()
-        facts = _write_states(_layout(which, kimi_kwargs), work / "base.safetensors", work / "step.safetensors")
-        facts["write_s"] = time.perf_counter() - t0
-        base, step = facts.pop("base"), facts.pop("step")
-        # a header cache of this layout's own (deltasync/headercache.py), empty at its start: the keyframe publish
-        # parses the checkpoint's header and keeps it, the step's publish reads it back, as a trainer's second
-        # and later checkpoints do; no run or layout reads another's
-        was_cache = os.environ.get("DELTASYNC_HEADER_CACHE")
-        os.environ["DELTASYNC_HEADER_CACHE"] = str(work / "header-cache")
-        cluster = LocalCluster(work / "servers", key=KEY)
-        r = {"facts": facts, "dir": root or tempfile.gettempdir(), "error": None, "load": os.getloadavg()[0]}
-        errors = []
+def _part(st: _Stand, part: str, fn) -> bool:
+    """Run one part of a layout's measurement; its failure is recorded (in the table and below it) and the
+    layout's later CLI parts are skipped (its in-process part still runs). True if it ran and passed."""
+    if not st.cli_ok:
+        return False
+    try:
+        fn()
+        return True
+    except BenchTimeout as e:
+        st.errors.append(f"{part}: timed out: {e}")
+        if e.key:
+            st.r.setdefault("timed_out", set()).add(e.key)
+    except Exception as e:
+        st.errors.append(f"{part}: {type(e).__name__}: {e}")
+    st.cli_ok = False
+    return False
+
+
+def _measure(layouts: list[str], timeout: float, kimi_kwargs: dict, steps: int, firsts: int,
+             say=lambda text: None) -> dict[str, dict]:
+    """Every layout's rows. The layouts' servers, files and followers are all up together, and each repeated row
+    is measured interleaved, layout after layout (the order reversed every repetition), so that a change of
+    this machine's speed during the run (2-3x within minutes on the VMs it was built on) falls on every layout
+    alike: ``firsts`` first subscribes, then ``steps`` steps; each row is the median of its repetitions."""
+    with tempfile.TemporaryDirectory(prefix="deltasync-bench-seedscale-", dir=_tmp_root(len(layouts))) as tmp:
+        stands: dict[str, _Stand] = {}
         try:
-            cluster.start_tree({"relay": ["origin"]})
-            # each part's failure is recorded (in the table and below it) and the next part still runs
-            for part, fn in (("CLI", lambda: _cli_rows(r, cluster, work, work / "base.safetensors",
-                                                         work / "step.safetensors", timeout)),
-                             ("in-process", lambda: _inproc_rows(r, cluster, base, step, timeout))):
-                try:
-                    fn()
-                except BenchTimeout as e:
-                    errors.append(f"{part}: timed out: {e}")
-                    if e.key:
-                        r.setdefault("timed_out", set()).add(e.key)
-                except Exception as e:
-                    errors.append(f"{part}: {type(e).__name__}: {e}")
-        except Exception as e:
-            errors.append(f"servers: {type(e).__name__}: {e}")
+            for w in layouts:
+                say(f"{w}: states, servers, keyframe")
+                work = Path(tmp) / w
+                work.mkdir()
+                st = stands[w] = _Stand(w, work, timeout, kimi_kwargs)
+                _part(st, "servers", st.start) and _part(st, "CLI keyframe", st.keyframe)
+
+            def interleaved(what: str, reps: int, fn) -> None:
+                for rep in range(reps):
+                    say(f"{what} {rep + 1}/{reps}")
+                    for w in (layouts if rep % 2 == 0 else layouts[::-1]):
+                        st = stands[w]
+                        if st.cli_ok:  # the layout's servers and follower quiet first (all idle when its clock starts)
+                            _part(st, f"CLI {what} {rep + 1}", lambda: (_idle(st.pids(), timeout, what), fn(st, rep)))
+
+            interleaved("first subscribe", firsts, lambda st, rep: st.first_subscribe(rep))
+            for st in stands.values():
+                _part(st, "CLI follower", st.start_follower)
+            for st in stands.values():
+                _part(st, "CLI follower", lambda: (_idle(st.pids(), timeout, "follower start"), st.check_follower()))
+            interleaved("step", steps, lambda st, rep: st.step())
+            for st in stands.values():
+                st.stop_follower()
+            for w, st in stands.items():
+                say(f"{w}: in-process")
+                if st.started:
+                    try:
+                        _inproc_rows(st.r, st.cluster, st.base_t, st.step_t, timeout)
+                    except BenchTimeout as e:
+                        st.errors.append(f"in-process: timed out: {e}")
+                        if e.key:
+                            st.r.setdefault("timed_out", set()).add(e.key)
+                    except Exception as e:
+                        st.errors.append(f"in-process: {type(e).__name__}: {e}")
+                st.base_t = st.step_t = None
         finally:
-            cluster.close()
-            r["load_end"] = os.getloadavg()[0]
-            if was_cache is None:
-                os.environ.pop("DELTASYNC_HEADER_CACHE", None)
-            else:
-                os.environ["DELTASYNC_HEADER_CACHE"] = was_cache
-        r["error"] = "\n".join(errors) or None
-        return r
+            for st in stands.values():
+                st.close()
+        return {w: st.r for w, st in stands.items()}
 
 
-def _tmp_root() -> str | None:
-    """/dev/shm when it has room for this layout's files (~10 states' worth), else the default temp dir."""
+def _tmp_root(layouts: int = 1) -> str | None:
+    """/dev/shm when it has room for these layouts' files (~10 states' worth each), else the default temp dir."""
     try:
         st = os.statvfs("/dev/shm")
     except OSError:
         return None
-    return "/dev/shm" if st.f_bavail * st.f_frsize > 4 << 30 else None
+    return "/dev/shm" if st.f_bavail * st.f_frsize > layouts * (4 << 30) else None
 
 
 # -- report -------------------------------------------------------------------------------------------
 
 ROWS = [  # (key, label, kind)
-    ("step_delivery_s", "CLI: 1%-step delivered (publish start to the follower's file at v1)", "s"),
+    ("step_delivery_s", "CLI: 1%-step delivered (publish start to the follower's file at its version)", "s"),
     ("publish_base_s", "CLI: `publish --base` of the step", "s"),
     ("keyframe_publish_s", "CLI: keyframe publish", "s"),
     ("relay_has_keyframe_s", "CLI: keyframe publish's exit to the relay's head at v0", "s"),
@@ -446,7 +544,11 @@ def _fmt(v, kind: str) -> str:
     return f"{v:,.2f}"
 
 
-def report(results: dict[str, dict], quick: bool, timeout: float) -> str:
+PAIRED = (("step_delivery_s", "1%-step delivered"), ("publish_base_s", "`publish --base`"),
+          ("first_subscribe_s", "first subscribe"))
+
+
+def report(results: dict[str, dict], quick: bool, timeout: float, steps: int = STEPS, firsts: int = FIRSTS) -> str:
     cols = [w for w in LAYOUTS if w in results]
     head = [f"{TITLES[w]} ({results[w]['facts']['tensors']:,})" for w in cols]
     ratio_cols = [w for w in cols if w != "few" and "few" in results]
@@ -459,7 +561,12 @@ def report(results: dict[str, dict], quick: bool, timeout: float) -> str:
         "manifests, `--no-fsync` stores; then the in-process `Publisher` and a `ThreadedSubscriber` (dict of tensors, "
         "auto apply) on the same states and servers. Each layout has a header cache of its own, empty at its start "
         "(`deltasync/headercache.py`: the keyframe publish parses the checkpoint's header and keeps it, the step's "
-        "publish reads it back, as a trainer's later checkpoints do). One run each, this machine"
+        "publish reads it back, as a trainer's later checkpoints do). Every layout's servers, files and follower are up "
+        f"together, and the repeated rows are measured interleaved, layout after layout (the order reversed each "
+        f"time): {firsts} first subscribes, then {steps} steps (base -> step, step -> base, ...) per layout, each "
+        "with every process of its layout idle before its clock starts; those rows (marked *) are the medians of "
+        "their repetitions, so that a change of this machine's speed during the run falls on every layout alike. "
+        "The keyframe and in-process rows are one run each"
         + (" (quick mode: 8 tensors and the Kimi layout only)" if quick else "") + ". Seconds unless marked; "
         f"ratios are layout / 8 tensors. Timeout per command or wait: {timeout:.0f} s.",
         "",
@@ -476,8 +583,24 @@ def report(results: dict[str, dict], quick: bool, timeout: float) -> str:
         for w in ratio_cols:
             v = results[w].get(key)
             cells.append(f"{v / few:,.1f}x" if v is not None and few else "-")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        star = "*" if any(key in results[w].get("samples", {}) for w in cols) else ""
+        lines.append(f"| {label}{star} | " + " | ".join(cells) + " |")
     lines.append("")
+    for w in ratio_cols:  # each repetition's ratio against the 8 tensors' of the same repetition (adjacent in time)
+        got = []
+        for key, label in PAIRED:
+            xs, ys = results[w].get("samples", {}).get(key, []), results["few"].get("samples", {}).get(key, [])
+            if xs and ys:
+                got.append(f"{label} " + " ".join(f"{x / y:.2f}x" for x, y in zip(xs, ys)))
+        if got:
+            lines.append(f"- {TITLES[w]} / 8 tensors, repetition by repetition: " + "; ".join(got))
+    for w in cols:
+        sm = results[w].get("samples", {})
+        if "step_delivery_s" in sm:
+            lines.append(f"- {TITLES[w]}, every repetition (s): step delivered "
+                         + " ".join(f"{x:.2f}" for x in sm["step_delivery_s"]) + "; `publish --base` "
+                         + " ".join(f"{x:.2f}" for x in sm.get("publish_base_s", ())) + "; first subscribe "
+                         + " ".join(f"{x:.2f}" for x in sm.get("first_subscribe_s", ())))
     for w in cols:
         f = results[w]["facts"]
         scales = (f"; {f['scales']:,} `weight_scale_inv` tensors as float32 (their bf16 values widened)"
@@ -496,22 +619,23 @@ def report(results: dict[str, dict], quick: bool, timeout: float) -> str:
 
 
 def run(quick: bool = False, layouts: list[str] | None = None, *, timeout: float = STEP_TIMEOUT,
-        kimi_kwargs: dict | None = None) -> str:
+        kimi_kwargs: dict | None = None, steps: int = STEPS, firsts: int = FIRSTS) -> str:
     layouts = layouts or (["few", "kimi"] if quick else list(LAYOUTS))
+
+    def say(text: str) -> None:
+        print(f"  seedscale: {text}", file=sys.stderr, flush=True)
+
     # warm-up, not reported: the first processes pay cold page cache (imports, numba's cache) and the first layout
     # measured would carry it (8 tensors' first subscribe took 5.4 s cold, 1.6-2.4 s after)
-    warm = _measure("kimi", max(timeout, 120.0), {"layers": 2, "experts": 2})
-    if warm["error"]:
-        raise RuntimeError(f"seedscale warm-up failed: {warm['error']}")
-    results = {}
-    for w in layouts:
-        print(f"  seedscale: {w}", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        results[w] = _measure(w, timeout, kimi_kwargs or {})
-        print(f"  seedscale: {w} done in {time.perf_counter() - t0:.0f} s"
-              + (f" ({results[w]['error'].splitlines()[0]})" if results[w]["error"] else ""), file=sys.stderr, flush=True)
+    say("warm-up (a small Kimi layout)")
+    warm = _measure(["kimi"], max(timeout, 120.0), {"layers": 2, "experts": 2}, steps=1, firsts=1)
+    if warm["kimi"]["error"]:
+        raise RuntimeError(f"seedscale warm-up failed: {warm['kimi']['error']}")
+    t0 = time.perf_counter()
+    results = _measure(layouts, timeout, kimi_kwargs or {}, steps, firsts, say)
+    say(f"done in {time.perf_counter() - t0:.0f} s")
     run.last_failed = [w for w in layouts if results[w]["error"]]
-    return report(results, quick, timeout)
+    return report(results, quick, timeout, steps, firsts)
 
 
 def main() -> int:
@@ -521,14 +645,19 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=STEP_TIMEOUT, help="seconds per command or wait")
     ap.add_argument("--experts", type=int, help=argparse.SUPPRESS)  # a smaller Kimi layout, for a smoke run
     ap.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=STEPS, help="steps per layout, interleaved (default %(default)s)")
+    ap.add_argument("--firsts", type=int, default=FIRSTS,
+                    help="first subscribes per layout, interleaved (default %(default)s)")
     ap.add_argument("--out", help="also write the section to this file")
     args = ap.parse_args()
+    if args.steps < 1 or args.firsts < 1:
+        ap.error("--steps and --firsts must be at least 1")
     layouts = args.layouts.split(",") if args.layouts else None
     for w in layouts or ():
         if w not in LAYOUTS:
             ap.error(f"unknown layout {w!r}; expected some of {','.join(LAYOUTS)}")
     kw = {k: v for k, v in (("experts", args.experts), ("layers", args.layers)) if v is not None}
-    text = run(args.quick, layouts, timeout=args.timeout, kimi_kwargs=kw)
+    text = run(args.quick, layouts, timeout=args.timeout, kimi_kwargs=kw, steps=args.steps, firsts=args.firsts)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
