@@ -267,7 +267,7 @@ async def _publish_files_to(args, token: str, signer, verifier: Verifier | None,
         delta = False
         side_error = None
         if head is not None:
-            m = parse_manifest(head.body, verifier=verifier, records=False)  # its state fingerprints are what is used
+            m = parse_manifest(head.body, verifier=verifier, records=None)  # its version and state fingerprints: no table
             where = f"--base {args.base}"
             if base_error is not None:
                 raise base_error

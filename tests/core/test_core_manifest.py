@@ -416,6 +416,43 @@ def test_a_manifest_parsed_without_its_records_verifies_and_refuses_their_use(mo
             parse_manifest(json.dumps(obj).encode(), records=False)
 
 
+def test_fields_only_reads_no_table_and_still_verifies_it(monkeypatch):
+    """``records=None`` (a publisher reading the origin's head: its version and state fingerprint): the table is
+    neither decoded nor checked, yet the signature still covers it; a parse that checked it is not served by one
+    that did not, and a records use raises."""
+    import base64
+
+    from deltasync import manifest as manifest_mod
+
+    for m in (DELTA.compact().sign(KEY), KEYFRAME.compact().sign(KEY)):
+        wire = m.to_json()
+        manifest_mod._PARSED.clear()
+        with monkeypatch.context() as p:
+            p.setattr(manifest_mod, "unpack_table", lambda *a, **k: pytest.fail("the table was read"))
+            head = parse_manifest(wire, verifier=KEY, records=None)
+        assert (head.state_fp, head.version, head.kind, head.blobs) == (m.state_fp, m.version, m.kind, m.blobs)
+        manifest_mod._TABLES.clear()
+        assert head.to_json() == wire
+        with pytest.raises(RuntimeError, match="without its tensor records"):
+            len(head.tensors)
+        checked = parse_manifest(wire, records=False)  # checking is never skipped for one who asks for it
+        assert checked is not head
+        assert parse_manifest(wire, records=None) is checked  # a deeper parse serves a shallower one
+        obj = json.loads(wire)
+        raw = bytearray(base64.b64decode(obj["table"]))
+        raw[-1] ^= 1
+        obj["table"] = base64.b64encode(bytes(raw)).decode()
+        corrupt = json.dumps(obj).encode()
+        assert parse_manifest(corrupt, records=None).state_fp == m.state_fp  # not read: not refused
+        with pytest.raises(SignatureError):  # but not what was signed
+            parse_manifest(corrupt, verifier=KEY, records=None)
+        with pytest.raises(FormatError):
+            parse_manifest(corrupt, records=False)
+        obj["table"] = 7
+        with pytest.raises(FormatError, match="table must be a string"):
+            parse_manifest(json.dumps(obj).encode(), records=None)
+
+
 def test_a_body_parsed_again_is_the_same_manifest_and_still_verified(monkeypatch):
     """The last few bodies parsed are kept by their bytes (a subscriber parsed one keyframe manifest four
     times: 0.35 s each at 70,000 tensors); a repeat unpacks nothing, is verified against the verifier asked
