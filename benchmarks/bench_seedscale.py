@@ -440,6 +440,12 @@ def _part(st: _Stand, part: str, fn) -> bool:
     layout's later CLI parts are skipped (its in-process part still runs). True if it ran and passed."""
     if not st.cli_ok:
         return False
+    st.cli_ok = _recorded(st, part, fn)
+    return st.cli_ok
+
+
+def _recorded(st: _Stand, part: str, fn) -> bool:
+    """``fn()``; an error it raises recorded in ``st`` (a timeout also marks its row). True if it passed."""
     try:
         fn()
         return True
@@ -449,7 +455,6 @@ def _part(st: _Stand, part: str, fn) -> bool:
             st.r.setdefault("timed_out", set()).add(e.key)
     except Exception as e:
         st.errors.append(f"{part}: {type(e).__name__}: {e}")
-    st.cli_ok = False
     return False
 
 
@@ -488,14 +493,7 @@ def _measure(layouts: list[str], timeout: float, kimi_kwargs: dict, steps: int, 
             for w, st in stands.items():
                 say(f"{w}: in-process")
                 if st.started:
-                    try:
-                        _inproc_rows(st.r, st.cluster, st.base_t, st.step_t, timeout)
-                    except BenchTimeout as e:
-                        st.errors.append(f"in-process: timed out: {e}")
-                        if e.key:
-                            st.r.setdefault("timed_out", set()).add(e.key)
-                    except Exception as e:
-                        st.errors.append(f"in-process: {type(e).__name__}: {e}")
+                    _recorded(st, "in-process", lambda: _inproc_rows(st.r, st.cluster, st.base_t, st.step_t, timeout))
                 st.base_t = st.step_t = None
         finally:
             for st in stands.values():
