@@ -530,7 +530,7 @@ _TOP2 = _TOP | {"key_id"}
 _TOP3 = (_TOP2 - {"tensors"}) | {"table"}
 
 
-def _from_obj(obj: Any, records: bool = True) -> Manifest:
+def _from_obj(obj: Any, records: bool | None = True) -> Manifest:
     _expect(isinstance(obj, dict), "top level must be an object")
     _expect("format" in obj, f"fields must be exactly {sorted(_TOP2)}, found {sorted(obj)}")
     fmt = _int(obj["format"], "format")
