@@ -281,6 +281,37 @@ class StateLines:
         self.hex_at = ends - len(_PAD)  # where each line's 16 digits start
         self.template = np.frombuffer(data, np.uint8)
 
+    @classmethod
+    def of_parts(cls, order: np.ndarray, hex_at: np.ndarray, template: np.ndarray) -> StateLines:
+        """Lines made before (:attr:`order`, :attr:`hex_at`, :attr:`template`: a cache's), unchecked."""
+        lines = cls.__new__(cls)
+        lines.order, lines.hex_at, lines.template = order, hex_at, template
+        return lines
+
+    def describes(self, names, dtypes, shapes, samples: int = 256) -> bool:
+        """Whether these lines are those of ``names``/``dtypes``/``shapes`` (their number, and ``samples`` lines
+        spread over them compared byte for byte, the first and the last among them): a check for lines read back
+        from a cache, not a proof."""
+        n = len(names)
+        if self.order.size != n or self.hex_at.size != n:
+            return False
+        if n == 0:
+            return self.template.size == 0
+        if self.template.size != int(self.hex_at[-1]) + len(_PAD):
+            return False
+        data = self.template.data
+        for i in sorted({0, n - 1, *range(0, n, max(1, n // samples))}):
+            r = int(self.order[i])
+            if not 0 <= r < n:
+                return False
+            shape = shapes[r]
+            want = f"{names[r]}\x00{dtypes[r]}\x00{','.join(map(str, map(int, shape)))}\x00{_PAD}".encode()
+            start = int(self.hex_at[i - 1]) + len(_PAD) if i else 0
+            end = int(self.hex_at[i]) + len(_PAD)
+            if end - start != len(want) or bytes(data[start:end]) != want:
+                return False
+        return True
+
     def digest(self, fps: np.ndarray) -> str:
         """The state fingerprint with ``fps`` (uint64, in the records' order as given)."""
         buf = self.template.copy()

@@ -38,7 +38,7 @@ import mmap
 import os
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain, repeat
 from operator import eq, itemgetter
 from pathlib import Path
@@ -114,6 +114,7 @@ class HeaderColumns:
     shapes: list[tuple[int, ...]]
     starts: np.ndarray  # int64, bytes of the whole buffer
     stops: np.ndarray
+    key: str | None = None  # the header cache's key of the text it was read from (None: not kept there)
 
 
 class LazyEntries(LazyTuple):
@@ -244,7 +245,7 @@ def _parse_text(text: bytes, where: str, n: int, size: int) -> TensorHeader:
     if kept is not None:
         names, dtypes, shapes, starts, stops, meta = kept
         entries = LazyEntries()
-        entries.columns = HeaderColumns(names=names, dtypes=dtypes, shapes=shapes, starts=starts, stops=stops)
+        entries.columns = HeaderColumns(names=names, dtypes=dtypes, shapes=shapes, starts=starts, stops=stops, key=key)
         _LAST_HEADER = (text, size, TensorHeader(entries=entries, metadata=dict(meta), data_start=8 + n, size=size))
         return TensorHeader(entries=entries, metadata=dict(meta), data_start=8 + n, size=size)
     parsed = _fast_json(text)
@@ -260,7 +261,8 @@ def _parse_text(text: bytes, where: str, n: int, size: int) -> TensorHeader:
     entries = None if exotic else _entries_fast(header, base, data_len)
     if entries is not None:
         c = entries.columns
-        headercache.store(key, size, base, c.names, c.dtypes, c.shapes, c.starts, c.stops, meta)
+        if headercache.store(key, size, base, c.names, c.dtypes, c.shapes, c.starts, c.stops, meta):
+            entries.columns = replace(c, key=key)
         out = TensorHeader(entries=entries, metadata=dict(meta), data_start=base, size=size)
         _LAST_HEADER = (text, size, TensorHeader(entries=entries, metadata=dict(meta), data_start=base, size=size))
         return out

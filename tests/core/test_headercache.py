@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save
@@ -115,3 +116,107 @@ def test_only_the_newest_entries_are_kept(cache, monkeypatch):
     for step in range(5):
         _parse(_file(meta={"step": str(step)}))
     assert len(list(cache.iterdir())) == 3
+
+
+N_TENSORS = 303  # _file(300)'s tensors
+
+
+def _pair(tmp_path, n: int = 300):
+    """Two files of one header (a base and a step changing some words of every tensor), mapped."""
+    from safetensors.torch import load
+
+    base = load(_file(n))
+    step = {k: v.clone() for k, v in base.items()}
+    for k, v in step.items():
+        if v.numel():
+            w = v.view(-1).view(torch.int16) if v.element_size() == 2 else v.view(-1).view(torch.int32) \
+                if v.element_size() == 4 else v.view(-1).view(torch.int64)
+            w[:: 3] += 1
+    (tmp_path / "a.safetensors").write_bytes(save(base))
+    (tmp_path / "b.safetensors").write_bytes(save(step))
+    tensorfile._LAST_HEADER = None
+    return tensorfile.MappedTensorFile(tmp_path / "a.safetensors"), tensorfile.MappedTensorFile(tmp_path / "b.safetensors")
+
+
+def _state_fps(tmp_path):
+    from deltasync.codec import diff_states
+
+    a, b = _pair(tmp_path)
+    try:
+        d = diff_states(a.host, b.host, update_old=False)
+        assert d.flat is not None, "the mapped columnar path was not taken"
+        return d.flat.state_fps(), d.flat.memo.get("lines_key")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_diffs_state_lines_are_kept_beside_its_header_and_read_back(cache, tmp_path, monkeypatch):
+    """``publish --base``'s state fingerprints of two mapped files hash lines made once per layout: the first
+    diff keeps them beside the header's entry, the next reads them back and makes none; the fingerprints are
+    those made without any cache."""
+    from deltasync import fingerprint
+
+    want, key = _state_fps(tmp_path)
+    assert key is not None and (cache / f"{key}.lines").exists()
+    real = fingerprint.StateLines.__init__
+    monkeypatch.setattr(fingerprint.StateLines, "__init__", lambda *a: pytest.fail("lines made again"))
+    assert _state_fps(tmp_path)[0] == want
+    monkeypatch.setattr(fingerprint.StateLines, "__init__", real)
+    monkeypatch.setenv("DELTASYNC_HEADER_CACHE", "off")
+    assert _state_fps(tmp_path) == (want, None)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "other layout", "truncated", "reordered"])
+def test_kept_lines_that_do_not_describe_the_layout_are_made_again(cache, tmp_path, monkeypatch, damage):
+    """Lines read back are checked (their checksum, their count, and lines spread over the layout byte for byte):
+    damaged ones, or consistent lines of another layout, are not used; the right ones are made and kept."""
+    want, key = _state_fps(tmp_path)
+    path = cache / f"{key}.lines"
+    if damage == "flipped":
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        path.write_bytes(bytes(raw))
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:-100])
+    else:
+        order, hex_at, template = headercache.load_lines(key, N_TENSORS)
+        t = template.copy()
+        if damage == "other layout":  # a name spelled otherwise, its line as long: checksum and count hold
+            at = bytes(t).index(b"model.layers.")
+            t[at] = ord("M")
+        else:  # two tensors' fingerprints hashed on each other's line
+            order = order.copy()
+            order[[0, 1]] = order[[1, 0]]
+        headercache.store_lines(key, order, hex_at, t)
+    assert _state_fps(tmp_path)[0] == want
+    kept = headercache.load_lines(key, N_TENSORS)
+    assert kept is not None and bytes(kept[2]) != b"" and fingerprint_lines_ok(kept, tmp_path)
+
+
+def fingerprint_lines_ok(kept, tmp_path) -> bool:
+    from deltasync.fingerprint import StateLines
+
+    a, _ = _pair(tmp_path)
+    try:
+        c = header_columns(a.header)
+        order = sorted(range(len(c.names)), key=c.names.__getitem__)
+        from deltasync.dtypes import dtype_info
+
+        return StateLines.of_parts(*kept).describes([c.names[i] for i in order],
+                                                    [dtype_info(c.dtypes[i]).name for i in order],
+                                                    [c.shapes[i] for i in order])
+    finally:
+        a.close()
+
+
+def test_lines_go_with_their_entry(cache, tmp_path, monkeypatch):
+    """The newest ``KEEP`` entries are kept with their lines; lines whose entry was pruned are removed, and
+    none are kept for an entry that is not there."""
+    monkeypatch.setattr(headercache, "KEEP", 1)
+    _, key = _state_fps(tmp_path)
+    assert (cache / f"{key}.lines").exists()
+    _parse(_file(meta={"another": "header"}))
+    assert not (cache / key).exists() and not (cache / f"{key}.lines").exists()
+    headercache.store_lines(key, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint8))
+    assert not (cache / f"{key}.lines").exists()
