@@ -12,9 +12,10 @@ the origin; ``deltasync.cli.cluster``, ``--no-fsync``, HMAC-signed manifests, th
 - *keyframe publish*: ``deltasync publish BASE`` (the stream's first version, v0: a keyframe), start to exit;
 - *first subscribe*: ``deltasync subscribe --from RELAY --out F --once``, start to exit (F holds v0), FIRSTS times
   (F removed before each);
-- an already-running ``deltasync subscribe --out F`` (follow mode, resuming F at v0) and every server idle
-  before each step's clock starts;
-- STEPS steps, each: *publish --base*: ``deltasync publish --base OLD NEW`` (base -> step, then step -> base, ...),
+- an already-running ``deltasync subscribe --out F`` (follow mode, resuming F at v0), and every layout's
+  servers and followers idle before each step's clock starts;
+- WARM_STEPS steps not measured (a layout's first step reads its step file first and keeps its state lines beside
+  its header, as a trainer's second checkpoint does once), then STEPS steps, each: *publish --base*: ``deltasync publish --base OLD NEW`` (base -> step, then step -> base, ...),
   start to exit; *step delivery*: from the publish command's start until the follower's F holds the version (its
   header's ``deltasync.version`` and no undo journal left: the commit point); CPU seconds (user + sys) during
   the step: the publish process (``wait4``), the follower, the relay and the origin (``/proc/PID/stat`` before
@@ -75,7 +76,9 @@ INPROC_MODEL = "seedscale-inproc"
 KEY = bytes(range(32))
 STEP_TIMEOUT = 600.0  # seconds any one command or wait may take
 CHANGED = 0.01
-STEPS = 5  # steps per layout, interleaved with the other layouts' (each row: their median)
+STEPS = 7  # steps per layout, interleaved with the other layouts' (each row: their median)
+WARM_STEPS = 1  # steps per layout before those, not measured (a layout's first step reads its step file first and
+# keeps its state lines beside its header: what a trainer's second checkpoint does once)
 FIRSTS = 3  # first subscribes per layout, likewise
 LAYOUTS = ("few", "kimi", "fp8")
 TITLES = {"few": "8 tensors", "kimi": "Kimi-K2 layout", "fp8": "FP8-served layout"}
@@ -334,9 +337,10 @@ class _Stand:
         follower = {"follower": self.follower.pid} if self.follower is not None else {}
         return {**follower, **{n: self.cluster.servers[n].proc.pid for n in ("origin", "relay")}}
 
-    def step(self) -> None:
+    def step(self, measure: bool = True) -> None:
         """One ~1%-changed step: ``publish --base`` of the state the stream does not hold against the one it does
-        (base -> step, then step -> base, ...), timed to the follower's commit of it."""
+        (base -> step, then step -> base, ...), timed to the follower's commit of it (``measure=False``: waited
+        for, not recorded)."""
         v = self.version + 1
         files = [self.work / "base.safetensors", self.work / "step.safetensors"]
         old, new = files[(v - 1) % 2], files[v % 2]
@@ -346,6 +350,9 @@ class _Stand:
         try:
             t_delivered = _wait_file_version(self.out, v, self.timeout, self.follower, ps)
             cpu1 = {n: cpu_seconds(pid) for n, pid in pids.items()}
+            if not measure:
+                ps.wait(max(1.0, self.timeout - (time.perf_counter() - ps.started)), "publish --base (warm-up)")
+                return
             self.add("step_delivery_s", t_delivered - ps.started)
             self.add("publish_base_s", ps.wait(max(1.0, self.timeout - (time.perf_counter() - ps.started)),
                                                "publish --base", "publish_base_s"))
@@ -360,8 +367,8 @@ class _Stand:
                 self.version = v
                 if v == 1:
                     self.r["step_manifest_b"], self.r["step_blob_b"] = _manifest(self.cluster.origin, MODEL, 1)
-                if "publish_base_s" not in self.samples:  # published; its delivery is what failed
-                    self.add("publish_base_s", ps.ended - ps.started)
+                if measure and len(self.samples.get("publish_base_s", ())) < len(self.samples.get("step_delivery_s", ())):
+                    self.add("publish_base_s", ps.ended - ps.started)  # published; its wait is what failed
 
     def stop_follower(self) -> None:
         if self.follower is not None:
@@ -474,19 +481,24 @@ def _measure(layouts: list[str], timeout: float, kimi_kwargs: dict, steps: int, 
                 st = stands[w] = _Stand(w, work, timeout, kimi_kwargs)
                 _part(st, "servers", st.start) and _part(st, "CLI keyframe", st.keyframe)
 
+            def every_pid() -> dict[str, int]:
+                return {f"{w} {n}": pid for w, st in stands.items() if st.started and st.cli_ok
+                        for n, pid in st.pids().items()}
+
             def interleaved(what: str, reps: int, fn) -> None:
                 for rep in range(reps):
                     say(f"{what} {rep + 1}/{reps}")
                     for w in (layouts if rep % 2 == 0 else layouts[::-1]):
                         st = stands[w]
-                        if st.cli_ok:  # the layout's servers and follower quiet first (all idle when its clock starts)
-                            _part(st, f"CLI {what} {rep + 1}", lambda: (_idle(st.pids(), timeout, what), fn(st, rep)))
+                        if st.cli_ok:  # every layout's servers and followers quiet first (idle when the clock starts)
+                            _part(st, f"CLI {what} {rep + 1}", lambda: (_idle(every_pid(), timeout, what), fn(st, rep)))
 
             interleaved("first subscribe", firsts, lambda st, rep: st.first_subscribe(rep))
             for st in stands.values():
                 _part(st, "CLI follower", st.start_follower)
             for st in stands.values():
                 _part(st, "CLI follower", lambda: (_idle(st.pids(), timeout, "follower start"), st.check_follower()))
+            interleaved("warm-up step", WARM_STEPS, lambda st, rep: st.step(measure=False))
             interleaved("step", steps, lambda st, rep: st.step())
             for st in stands.values():
                 st.stop_follower()
@@ -561,8 +573,9 @@ def report(results: dict[str, dict], quick: bool, timeout: float, steps: int = S
         "(`deltasync/headercache.py`: the keyframe publish parses the checkpoint's header and keeps it, the step's "
         "publish reads it back, as a trainer's later checkpoints do). Every layout's servers, files and follower are up "
         f"together, and the repeated rows are measured interleaved, layout after layout (the order reversed each "
-        f"time): {firsts} first subscribes, then {steps} steps (base -> step, step -> base, ...) per layout, each "
-        "with every process of its layout idle before its clock starts; those rows (marked *) are the medians of "
+        f"time): {firsts} first subscribes, then {WARM_STEPS} unmeasured and {steps} measured steps (base -> step, "
+        "step -> base, ...) per layout, each "
+        "with every process of every layout idle before its clock starts; those rows (marked *) are the medians of "
         "their repetitions, so that a change of this machine's speed during the run falls on every layout alike. "
         "The keyframe and in-process rows are one run each"
         + (" (quick mode: 8 tensors and the Kimi layout only)" if quick else "") + ". Seconds unless marked; "
