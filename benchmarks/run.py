@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ORDER = ["bench_codec", "bench_relay", "bench_e2e", "bench_engines", "bench_budget", "bench_shardcast"]
 # Sections left out of a default run (each adds far more than a few minutes): run with their flag or --only NAME.
-OPTIONAL = {"bench_seedscale": "--seedscale"}  # issue 22's tensor-count row: ~15-25 min at 70k and 140k tensors
+OPTIONAL = {"bench_seedscale": "--seedscale"}  # issue 22's tensor-count row: ~3-4 min (8, 70k and 140k tensors, interleaved)
 
 
 def machine() -> str:
