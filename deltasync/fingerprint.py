@@ -243,7 +243,7 @@ def state_fingerprint(records: Iterable[tuple[str, str, tuple[int, ...] | list[i
     recs = records if isinstance(records, list) else list(records)
     if len(recs) < max(LINES_MIN, 1):
         # one hash over the records' lines (the same digest as feeding them one by one: ~3x less Python per tensor)
-        text = "".join([f"{name}\x00{dtype}\x00{','.join(map(str, map(int, shape)))}\x00{fp & MASK64:016x}\n"
+        text = "".join([f"{name}{_tail(dtype, shape)}{fp & MASK64:016x}\n"
                         for name, dtype, shape, fp in sorted(recs, key=_first)])
         return xxhash.xxh3_64_hexdigest(text.encode())
     names, dtypes, shapes, fps = zip(*recs)
@@ -268,7 +268,7 @@ class StateLines:
         order = list(range(n)) if _ascending(names) else sorted(range(n), key=names.__getitem__)
         self.order = np.array(order, np.int64)
         shapes = [s if type(s) is tuple else tuple(s) for s in shapes]
-        tails = {k: f"\x00{k[0]}\x00{','.join(map(str, map(int, k[1])))}\x00" for k in set(zip(dtypes, shapes))}
+        tails = {k: _tail(*k) for k in set(zip(dtypes, shapes))}
         get = itemgetter(*order) if n > 1 else (lambda seq: (seq[0],) if n else ())
         prefixes = list(map(add, get(names), map(tails.__getitem__, zip(get(dtypes), get(shapes)))))
         text = _PAD.join(prefixes) + _PAD if n else ""  # every line with 16 placeholder digits
@@ -304,8 +304,7 @@ class StateLines:
             r = int(self.order[i])
             if not 0 <= r < n:
                 return False
-            shape = shapes[r]
-            want = f"{names[r]}\x00{dtypes[r]}\x00{','.join(map(str, map(int, shape)))}\x00{_PAD}".encode()
+            want = f"{names[r]}{_tail(dtypes[r], shapes[r])}{_PAD}".encode()
             start = int(self.hex_at[i - 1]) + len(_PAD) if i else 0
             end = int(self.hex_at[i]) + len(_PAD)
             if end - start != len(want) or bytes(data[start:end]) != want:
@@ -323,6 +322,12 @@ class StateLines:
                 buf[at + 2 * k] = high[:, k]
                 buf[at + 2 * k + 1] = low[:, k]
         return xxhash.xxh3_64_hexdigest(buf.data)
+
+
+def _tail(dtype: str, shape) -> str:
+    """What follows a tensor's name on its state line, before its 16 hex digits (one spelling of the line for
+    :func:`state_fingerprint` and :class:`StateLines`)."""
+    return f"\x00{dtype}\x00{','.join(map(str, map(int, shape)))}\x00"
 
 
 def _ascending(names) -> bool:
