@@ -1002,6 +1002,26 @@ def _prefetch(typingctx, arr, idx):
 _AHEAD = 32
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _patch_word(words, p, r, v, per, table, lb, lk):
+    """One change of a patch (position in range: the caller checked): ``words[p]`` becomes ``v`` (``r``: a raw
+    value) or ``words[p] + v``, read back. -> (the old word, its fingerprint change, the block cache ``lb, lk``)."""
+    a = words[p]
+    if r:
+        words[p] = v
+    else:
+        words[p] = a + v
+    b = words[p]  # read back: the fingerprint of what landed
+    if per == 1:  # 2-byte words (bf16, fp16): one lane, the block key carried in registers
+        blk = p >> 16
+        if blk != lb:
+            lb = blk
+            lk = _block_key(blk)
+        return a, (np.uint64(b) - np.uint64(a)) * table[p & 0xFFFF] * lk, lb, lk
+    dd, lb, lk = _word_delta(p, np.uint64(a), np.uint64(b), per, table, lb, lk)
+    return a, dd, lb, lk
+
+
 @_jit
 def _patch_run(words, positions, raw, values, old, o, per, table):
     """The one-pass patch of :func:`patch_chunk` (positions in range: the caller checked), old words into
@@ -1013,24 +1033,21 @@ def _patch_run(words, positions, raw, values, old, o, per, table):
     for k in range(count):
         if k + _AHEAD < count:
             _prefetch(words, positions[k + _AHEAD])
-        p = positions[k]
-        a = words[p]
+        a, d, lb, lk = _patch_word(words, positions[k], raw[k], values[k], per, table, lb, lk)
         old[o + k] = a
-        if raw[k]:
-            words[p] = values[k]
-        else:
-            words[p] = a + values[k]
-        b = words[p]  # read back: the fingerprint of what landed
-        if per == 1:  # 2-byte words (bf16, fp16): one lane, the block key carried in registers
-            blk = p >> 16
-            if blk != lb:
-                lb = blk
-                lk = _block_key(blk)
-            fpd += (np.uint64(b) - np.uint64(a)) * table[p & 0xFFFF] * lk
-        else:
-            dd, lb, lk = _word_delta(p, np.uint64(a), np.uint64(b), per, table, lb, lk)
-            fpd += dd
+        fpd += d
     return fpd
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _next_change(counts, j, k):
+    """The change after change ``k`` of row ``j`` in rows of ``counts[j]`` changes each, empty rows skipped:
+    (row, index), row ``counts.size`` past the last. (``k = -1``: the first change of row ``j`` or later.)"""
+    k += 1
+    while j < counts.size and k >= counts[j]:
+        j += 1
+        k = 0
+    return j, k
 
 
 @_jit
@@ -1081,6 +1098,15 @@ def patch_jobs(jobs, like, old, fpds, per, table):
     and contiguous."""
     pos_like = np.empty(0, np.int64)
     raw_like = np.empty(0, np.uint8)
+    counts = jobs[:, 5]
+    # the prefetch cursor runs _AHEAD changes ahead of the patch across jobs: a state of many small tensors has
+    # jobs of a few changes each, too short to prefetch inside one (70k tensors: 5x the time without it)
+    ja, ka = _next_change(counts, 0, -1)
+    for _ in range(_AHEAD):
+        if ja >= counts.size:
+            break
+        _prefetch_job(jobs, ja, ka, like, pos_like)
+        ja, ka = _next_change(counts, ja, ka)
     o = 0
     for j in range(jobs.shape[0]):
         n = jobs[j, 1]
@@ -1094,9 +1120,32 @@ def patch_jobs(jobs, like, old, fpds, per, table):
             p = positions[k]
             if p < first or p >= n:
                 return j, k
-        fpds[j] = _patch_run(words, positions, raw, values, old, o, per, table)
+        lb = np.int64(-1)
+        lk = np.uint64(0)
+        fpd = np.uint64(0)
+        own = count - _AHEAD  # changes whose look-ahead lies in this job: prefetched from its own positions
+        if own > 0:
+            ja, ka = _next_change(counts, j + 1, -1)
+        for k in range(count):
+            if k < own:
+                _prefetch(words, positions[k + _AHEAD])
+            elif ja < counts.size:
+                _prefetch_job(jobs, ja, ka, like, pos_like)
+                ja, ka = _next_change(counts, ja, ka)
+            a, d, lb, lk = _patch_word(words, positions[k], raw[k], values[k], per, table, lb, lk)
+            old[o + k] = a
+            fpd += d
+        fpds[j] = fpd
         o += count
     return -1, 0
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _prefetch_job(jobs, j, k, like, pos_like):
+    """Prefetch the word of :func:`patch_jobs`'s job ``j``, change ``k`` (a hint: an out-of-range position,
+    refused when its job runs, never faults)."""
+    words = carray(_addr_as(jobs[j, 0], like), jobs[j, 1])
+    _prefetch(words, carray(_addr_as(jobs[j, 2], pos_like), jobs[j, 5])[k])
 
 
 @_jit

@@ -70,6 +70,47 @@ def test_journal_gather_matches_the_reference_bit_for_bit(w, n, start, density, 
         assert positions[want] < start or positions[want] >= stop
 
 
+@pytest.mark.parametrize("bad_row", (None, 0, 101, 399))
+def test_journal_columns_of_many_small_rows_matches_the_reference(bad_row):
+    """``kernels.journal_columns`` over 400 small chunk rows of one mapped buffer (0 to 40 changes each: its prefetch
+    runs ahead across rows) gives the reference's offsets and old words, and the same first change outside its
+    chunk (``bad_row``: its first change, which the prefetch reaches while earlier rows run)."""
+    rng = np.random.default_rng(11)
+    sizes = rng.integers(1, 3000, 400)
+    first = np.r_[0, np.cumsum(sizes)[:-1]].astype(np.int64)  # each tensor's first word in the buffer
+    words = rng.integers(0, 2**16 - 1, int(sizes.sum()), dtype=np.uint16, endpoint=True)
+    flat, at, counts, starts, stops = [], [], [], [], []
+    for j, n in enumerate(sizes.tolist()):
+        s0 = int(rng.integers(0, n))
+        e0 = int(rng.integers(s0 + 1, n + 1))
+        k = 0 if j % 9 == 4 else min(e0 - s0, int(rng.integers(0, 41)))
+        pos = np.sort(rng.choice(np.arange(s0, e0), k, replace=False)).astype(np.int64)
+        if j == bad_row:
+            pos = np.r_[e0 + (1 << 30), pos]
+        at.append(sum(map(len, flat)))
+        flat.append(pos)
+        counts.append(pos.size)
+        starts.append(s0)
+        stops.append(e0)
+    cols = [np.array(c, np.int64) for c in (at, counts, starts, stops)]
+    kernels.select("numba")
+    rel = np.full(sum(counts), 0xDEADBEEF, np.uint32)
+    old = np.zeros(sum(counts), np.uint16)
+    assert kernels.journal_columns(words, np.concatenate(flat), *cols, first, rel, old) == \
+        ((-1, 0) if bad_row is None else (bad_row, 0))
+    rows = len(counts) if bad_row is None else bad_row  # the rows the kernel wrote (the reference checks first)
+    done = sum(counts[:rows])
+    kernels.select("reference")
+    rel_ref = np.full(done, 0xDEADBEEF, np.uint32)
+    old_ref = np.zeros(done, np.uint16)
+    assert kernels.journal_columns(words, np.concatenate(flat), *(c[:rows] for c in cols), first[:rows], rel_ref,
+                                   old_ref) == (-1, 0)
+    kernels.select("numba")
+    assert np.array_equal(rel[:done], rel_ref) and np.array_equal(old[:done], old_ref)
+    each = [words[f + p] for f, p in zip(first[:rows].tolist(), flat[:rows])]
+    assert np.array_equal(old_ref, np.concatenate([np.zeros(0, np.uint16), *each]))
+
+
 def test_journal_gather_refuses_a_chunk_beyond_its_words():
     with pytest.raises(ValueError, match="chunk"):
         kernels.journal_gather(np.zeros(8, np.uint16), np.arange(2), 0, 9, np.empty(2, np.uint32),

@@ -217,6 +217,54 @@ def test_patch_chunk_out_of_range_writes_nothing():
         assert np.array_equal(words, np.arange(100, dtype=np.uint16))
 
 
+@pytest.mark.parametrize("w", (2, 4))
+@pytest.mark.parametrize("bad_job", (None, 0, 57, 299))
+def test_patch_jobs_of_many_small_tensors_matches_patch_chunk(w, bad_job):
+    """``kernels.patch_jobs`` over 300 small tensors (0 to 40 changes each, empty jobs among them: its prefetch
+    runs ahead across jobs) leaves each tensor's words, old words and fingerprint change of ``patch_chunk`` run
+    tensor by tensor; a position out of range in job ``bad_job`` (one past its end, or a wild one that the
+    prefetch reaches before the job runs) fails there: the jobs before it patched, it and the later ones untouched. Undone by
+    ``unpatch_jobs``, every word is back."""
+    rng = np.random.default_rng(7 + w)
+    dt = WORD[w]
+    kernels.select("numba")
+    words, changes = [], []
+    for j in range(300):
+        n = int(rng.integers(1, 4096))
+        t = rng.integers(0, np.iinfo(dt).max, n, dtype=dt, endpoint=True)
+        k = 0 if j % 7 == 3 else min(n, int(rng.integers(0, 41)))
+        pos = np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
+        if j == bad_job:  # one past the end; or a wild first one, which the prefetch meets while job 56 runs
+            pos = np.r_[1 << 40, pos] if j == 57 else np.r_[pos, n]
+        words.append(t)
+        changes.append(Changes(positions=pos, raw=rng.random(pos.size) < 0.2,
+                               values=rng.integers(0, np.iinfo(dt).max, pos.size, dtype=dt, endpoint=True)))
+    base = [t.copy() for t in words]
+    raws = [c.raw.astype(np.uint8) for c in changes]
+    jobs = np.array([(t.ctypes.data, t.size, c.positions.ctypes.data, r.ctypes.data, c.values.ctypes.data,
+                      c.positions.size, 0) for t, c, r in zip(words, changes, raws)], np.int64)
+    total = sum(c.positions.size for c in changes)
+    old = np.zeros(total, dt)
+    fpds = np.zeros(len(words), np.uint64)
+    j, k = kernels.patch_jobs(jobs, words[0][:0], old, fpds, w)
+    stop = len(words) if bad_job is None else bad_job
+    assert (j, k) == ((-1, 0) if bad_job is None else (bad_job, 0 if bad_job == 57 else changes[bad_job].positions.size - 1))
+    o = 0
+    for i in range(len(words)):
+        ref = base[i].copy()
+        if i < stop:
+            ref_old, ref_fp = kernels.patch_chunk(ref, changes[i], w)
+            m = changes[i].positions.size
+            assert np.array_equal(old[o : o + m], ref_old) and int(fpds[i]) == ref_fp, i
+            o += m
+        assert np.array_equal(words[i], ref), i
+    offsets = np.zeros(len(words) + 1, np.int64)
+    np.cumsum([c.positions.size for c in changes], out=offsets[1:])
+    kernels.unpatch_jobs(jobs[:stop], old, offsets[: stop + 1], w)
+    for i in range(len(words)):
+        assert np.array_equal(words[i], base[i]), i
+
+
 @pytest.mark.parametrize("density", (0.003, 0.2))
 def test_threaded_prepare_and_apply_equal_serial(density):
     a, b, enc = _delta(11, density, True, chunk_words=1 << 10)
