@@ -815,12 +815,13 @@ class FileTarget(TensorApplier):
         if self.check is not None:  # a signal or a deadline: stop before the journal (nothing to roll back)
             self.check()
         info = {"from": self.version, "to": m.version, "size": self.file.size}
-        got = self._journal_columns(prepared.patches) if type(prepared.patches) is ColumnarPatches else None
+        hdr = self._header_bytes(m.version, m.state_fp)
+        got = self._journal_columns(prepared.patches, hdr) if type(prepared.patches) is ColumnarPatches else None
         addresses = None
         if got is not None:
             regions, payload, info["sparse"], addresses = got
         else:
-            regions, payload = self._journal_payload(prepared)
+            regions, payload = self._journal_payload(prepared, hdr)
         _write_journal(journal_path(self.path), info, regions, [memoryview(payload)])
         try:
             # the header says "patching" until the new version's is written (or the old one restored): a reader
@@ -845,6 +846,20 @@ class FileTarget(TensorApplier):
             return
         header, _ = build_header(self.layout(), meta, length=self.file.header.data_start)
         self.file.write_header(header)
+
+    def _header_bytes(self, version: int, state_fp: str) -> int:
+        """How many of the header's first bytes a delta to ``version``/``state_fp`` may rewrite (what its journal
+        keeps): the metadata's (:meth:`_write_meta`: only those, the tensors' entries of a 70k-tensor header, ~8 MB,
+        untouched) when every header of the apply (patching, the new version's, the old one's again) fits it in
+        place, else the whole header."""
+        end = self.file.metadata_end()
+        if end is None:
+            return self.file.header.data_start
+        now = self.file.metadata
+        fits = all(len(json.dumps({**now, **_meta(self.model, v, fp)}, separators=(",", ":"))) == len(
+            json.dumps(now, separators=(",", ":"))) for v, fp in ((self.version, PATCHING), (version, state_fp),
+                                                                  (self.version, now.get(META_STATE_FP, ""))))
+        return end if fits else self.file.header.data_start
 
     def _restore_meta(self) -> None:
         """The header of the version F holds again (after a rollback): from the journal's copy of it."""
@@ -892,12 +907,13 @@ class FileTarget(TensorApplier):
         with (None while the file holds no version)."""
         return self._per_layout("_lines", layout_lines)
 
-    def _journal_columns(self, cols: ColumnarPatches):
+    def _journal_columns(self, cols: ColumnarPatches, hdr: int):
         """The undo journal of a delta prepared as columns (jrnl03): per word size, one group of chunk rows, the
         changes' uint32 offsets in their chunks and their old words, gathered by one compiled call over the
-        map's words; then the header's bytes. Returns (regions, payload, sparse groups, the tensors' addresses for
-        ``stage_prepared``), or None where the columns do not fit this scheme (a chunk of more than 2**32 words,
-        a tensor not aligned to its words): the chunk-by-chunk journal then. Raises FormatError (nothing written)
+        map's words; then the header's first ``hdr`` bytes (:meth:`_header_bytes`). Returns (regions, payload,
+        sparse groups, the tensors' addresses for ``stage_prepared``), or None where the columns do not fit this
+        scheme (a chunk of more than 2**32 words, a tensor not aligned to its words): the chunk-by-chunk journal
+        then. Raises FormatError (nothing written)
         for a chunk or a change outside its tensor or chunk, as :meth:`_journal_payload` does."""
         if self.check is not None:
             self.check()
@@ -912,7 +928,6 @@ class FileTarget(TensorApplier):
             return None
         if (first[rows] % wsize[rows]).any() or ((cols.stops - cols.starts) > kernels.REL_MAX).any():
             return None
-        hdr = self.file.header.data_start
         groups: list[dict] = []
         plan = []
         total = 0
@@ -978,14 +993,14 @@ class FileTarget(TensorApplier):
 
         return regions, payload, groups, addresses
 
-    def _journal_payload(self, prepared: PreparedDelta) -> tuple[list[dict], np.ndarray]:
+    def _journal_payload(self, prepared: PreparedDelta, hdr: int) -> tuple[list[dict], np.ndarray]:
         """The undo journal's regions and payload for ``prepared``, in one buffer: O(changed) in time and
         memory. A sparse chunk's record (``rel32``) is its changes' uint32 offsets from the chunk's first
         word and their old words, both written by one compiled pass (``kernels.journal_gather``, which
-        also checks every position lies in its chunk); a dense chunk's, its old bytes; then the header.
+        also checks every position lies in its chunk); a dense chunk's, its old bytes; then the header's first
+        ``hdr`` bytes (:meth:`_header_bytes`).
         Every region starts 8-byte aligned at its recorded ``at``."""
         regions, parts, total = self._plan_chunks(prepared.patches.items(), 0)
-        hdr = self.file.header.data_start
         regions.append({"kind": "bytes", "offset": 0, "length": hdr, "at": total})
         payload = np.empty(total + hdr, dtype=np.uint8)
         self._fill_chunks(payload, parts)

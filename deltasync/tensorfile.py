@@ -701,17 +701,28 @@ class MappedTensorFile:
         meta = dict(metadata)
         if not all(type(k) is str and type(v) is str for k, v in meta.items()):
             raise FormatError(f"{self.path}: header metadata must map strings to strings")
-        old = json.dumps(self.metadata, separators=(",", ":")).encode()
         new = json.dumps(meta, separators=(",", ":")).encode()
+        end = self.metadata_end()
         at = 8 + len(_META_PREFIX)
-        if len(new) != len(old) or bytes(self._mm[8:at]) != _META_PREFIX or bytes(self._mm[at : at + len(old)]) != old:
+        if end is None or at + len(new) != end:
             return False
-        self._mm[at : at + len(new)] = new
+        self._mm[at:end] = new
         self._mm.flush()
         self.header = TensorHeader(entries=self.header.entries, metadata=meta, data_start=self.header.data_start,
                                    size=self.header.size)
         self.metadata = meta
         return True
+
+    def metadata_end(self) -> int | None:
+        """Writable maps: where the header's metadata ends (the first byte :meth:`write_metadata` leaves alone: it
+        rewrites only bytes before it), or None when the header is not laid out with its metadata first."""
+        if self._mm is None or not self.writable:
+            raise FormatError(f"{self.path}: not mapped writable")
+        old = json.dumps(self.metadata, separators=(",", ":")).encode()
+        at = 8 + len(_META_PREFIX)
+        if bytes(self._mm[8:at]) != _META_PREFIX or bytes(self._mm[at : at + len(old)]) != old:
+            return None
+        return at + len(old)
 
     def close(self) -> None:
         self._tensors = self._host = self._views = None

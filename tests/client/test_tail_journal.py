@@ -178,6 +178,35 @@ def test_the_journal_of_a_delta_rolls_the_patched_file_back_byte_for_byte(tmp_pa
     del staged
 
 
+@pytest.mark.parametrize("in_place", (True, False))
+def test_the_journal_keeps_only_the_header_bytes_a_delta_rewrites(tmp_path, monkeypatch, in_place):
+    """A header laid out with its metadata first (``subscribe --out``'s) is rewritten in place, metadata only: the
+    journal keeps those bytes, not the tensors' entries (~8 MB at 70k tensors); otherwise the whole header. Either
+    way a kill after the patch and the "patching" header rolls the file back byte for byte."""
+    s0 = _state(5)
+    s1 = _step(s0, 6)
+    t = _file(tmp_path, s0)
+    if not in_place:
+        monkeypatch.setattr(type(t.file), "metadata_end", lambda self: None)
+    before = t.path.read_bytes()
+    enc = encode_delta(s0, s1, model="m", version=4, parent=3)
+    heads = []
+    real = filetarget._write_journal
+    monkeypatch.setattr(filetarget, "_write_journal", lambda path, info, regions, payload: (
+        heads.extend(r["length"] for r in regions if r["kind"] == "bytes" and r["offset"] == 0),
+        real(path, info, regions, payload)))
+    staged = t.stage_delta(prepare_delta(enc.manifest, enc.blobs), {n: tensor_fingerprint(v) for n, v in s0.items()},
+                           verify="incremental")
+    data_start = t.file.header.data_start
+    assert heads == [data_start] if not in_place else heads[0] < data_start // 2
+    t.close()
+    after = t.path.read_bytes()
+    assert after != before and after[heads[0]:data_start] == before[heads[0]:data_start]  # only the metadata moved
+    assert recover(t.path) is not None
+    assert t.path.read_bytes() == before and not journal_path(t.path).exists()
+    del staged
+
+
 def test_a_journal_in_the_earlier_layout_still_rolls_back(tmp_path):
     """jrnl01, as earlier versions wrote it: int64 positions, old words right after, regions back to back."""
     s0 = _state(3)
