@@ -364,6 +364,15 @@ def test_golden3_bytes_still_decode_against_the_base():
 GOLDEN_M3 = (
     '{"blobs":[{"digest":null,"id":"8ff795c9d39d15c520e77be3b363c69c","size":318}],"format":3,"key_id":null,'
     '"kind":"delta","meta":{},"model":"policy","parent":1,"signature":null,"state_fp":"7c53280750e88324",'
+    '"state_fp_before":"83399e61d36f45d3","table":"KLUv/SDzZQQAtAVEU1QBAQEBAAMAAAQAAAAFAAAAYQpiCmQcAAAAYmZsb2F0'
+    'MTYKMzI4X2U1bTIAAQIBAgEsAQACAARsPsmxC5m2L2jb48cOu0ATc7crsvg6xRgBBAQAAAAAAAAAFgCQZWMIAABWHnILP1cACCDAjmBm'
+    'QB7ADwkodrkF1GAHyAIIAIPhbgXTXDl86+Y=","version":2}'
+)
+# the same manifest as written before the table's zstd level went from 3 to 2 (tensortable.TABLE_LEVEL): it reads
+# alike (any level decompresses the same columns)
+GOLDEN_M3_LEVEL3 = (
+    '{"blobs":[{"digest":null,"id":"8ff795c9d39d15c520e77be3b363c69c","size":318}],"format":3,"key_id":null,'
+    '"kind":"delta","meta":{},"model":"policy","parent":1,"signature":null,"state_fp":"7c53280750e88324",'
     '"state_fp_before":"83399e61d36f45d3","table":"KLUv/SDzVQQA1AVEU1QBAQEBAAMAAAQAAAAFAAAAYQpiCmQcAAAAYmZsb2F0'
     'MTYKMzI4X2U1bTIAAQIBAgEsAQACAARsPsmxC5m2L2jb48cOu0ATc7crsvg6xRgBAAEEBAAAAAAAAAAUAJBlYwgAAIC7qd4ACCDAjmBm'
     'gKkIAIN4BNQQBsgCCACD4W4F01w5fOvm","version":2}'
@@ -390,6 +399,10 @@ def test_golden_manifest_format3():
     assert all(t.fp_before is None for t in m.tensors) and m == compact
     table = zstandard.ZstdDecompressor().decompress(__import__("base64").b64decode(json.loads(GOLDEN_M3)["table"]))
     assert table.hex().startswith(GOLDEN_M3_TABLE)
+    old3 = parse_manifest(GOLDEN_M3_LEVEL3)  # written at the earlier level: the same records
+    assert old3.tensors == m.tensors and old3.state_fp == m.state_fp and old3.blobs == m.blobs
+    assert zstandard.ZstdDecompressor().decompress(
+        __import__("base64").b64decode(json.loads(GOLDEN_M3_LEVEL3)["table"])) == table
     target = {n: t.clone() for n, t in old.items()}
     apply_delta(target, m, {GOLDEN2_BLOB_ID: GOLDEN2_BLOB})
     assert {n: tensor_bytes(t) for n, t in target.items()} == {n: tensor_bytes(t) for n, t in new.items()}
