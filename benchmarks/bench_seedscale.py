@@ -621,6 +621,10 @@ def report(results: dict[str, dict], quick: bool, timeout: float, steps: int = S
                      f"files on {results[w]['dir']} (states written in {f['write_s']:.1f} s); 1-min load average "
                      f"{results[w]['load']:.1f} at the start, {results[w].get('load_end', float('nan')):.1f} at the end "
                      f"({os.cpu_count()} cores)")
+    if any(not str(results[w]["dir"]).startswith("/dev/shm") for w in cols):
+        lines.append("- **Not on tmpfs** (/dev/shm lacked the room): a `subscribe --out` commit's `msync` writes back every "
+                     "page the step dirtied (nearly all 288 MB) before it moves the header, 0.3-1 s in every layout, "
+                     "which the step-delivery rows carry and their ratios understate")
     for w in cols:
         if results[w]["error"]:
             lines.append(f"- **{TITLES[w]} FAILED**: " + results[w]["error"].splitlines()[0])
