@@ -1100,7 +1100,7 @@ def patch_jobs(jobs, like, old, fpds, per, table):
     raw_like = np.empty(0, np.uint8)
     counts = jobs[:, 5]
     # the prefetch cursor runs _AHEAD changes ahead of the patch across jobs: a state of many small tensors has
-    # jobs of a few changes each, too short to prefetch inside one (70k tensors: 5x the time without it)
+    # jobs of a few changes each, too short to prefetch inside one (70k tensors: ~4x the time without it)
     ja, ka = _next_change(counts, 0, -1)
     for _ in range(_AHEAD):
         if ja >= counts.size:
