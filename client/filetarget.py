@@ -56,6 +56,8 @@ from deltasync.atomic import fsync_dir
 from deltasync.dtypes import dtype_info
 from deltasync.errors import BaseMismatchError, FormatError, IntegrityError, StorageError
 from deltasync.fingerprint import (
+    FingerprintTable,
+    NameIndex,
     copy_fingerprint,
     fingerprint_from_lane_sums,
     fp_hex,
@@ -645,6 +647,7 @@ class FileTarget(TensorApplier):
         self._columns: tuple | None = None  # (file, its tensors as columns): see _table()
         self._lines: tuple | None = None  # (layout, its state fingerprint lines): see state_lines()
         self._layout_cols: tuple | None = None  # (layout, its LayoutColumns): see layout_columns()
+        self._name_index: tuple | None = None  # (layout, its NameIndex): see name_index()
         self._layout = dict(layout) if layout is not None else None
         if open_existing and self.path.exists():
             self._open_existing()
@@ -766,10 +769,10 @@ class FileTarget(TensorApplier):
         fingerprinted from the map as it landed), those fingerprints, once, without a second full read."""
         fresh, self._written_fps = getattr(self, "_written_fps", None), None
         if fresh is not None and self.file is not None and fresh.keys() == set(entry_names(self.file.header)):
-            return fresh  # (the names from the header: the file's torch views are 0.5 s at 70,000 tensors)
+            return self.fingerprints(fresh)  # (the names from the header: no torch view, 0.5 s at 70,000 tensors)
         if self.file is None:
             return {}
-        return scan_file(self.file)
+        return self.fingerprints(scan_file(self.file))
 
     def needed_blobs(self, manifest) -> set[str] | None:
         return None
@@ -807,6 +810,7 @@ class FileTarget(TensorApplier):
         if self.file is None:
             raise BaseMismatchError(f"{self.path} holds no version yet; a delta cannot be its first")
         m = prepared.manifest
+        fps = self.fingerprints(fps)  # (those this target handed out are already)
         tensors = self.file.views  # made as asked for: a step patched by address asks for few (a file of 70k: 0.5 s)
         check_base(m, tensors, fps, layout=self._layout, state_lines=self.state_lines(),
                    layout_columns=self.layout_columns())  # before any I/O
@@ -865,11 +869,15 @@ class FileTarget(TensorApplier):
         """The header of the version F holds again (after a rollback): from the journal's copy of it."""
         self._write_meta(self.version, self._state_fp_before)
 
-    def _table(self) -> tuple[dict[str, int], np.ndarray, np.ndarray, np.ndarray]:
-        """The file's tensors as columns, made once per file: (name -> row, first byte, bytes, word size)."""
+    def _table(self) -> tuple[NameIndex, np.ndarray, np.ndarray, np.ndarray] | None:
+        """The file's tensors as columns in the rows of :meth:`name_index`, made once per file: (those rows, first
+        byte, bytes, word size); None where the file's tensors are not its layout's (the journal then goes chunk by
+        chunk)."""
         got = self._columns
         if got is not None and got[0] is self.file:
             return got[1]
+        table = None
+        idx = self.name_index()
         cols = header_columns(self.file.header)  # a parsed header's columns: no entry made
         if cols is not None:
             names, dtypes, starts, stops = cols.names, cols.dtypes, cols.starts, cols.stops
@@ -878,16 +886,22 @@ class FileTarget(TensorApplier):
             names, dtypes = [e.name for e in entries], [e.dtype for e in entries]
             starts = np.fromiter((e.start for e in entries), dtype=np.int64, count=len(entries))
             stops = np.fromiter((e.stop for e in entries), dtype=np.int64, count=len(entries))
-        sizes = {d: dtype_info(d).word_size for d in set(dtypes)}
-        table = (dict(zip(names, range(len(names)))), starts.copy(), stops - starts,
-                 np.fromiter(map(sizes.__getitem__, dtypes), dtype=np.int64, count=len(dtypes)))
+        rows = idx.rows(names) if idx is not None and len(idx) == len(names) else None
+        if rows is not None:
+            sizes = {d: dtype_info(d).word_size for d in set(dtypes)}
+            first, nbytes, wsize = (np.empty(len(names), np.int64) for _ in range(3))
+            first[rows] = starts
+            nbytes[rows] = stops - starts
+            wsize[rows] = np.fromiter(map(sizes.__getitem__, dtypes), dtype=np.int64, count=len(dtypes))
+            table = (idx, first, nbytes, wsize)
         self._columns = (self.file, table)
         return table
 
     def layout_columns(self) -> LayoutColumns | None:
         """This file's layout as :class:`~deltasync.apply.LayoutColumns`, made once per layout (None while the file
         holds no version)."""
-        return self._per_layout("_layout_cols", LayoutColumns)
+        idx = self.name_index()
+        return None if idx is None else self._per_layout("_layout_cols", lambda layout: LayoutColumns(layout, idx))
 
     def _per_layout(self, slot: str, make):
         """``make(layout)`` of the file's layout, kept in ``slot`` until the layout changes (None: no layout)."""
@@ -900,6 +914,20 @@ class FileTarget(TensorApplier):
         made = make(layout)
         setattr(self, slot, (layout, made))
         return made
+
+    def name_index(self) -> NameIndex | None:
+        """The layout's names sorted (:meth:`state_lines`' list) and each one's row, made once per layout: the rows
+        of the :class:`~deltasync.fingerprint.FingerprintTable` this target keeps its fingerprints in, of its
+        file's columns and of its :class:`LayoutColumns` (None while the file holds no version)."""
+        lines = self.state_lines()
+        return None if lines is None else self._per_layout("_name_index", lambda _: NameIndex(lines[0]))
+
+    def fingerprints(self, fps: Mapping[str, int]) -> Mapping[str, int]:
+        """``fps`` as a :class:`~deltasync.fingerprint.FingerprintTable` of this layout (as given where they are
+        not exactly its tensors')."""
+        idx = self.name_index()
+        got = FingerprintTable.of(idx, fps) if idx is not None else None
+        return fps if got is None else got
 
     def state_lines(self) -> tuple[list[str], StateLines] | None:
         """This file's layout's names sorted and its :class:`StateLines` in that order, made once per layout: what
@@ -919,10 +947,12 @@ class FileTarget(TensorApplier):
             self.check()
         everything = cols
         cols, _, rest = everything.pure()  # tensors with a dense or base-conditioned chunk: chunk by chunk
-        index, first, nbytes, wsize = self._table()
-        try:
-            rows = np.fromiter(map(index.__getitem__, cols.names), dtype=np.int64, count=len(cols.names))
-        except KeyError:
+        table = self._table()
+        if table is None:
+            return None
+        index, first, nbytes, wsize = table
+        rows = index.rows(cols.names)  # (the step's check_base asked for the same list: remembered)
+        if rows is None:
             return None
         if (wsize[rows][cols.tensor] != cols.word_sizes).any():
             return None
@@ -984,11 +1014,10 @@ class FileTarget(TensorApplier):
         finally:
             del whole
 
-        def addresses(names, rows=rows, first=first, nbytes=nbytes, wsize=wsize, base=base):
-            if names is not cols.names:
-                r = np.fromiter((index[n] for n in names), dtype=np.int64, count=len(names))
-            else:
-                r = rows
+        def addresses(names, first=first, nbytes=nbytes, wsize=wsize, base=base):
+            r = index.rows(names)
+            if r is None:
+                return None
             return base + first[r], nbytes[r] // wsize[r], wsize[r]
 
         return regions, payload, groups, addresses

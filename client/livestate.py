@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from deltasync.apply import fp_array
 from deltasync.errors import ApplyInterrupted, BaseMismatchError, DeltaSyncError, IntegrityError
-from deltasync.fingerprint import state_fingerprint
+from deltasync.fingerprint import FingerprintTable, state_fingerprint
 from deltasync.manifest import Manifest, record_names
 
 from .appliers import Applier, TensorApplier
@@ -146,7 +146,8 @@ class LiveState:
             return self._rolled_back(step, e, "base_mismatch" if isinstance(e, BaseMismatchError) else "integrity")
         except DeltaSyncError as e:  # ApplyError and the like: the applier restored every word
             return self._rolled_back(step, e, "integrity")
-        self.fps = dict(staged.fps)
+        fps = staged.fps
+        self.fps = fps if type(fps) is FingerprintTable else dict(fps)  # (a table is immutable)
         self.version = step.version
         self.counts["applies"] += 1
         self.verify_state = "ok"

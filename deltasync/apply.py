@@ -41,7 +41,7 @@ from .dtypes import dtype_info, host_words, numpy_word_dtype, signed_word_dtype,
 from .blob import verify_blob
 from .parts import split_counts
 from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError
-from .fingerprint import (StateLines, fingerprint_delta, words_range_delta, fp_hex, state_fingerprint,
+from .fingerprint import (FingerprintTable, NameIndex, StateLines, fingerprint_delta, words_range_delta, fp_hex, state_fingerprint,
                           tensor_fingerprint, update_fingerprint)
 from .kernels.fpkeys import MASK64
 from .manifest import Manifest, TensorRecord, table_columns
@@ -499,12 +499,13 @@ def _info(dtype: torch.dtype):
 
 class LayoutColumns:
     """A layout (name -> (dtype name, shape)) as arrays, made once per layout (``subscribe --out``'s file): a parsed
-    table's records are checked against it with no tuple made per record (~0.025 s a step at 70,000 tensors)."""
+    table's records are checked against it with no tuple made per record (~0.025 s a step at 70,000 tensors).
+    ``names``: the rows to keep them in (a :class:`~deltasync.fingerprint.NameIndex` of the layout's names, whose
+    memory of the lists it mapped the step's other readers share); else the layout's order."""
 
-    def __init__(self, layout: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
-        names = list(layout)
-        self.index = dict(zip(names, range(len(names))))
-        vals = list(layout.values())
+    def __init__(self, layout: Mapping[str, tuple[str, tuple[int, ...]]], names: NameIndex | None = None) -> None:
+        self.names = names if names is not None else NameIndex(list(layout))
+        vals = list(map(layout.__getitem__, self.names.names))
         dtypes = list(map(itemgetter(0), vals))
         self.dtype_code = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}
         self.codes = np.fromiter(map(self.dtype_code.__getitem__, dtypes), np.int64, len(dtypes))
@@ -516,9 +517,8 @@ class LayoutColumns:
     def matches(self, cols) -> bool:
         """Every record of ``cols`` (a :class:`~deltasync.tensortable.TableColumns`) names a tensor of this layout,
         of its dtype and shape."""
-        n = len(cols.names)
-        rows = np.fromiter(map(self.index.get, cols.names, repeat(-1)), np.int64, n)
-        if n and int(rows.min()) < 0:
+        rows = self.names.rows(cols.names)
+        if rows is None:
             return False
         code = np.array([self.dtype_code.get(d, -1) for d in cols.dtype_names] or [0], np.int64)
         if (code[cols.codes] != self.codes[rows]).any():
@@ -627,7 +627,10 @@ def _layout_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tupl
 
 
 def fp_array(fps: Mapping[str, int], names: list[str]) -> np.ndarray | None:
-    """The fingerprints of ``names`` as uint64 (masked as fp_hex masks them); None if one is missing."""
+    """The fingerprints of ``names`` as uint64 (masked as fp_hex masks them); None if one is missing. A
+    :class:`~deltasync.fingerprint.FingerprintTable` gives them as arrays (no Python int per tensor)."""
+    if type(fps) is FingerprintTable:
+        return fps.take(names)
     try:
         return np.fromiter(map(fps.__getitem__, names), dtype=np.uint64, count=len(names))
     except KeyError:
@@ -695,7 +698,8 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
     manifest = prepared.manifest
     records = _Records(manifest)
     tensors = live_tensors(target)
-    fps = dict(fps) if fps is not None else {n: tensor_fingerprint(t) for n, t in tensors.items()}
+    if type(fps) is not FingerprintTable:  # (a table is immutable: the new fingerprints are a new one)
+        fps = dict(fps) if fps is not None else {n: tensor_fingerprint(t) for n, t in tensors.items()}
     if not base_checked:
         check_base(manifest, tensors, fps)
     if check is not None:
@@ -709,7 +713,6 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
             raise BaseMismatchError(
                 f"{alias} shares memory with {primary} (tied weights) but the delta changes them differently")
     undo = _Undo()
-    new_fps = dict(fps)
 
     def patch_one(name: str, chunks: list[ChunkPatch]) -> int:
         with torch.no_grad():
@@ -728,7 +731,8 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
             pure, kept, rest = cols.pure()  # the tensors whose chunks are all columns; the others (dense chunks)
             got = _patch_columns(tensors, pure, fps, records, undo, executor, check, addresses)
             if got is not None:
-                done, failure = got
+                after, failure = got
+                done: dict[str, int] = {}  # the other tensors' fingerprints after
                 first = (int(kept[failure[0]]), failure[1]) if failure is not None else None
                 for k, t in enumerate(rest):  # chunk by chunk, in order, up to the first failure
                     if first is not None and t > first[0]:
@@ -751,10 +755,21 @@ def stage_prepared(target, prepared: PreparedDelta, fps: Mapping[str, int] | Non
                 raise ApplyError(f"patching v{manifest.version} failed ({type(e).__name__}: {e}); rolled back") from e
             raise
         if got is not None:
+            rows = fps.names.rows(pure.names) if type(fps) is FingerprintTable and not aliases else None
+            more = fps.names.rows(list(done)) if rows is not None and done else None
+            if rows is not None and (more is not None or not done):
+                new = fps.replaced(rows, after)
+                if done:
+                    new = new.replaced(more, np.fromiter(done.values(), np.uint64, len(done)))
+                return StagedPatch(new, undo)
+            new_fps = dict(fps)
+            new_fps.update(zip(pure.names, after.tolist()))
             new_fps.update(done)
             for alias, primary in aliases.items():
                 new_fps[alias] = new_fps[primary]
             return StagedPatch(new_fps, undo)
+
+    new_fps = dict(fps)
 
     # tied weights: the primary's patch writes the shared words once
     work = [(name, chunks) for name, chunks in prepared.patches.items() if name not in aliases]
@@ -1022,12 +1037,12 @@ def host_addresses(tensors: Mapping[str, torch.Tensor], names: list[str]) -> tup
 
 def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, fps: Mapping[str, int],
                    records: Mapping[str, object], undo: _Undo, executor: Executor | None,
-                   check: Callable[[], None] | None, addresses) -> tuple[dict[str, int], tuple | None] | None:
+                   check: Callable[[], None] | None, addresses) -> tuple[np.ndarray, tuple | None] | None:
     """:func:`_patch_batched` of a delta prepared as columns (every chunk a column: ``ColumnarPatches.pure``): the
     kernel's job rows made by numpy from the columns and a table of the tensors' addresses (``addresses(names)``,
     else :func:`host_addresses`), the fingerprints summed and compared as arrays. The same words, fingerprints and
-    undo; returns ({name: fingerprint after}, None) or, at a failure, (those, (tensor index, the exception to
-    raise)): the first in tensor order, as :func:`_patch_batched` raises it. None (nothing done) unless the
+    undo; returns (the fingerprints after, uint64 in ``cols.names``' order, None) or, at a failure, (those, (tensor
+    index, the exception to raise)): the first in tensor order, as :func:`_patch_batched` raises it. None (nothing done) unless the
     compiled kernels are selected and every tensor is contiguous host memory."""
     if kernels.cpu_kernels() is None:
         return None
@@ -1102,15 +1117,14 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
     wrong = np.flatnonzero(after != want) if want is not None else np.array(
         [i for i, n in enumerate(names) if fp_hex(int(after[i])) != records[n].fp_after], dtype=np.int64)
     first_wrong = int(wrong[0]) if wrong.size else len(names)
-    done = dict(zip(names, after.tolist()))
     if bad is not None and bad[0] <= first_wrong:
-        return done, (bad[0], IndexError(bad[1]))
+        return after, (bad[0], IndexError(bad[1]))
     if first_wrong < len(names):
         name = names[first_wrong]
-        return done, (first_wrong, IntegrityError(
+        return after, (first_wrong, IntegrityError(
             f"{name}: fingerprint after patching is {fp_hex(int(after[first_wrong]))}, manifest says "
             f"{records[name].fp_after}; rolled back"))
-    return done, None
+    return after, None
 
 
 class _Records(Mapping):
@@ -1155,6 +1169,9 @@ class _Records(Mapping):
 
     def fp_after(self, names: list[str]) -> np.ndarray | None:
         """The fingerprints after of ``names`` (uint64), or None where one is not 16 hex digits."""
+        cols = table_columns(self._manifest)
+        if cols is not None and names is cols.names:  # the table's own list (a step patched as its columns)
+            return cols.fps.astype(np.uint64, copy=False)
         got = self._rows()
         if got is not None:
             cols, row = got

@@ -25,6 +25,7 @@ records of every tensor.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from itertools import islice
 from operator import add, itemgetter, le
@@ -312,7 +313,20 @@ class StateLines:
         return True
 
     def digest(self, fps: np.ndarray) -> str:
-        """The state fingerprint with ``fps`` (uint64, in the records' order as given)."""
+        """The state fingerprint with ``fps`` (uint64, in the records' order as given). With the compiled kernels,
+        the digits are written into a copy of the lines kept for the next digest (a fresh ~10 MB buffer a call,
+        at 140,000 tensors, costs more in page faults than the digits), one call at a time."""
+        k = cpu_kernels()
+        lock = self.__dict__.setdefault("_lock", threading.Lock())
+        if k is not None and self.order.size and lock.acquire(blocking=False):
+            try:
+                work = self.__dict__.get("_work")
+                if work is None:
+                    work = self._work = self.template.copy()
+                k.state_hex(work, self.hex_at, np.ascontiguousarray(fps, np.uint64), self.order)
+                return xxhash.xxh3_64_hexdigest(work.data)
+            finally:
+                lock.release()
         buf = self.template.copy()
         if self.order.size:
             nibbles = fps[self.order].astype(">u8").view(np.uint8).reshape(-1, 8)
@@ -373,3 +387,99 @@ def state_fingerprint_of(tensors: Mapping[str, torch.Tensor], fps: Mapping[str, 
     return state_fingerprint(
         (name, dtype_info(t.dtype).name, tuple(t.shape), fps[name]) for name, t in tensors.items()
     )
+
+
+class NameIndex:
+    """A fixed list of tensor names and each one's row, made once per layout and shared by every
+    :class:`FingerprintTable` of it. :meth:`rows` maps another list of names (a step's table, a patch plan) to
+    rows, remembering the last few lists it was asked for: a step of a 1%-changed AdamW state lists every
+    tensor, in the same order, step after step."""
+
+    __slots__ = ("names", "index", "_memo", "_all")
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.index = dict(zip(names, range(len(names))))
+        if len(self.index) != len(names):
+            raise ValueError("a name is listed twice")
+        self._memo: list[tuple[list[str], np.ndarray]] = []  # (names, rows), the latest last
+        self._all: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def rows(self, names: list[str]) -> np.ndarray | None:
+        """The rows of ``names`` (int64, read-only), or None if one is not here."""
+        if names is self.names:
+            return self._every()
+        for known, rows in self._memo:
+            if known is names:
+                return rows
+        if len(names) == len(self.names) and names == self.names:
+            rows = self._every()
+        else:
+            try:
+                rows = np.fromiter(map(self.index.__getitem__, names), np.int64, len(names))
+            except KeyError:
+                return None
+            rows.flags.writeable = False
+        self._memo = [*self._memo[-3:], (names, rows)]  # (strong references: an id is never reused)
+        return rows
+
+    def _every(self) -> np.ndarray:
+        if self._all is None:
+            self._all = np.arange(len(self.names), dtype=np.int64)
+            self._all.flags.writeable = False
+        return self._all
+
+
+class FingerprintTable(Mapping):
+    """The fingerprints of a layout's tensors as one uint64 array in the rows of a :class:`NameIndex`: a mapping
+    name -> int for every reader, and arrays for the hot paths (a step of 140,000 tensors reads and writes them
+    with no Python int per tensor: :meth:`take`, :meth:`replaced`). Immutable: a change makes a new table."""
+
+    __slots__ = ("names", "values")
+
+    def __init__(self, names: NameIndex, values: np.ndarray) -> None:
+        if values.dtype != np.uint64 or values.shape != (len(names),):
+            raise ValueError("a fingerprint table holds one uint64 per name")
+        values.flags.writeable = False
+        self.names = names
+        self.values = values
+
+    @classmethod
+    def of(cls, names: NameIndex, fps: Mapping[str, int]) -> FingerprintTable | None:
+        """``fps`` (a mapping of exactly these names) as a table; None if it names others."""
+        if type(fps) is cls and fps.names is names:
+            return fps
+        if len(fps) != len(names):
+            return None
+        try:
+            return cls(names, np.fromiter(map(fps.__getitem__, names.names), np.uint64, len(names)))
+        except (KeyError, OverflowError, TypeError, ValueError):  # another name, or not a 64-bit fingerprint
+            return None
+
+    def __getitem__(self, name: str) -> int:
+        return int(self.values[self.names.index[name]])
+
+    def __contains__(self, name) -> bool:
+        return name in self.names.index
+
+    def __iter__(self):
+        return iter(self.names.names)
+
+    def __len__(self) -> int:
+        return len(self.names.names)
+
+    def take(self, names: list[str]) -> np.ndarray | None:
+        """The fingerprints of ``names`` (uint64), or None if one is not here."""
+        if names is self.names.names:
+            return self.values
+        rows = self.names.rows(names)
+        return None if rows is None else self.values[rows]
+
+    def replaced(self, rows: np.ndarray, values: np.ndarray) -> FingerprintTable:
+        """A table with ``values`` at ``rows`` (the others kept)."""
+        out = self.values.copy()
+        out[rows] = values
+        return FingerprintTable(self.names, out)

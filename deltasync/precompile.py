@@ -31,7 +31,7 @@ from .budget import BudgetPolicy, Budgeter
 from .codec import EncodeOptions, diff_ranks, diff_states, encode_diff
 from .errors import IntegrityError
 from .dtypes import HostTensor, dtype_info, host_words, numpy_word_dtype, signed_word_dtype
-from .fingerprint import copy_fingerprint, host_lanes, host_lanes_sum, lane_bits, lanes_sum, run_lane_sums, tensor_fingerprint
+from .fingerprint import StateLines, copy_fingerprint, host_lanes, host_lanes_sum, lane_bits, lanes_sum, run_lane_sums, tensor_fingerprint
 from .squash import squash_chain
 
 #: every dtype name the codec codes word by word (bool has no random words to draw; complex types share
@@ -56,6 +56,7 @@ def compile_kernels(report: Callable[[str], None] | None = None) -> int:
         if report is not None:
             report(f"[{i + 1}/{len(names)}] {name}: {time.perf_counter() - t0:.1f} s")
     _rank_map_flow()
+    StateLines(["a", "b"], ["bfloat16"] * 2, [(WORDS,), (1,)]).digest(np.arange(2, dtype=np.uint64))  # its digits
     return len(names)
 
 

@@ -1234,3 +1234,18 @@ def rank_translate(first, width, run_src, run_len, run_dst, src_cols, src_row0, 
         out_r[at] = tmp_r[k]
         out_d[at] = tmp_d[k]
     return m
+
+
+# -- R: the state fingerprint's lines ---------------------------------------------------------------
+
+@_jit
+def state_hex(buf, hex_at, fps, order):
+    """``StateLines.digest``'s digits in one pass, in place: line ``i``'s 16 lowercase hex digits of
+    ``fps[order[i]]`` (uint64) at ``buf[hex_at[i]:hex_at[i] + 16]`` (no array per digit column, no copy of the
+    lines)."""
+    for i in range(order.size):
+        v = fps[order[i]]
+        at = hex_at[i]
+        for k in range(16):
+            d = np.uint8((v >> np.uint64(60 - 4 * k)) & np.uint64(15))
+            buf[at + k] = d + np.uint8(48) if d < 10 else d + np.uint8(87)
