@@ -162,6 +162,7 @@ async def publish_delta(client: HttpClient, *, model: str, version: int, parent:
             flat = getattr(diff, "flat", None)  # a columnar diff hashes its state fingerprints once (for the encode)
             have = flat.state_fps()[0] if flat is not None else None
             _check_base(base, diff.fps_before, head, where=where, have=have)
+            timeline.debug("mono=%.6f publish-checked", time.monotonic())
         enc = await loop.run_in_executor(None, lambda: encode_diff(diff, model=model, version=version, parent=parent,
                                                                    options=options, meta=dict(meta or {}), base=base,
                                                                    executor=pool))
@@ -171,6 +172,7 @@ async def publish_delta(client: HttpClient, *, model: str, version: int, parent:
     del diff
     timeline.debug("mono=%.6f publish-encoded", time.monotonic())
     manifest = enc.manifest.with_digests(enc.blobs) if signer is not None else enc.manifest  # signed: every digest
+    timeline.debug("mono=%.6f publish-digests", time.monotonic())
     await upload_blobs(client, enc.blobs, concurrency=concurrency, model=model)
     timeline.debug("mono=%.6f publish-uploaded", time.monotonic())
     signed = await commit_manifest(client, manifest, key=signer)

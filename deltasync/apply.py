@@ -264,8 +264,8 @@ def _columns_of(manifest: Manifest, decs: dict[str, DecodedBlob]) -> ColumnarPat
     if (ref_index < 0).any() or (ref_index >= sizes[ref_blob]).any():
         return None
     g = row0[ref_blob] + ref_index  # each reference's row among all blobs' chunks
-    if np.unique(g).size != g.size or g.size != int(row0[-1]):
-        return None  # a chunk used twice or not at all
+    if g.size != int(row0[-1]) or not (g.size < 2 or bool((g[1:] > g[:-1]).all()) or np.unique(g).size == g.size):
+        return None  # a chunk used twice or not at all (a writer's are in blob order: ascending, no sort)
     # every blob's chunk columns, one after the other (the changes: each blob's arrays, a segment per word size)
     all_names: list[str] = []
     all_dtypes: list[str] = []
@@ -1048,7 +1048,7 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
         return None
     names = cols.names
     if not names:
-        return {}, None
+        return np.zeros(0, np.uint64), None
     table = addresses(names) if addresses is not None else host_addresses(tensors, names)
     if table is None:
         return None

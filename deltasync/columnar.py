@@ -654,7 +654,9 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
     position = {b: i for i, b in enumerate(blobs)}
     cblob = np.array([position[i] for i in ids], np.int64)[blob_of] if C else np.zeros(0, np.int64)
     try:
-        table = _compact_table(owners, names, dtypes, shapes, flat.fp_after, sums, counts, cblob, index, start, stop)
+        every = len(owners) == len(names) and bool((tensor[heads] == np.arange(len(names))).all())
+        table = _compact_table(None if every else owners, names, dtypes, shapes, flat.fp_after, sums, counts, cblob,
+                               index, start, stop)
     except FormatError:  # a name format 3 cannot carry (a newline): compact() says so where it is asked for
         pass
     else:
@@ -662,17 +664,20 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
     return Encoded(manifest=manifest, blobs=blobs, fps=lazy_zip(names, flat.fp_after))
 
 
-def _compact_table(owners: list[int], names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]],
+def _compact_table(owners: list[int] | None, names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]],
                    fps: np.ndarray, changed, counts: np.ndarray, cblob: np.ndarray, cindex: np.ndarray,
                    start: np.ndarray, stop: np.ndarray) -> bytes:
     """The format-3 table of a delta whose changed tensors are ``owners`` (indices into the state's columns, in
-    order), their chunks given per chunk: what ``pack_table`` packs of ``Manifest.compact()``'s records."""
-    dl = [dtypes[t] for t in owners]
+    order; None: every tensor, no list gathered), their chunks given per chunk: what ``pack_table`` packs of
+    ``Manifest.compact()``'s records."""
+    every = owners is None
+    dl = dtypes if every else [dtypes[t] for t in owners]
     code = {d: i for i, d in enumerate(dict.fromkeys(dl))}  # numbered in order of first appearance
-    sl = [shapes[t] for t in owners]
-    return pack_columns("delta", [names[t] for t in owners], list(code),
+    sl = shapes if every else [shapes[t] for t in owners]
+    return pack_columns("delta", names if every else [names[t] for t in owners], list(code),
                         np.fromiter(map(code.__getitem__, dl), np.uint8, len(dl)),
                         np.fromiter(map(len, sl), np.uint8, len(sl)),
-                        np.fromiter(chain.from_iterable(sl), np.uint64), fps[np.asarray(owners, np.int64)],
+                        np.fromiter(chain.from_iterable(sl), np.uint64),
+                        fps if every else fps[np.asarray(owners, np.int64)],
                         np.asarray(changed, np.uint64), counts, cblob, cindex=cindex, starts=start, stops=stop)
 

@@ -305,24 +305,25 @@ class StateLines:
             r = int(self.order[i])
             if not 0 <= r < n:
                 return False
-            want = f"{names[r]}{_tail(dtypes[r], shapes[r])}{_PAD}".encode()
+            want = f"{names[r]}{_tail(dtypes[r], shapes[r])}".encode()  # (its digits: whatever was hashed last)
             start = int(self.hex_at[i - 1]) + len(_PAD) if i else 0
-            end = int(self.hex_at[i]) + len(_PAD)
-            if end - start != len(want) or bytes(data[start:end]) != want:
+            end = int(self.hex_at[i])
+            if end - start != len(want) or bytes(data[start:end]) != want or data[end + 16] != 10:
                 return False
         return True
 
     def digest(self, fps: np.ndarray) -> str:
         """The state fingerprint with ``fps`` (uint64, in the records' order as given). With the compiled kernels,
         the digits are written into a copy of the lines kept for the next digest (a fresh ~10 MB buffer a call,
-        at 140,000 tensors, costs more in page faults than the digits), one call at a time."""
+        at 140,000 tensors, costs more in page faults than the digits), one call at a time. (A line's digits are never
+        read but by the hash: :meth:`describes` skips them.)"""
         k = cpu_kernels()
         lock = self.__dict__.setdefault("_lock", threading.Lock())
         if k is not None and self.order.size and lock.acquire(blocking=False):
             try:
                 work = self.__dict__.get("_work")
-                if work is None:
-                    work = self._work = self.template.copy()
+                if work is None:  # lines read into memory of their own (headercache.load_lines) are written in place
+                    work = self._work = self.template if self.template.flags.writeable else self.template.copy()
                 k.state_hex(work, self.hex_at, np.ascontiguousarray(fps, np.uint64), self.order)
                 return xxhash.xxh3_64_hexdigest(work.data)
             finally:

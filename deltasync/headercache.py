@@ -1,4 +1,4 @@
-"""A safetensors header's checked columns kept on disk, by the SHA-256 of its text and the file's size.
+"""A safetensors header's checked columns kept on disk, by the BLAKE3 of its text and the file's size.
 
 A trainer writes every step's checkpoint with the same header, byte for byte; a 70,000-tensor one is ~8 MB of
 JSON that takes ~0.1 s to parse and check, in each process that opens one (``publish --base``: every step). The
@@ -21,13 +21,14 @@ against its layout (``StateLines.describes``) before use. Pruning an entry remov
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
 from itertools import chain
+from math import prod
 from pathlib import Path
 
+import blake3
 import numpy as np
 import xxhash
 
@@ -35,8 +36,9 @@ __all__ = ["MIN_ENTRIES", "cache_dir", "load", "load_lines", "store", "store_lin
 
 MIN_ENTRIES = 4096  # smaller headers parse in a few ms: not kept
 KEEP = 8  # entries kept (a training run has one layout; its serving formats a few more)
-_MAGIC = b"DSHC\x01"
-_HEAD = struct.Struct("<5sxxxQQQQQQQ")  # magic, entries, data start, size, and the byte lengths of what follows
+_MAGIC = b"DSHC\x02"  # 2: shapes kept once per distinct shape (a layer's experts share a few), a code per tensor
+_HEAD = struct.Struct("<5sxxxQQQQQQQQ")  # magic, entries, data start, size, the byte lengths of the names, dtype
+# names and metadata, the distinct shapes and their dimensions
 _SEP = "\x00"  # between names (a name holding one is not kept)
 _LINES_MAGIC = b"DSHL\x01"  # an entry's state lines (fingerprint.StateLines), in a file of their own: KEY.lines
 _LINES_HEAD = struct.Struct("<5sxxxQQ")  # magic, lines, template bytes
@@ -52,7 +54,7 @@ def cache_dir() -> Path | None:
 
 
 def _key(text: bytes, size: int) -> str:
-    return f"{hashlib.sha256(text).hexdigest()}-{size}"
+    return f"{blake3.blake3(text).hexdigest()}-{size}"  # (a cryptographic hash at ~4x SHA-256's pace here)
 
 
 def load(text: bytes, size: int, data_start: int) -> tuple[str | None, tuple | None]:
@@ -81,13 +83,16 @@ def store(key: str | None, size: int, data_start: int, names: list[str], dtypes:
         return False
     kinds = list(dict.fromkeys(dtypes))
     code = {d: i for i, d in enumerate(kinds)}
-    ranks = np.fromiter(map(len, shapes), np.uint8, len(shapes))
-    dims = np.fromiter(chain.from_iterable(shapes), np.int64)
+    shape_code = {s: i for i, s in enumerate(dict.fromkeys(map(tuple, shapes)))}
+    ranks = np.fromiter(map(len, shape_code), np.uint8, len(shape_code))
+    dims = np.fromiter(chain.from_iterable(shape_code), np.int64)
     parts = [joined.encode(), json.dumps(kinds).encode(), json.dumps(metadata).encode(),
-             np.fromiter(map(code.__getitem__, dtypes), np.uint8, len(dtypes)).tobytes(), ranks.tobytes(),
-             dims.tobytes(), (np.asarray(starts, np.int64) - data_start).tobytes()]
+             np.fromiter(map(code.__getitem__, dtypes), np.uint8, len(dtypes)).tobytes(),
+             np.fromiter(map(shape_code.__getitem__, map(tuple, shapes)), "<u4", len(shapes)).tobytes(),
+             ranks.tobytes(), dims.tobytes(), (np.asarray(starts, np.int64) - data_start).tobytes()]
     body = b"".join(parts)
-    head = _HEAD.pack(_MAGIC, len(names), data_start, size, len(parts[0]), len(parts[1]), len(parts[2]), dims.size)
+    head = _HEAD.pack(_MAGIC, len(names), data_start, size, len(parts[0]), len(parts[1]), len(parts[2]),
+                      len(shape_code), dims.size)
     data = head + body + xxhash.xxh3_64_digest(head + body)
     try:
         where.mkdir(parents=True, exist_ok=True)
@@ -108,11 +113,11 @@ def load_lines(key: str | None, n: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     where = cache_dir()
     if key is None or where is None:
         return None
-    try:
-        raw = (where / f"{key}.lines").read_bytes()
-    except OSError:
+    try:  # into memory of its own (writable: StateLines.digest writes its digits into the template in place)
+        raw = np.fromfile(where / f"{key}.lines", np.uint8)
+    except (OSError, ValueError):
         return None
-    if len(raw) < _LINES_HEAD.size + 8 or xxhash.xxh3_64_digest(memoryview(raw)[:-8]) != raw[-8:]:
+    if len(raw) < _LINES_HEAD.size + 8 or xxhash.xxh3_64_digest(memoryview(raw)[:-8]) != raw[-8:].tobytes():
         return None
     magic, count, length = _LINES_HEAD.unpack_from(raw)
     if magic != _LINES_MAGIC or count != n or _LINES_HEAD.size + 16 * n + length + 8 != len(raw):
@@ -159,8 +164,8 @@ def _prune(where: Path) -> None:
 def _unpack(raw: bytes, size: int, data_start: int):
     if len(raw) < _HEAD.size + 8 or xxhash.xxh3_64_digest(raw[:-8]) != raw[-8:]:
         return None
-    magic, n, start, fsize, ln, lk, lm, nd = _HEAD.unpack_from(raw)
-    if magic != _MAGIC or start != data_start or fsize != size:
+    magic, n, start, fsize, ln, lk, lm, ns, nd = _HEAD.unpack_from(raw)
+    if magic != _MAGIC or start != data_start or fsize != size or 8 * n + 4 * n + ns + 8 * nd > len(raw):
         return None
     at = _HEAD.size
     names = raw[at : at + ln].decode().split(_SEP)
@@ -171,13 +176,16 @@ def _unpack(raw: bytes, size: int, data_start: int):
     at += lm
     codes = np.frombuffer(raw, np.uint8, n, at)
     at += n
-    ranks = np.frombuffer(raw, np.uint8, n, at).astype(np.int64)
-    at += n
+    scode = np.frombuffer(raw, "<u4", n, at).astype(np.int64)
+    at += 4 * n
+    ranks = np.frombuffer(raw, np.uint8, ns, at).astype(np.int64)
+    at += ns
     dims = np.frombuffer(raw, np.int64, nd, at)
     at += 8 * nd
     begin = np.frombuffer(raw, np.int64, n, at)
     at += 8 * n
-    if at != len(raw) - 8 or len(names) != n or int(ranks.sum()) != nd or (n and int(codes.max()) >= len(kinds)):
+    if at != len(raw) - 8 or len(names) != n or int(ranks.sum()) != nd or (n and int(codes.max()) >= len(kinds)) \
+            or (n and int(scode.max()) >= ns):
         return None
     if not (isinstance(metadata, dict) and all(type(k) is str and type(v) is str for k, v in metadata.items())):
         return None
@@ -185,19 +193,20 @@ def _unpack(raw: bytes, size: int, data_start: int):
 
     infos = [dtype_info(k) for k in kinds]
     esize = np.array([i.element_size for i in infos], np.int64)[codes] if n else np.zeros(0, np.int64)
-    edge = np.zeros(n + 1, np.int64)
-    np.cumsum(ranks, out=edge[1:])
-    numel = np.ones(n, np.int64)
-    has = np.flatnonzero(ranks)
-    if has.size:
-        numel[has] = np.multiply.reduceat(dims, edge[has])
+    if np.any(dims < 0):
+        return None
+    dl, el = dims.tolist(), [0, *np.cumsum(ranks).tolist()]
+    shape_of = [tuple(dl[a:z]) for a, z in zip(el, el[1:])]  # each distinct shape, once
+    numel_of = [prod(s) for s in shape_of]
+    if any(x >= 1 << 62 for x in numel_of):
+        return None
+    numel = np.array(numel_of, np.int64)[scode] if n else np.zeros(0, np.int64)
     end = begin + numel * esize
     # the byte ranges tile the data, as the parser requires of the text they were read from
     order = np.argsort(begin, kind="stable")
     b, e = begin[order], end[order]
-    if n and (int(b[0]) != 0 or np.any(b[1:] != e[:-1]) or int(e[-1]) != size - data_start or np.any(dims < 0)):
+    if n and (int(b[0]) != 0 or np.any(b[1:] != e[:-1]) or int(e[-1]) != size - data_start):
         return None
-    dl, el = dims.tolist(), edge.tolist()
-    shapes = [tuple(dl[a:z]) for a, z in zip(el, el[1:])]
+    shapes = list(map(shape_of.__getitem__, scode.tolist()))
     names_of = [i.name for i in infos]
     return (names, [names_of[c] for c in codes.tolist()], shapes, begin + data_start, end + data_start, metadata)

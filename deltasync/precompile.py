@@ -56,7 +56,10 @@ def compile_kernels(report: Callable[[str], None] | None = None) -> int:
         if report is not None:
             report(f"[{i + 1}/{len(names)}] {name}: {time.perf_counter() - t0:.1f} s")
     _rank_map_flow()
-    StateLines(["a", "b"], ["bfloat16"] * 2, [(WORDS,), (1,)]).digest(np.arange(2, dtype=np.uint64))  # its digits
+    lines, fps = StateLines(["a", "b"], ["bfloat16"] * 2, [(WORDS,), (1,)]), np.arange(2, dtype=np.uint64)
+    lines.digest(fps)  # the state fingerprint's digits: of a diff's fingerprints
+    fps.flags.writeable = False
+    lines.digest(fps)  # and of a FingerprintTable's (read-only)
     return len(names)
 
 

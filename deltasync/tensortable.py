@@ -209,10 +209,14 @@ class _Reader:
         return np.frombuffer(self.take(size * count, what), dtype=dtype)
 
     def text(self, what: str) -> list[str]:
+        return self.text_raw(what)[0]
+
+    def text_raw(self, what: str) -> tuple[list[str], bytes]:
+        """The strings of a length-prefixed text, and its bytes."""
         (n,) = struct.unpack("<I", self.take(4, what))
         raw = self.take(n, what)
         try:
-            return raw.decode().split("\n") if n else []
+            return (raw.decode().split("\n") if n else []), raw
         except UnicodeDecodeError:
             raise FormatError(f"manifest table: {what} is not UTF-8") from None
 
@@ -240,7 +244,7 @@ def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits, build: 
         raise FormatError(f"manifest: a manifest holds at most {limits.MAX_CHUNKS} chunk references, found {nchunks}")
     if ndims_total > n * limits.MAX_DIMS:
         raise FormatError("manifest table: more dimensions than its tensors may have")
-    names = r.text("the names")
+    names, names_raw = r.text_raw("the names")
     dtypes = r.text("the dtypes")
     if len(names) != n:
         raise FormatError(f"manifest table: {len(names)} names for {n} tensors")
@@ -248,7 +252,11 @@ def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits, build: 
         if len(set(names)) != n:
             raise FormatError("manifest: a tensor is listed twice")
         raise FormatError("manifest: tensors must be sorted by name")
-    lengths = np.fromiter(map(len, names), np.int64, n)
+    if names_raw.isascii():  # (one byte a character: the lengths from where the lines end)
+        ends = np.flatnonzero(np.frombuffer(names_raw, np.uint8) == 10)
+        lengths = np.diff(ends, prepend=-1, append=len(names_raw)) - 1 if n else np.zeros(0, np.int64)
+    else:
+        lengths = np.fromiter(map(len, names), np.int64, n)
     if n and (int(lengths.min()) < 1 or int(lengths.max()) > 1024):
         raise FormatError("manifest: tensor names must be non-empty strings of at most 1024 characters")
     infos = [dtype_info(d) for d in dtypes]  # UnsupportedError/FormatError for an unknown dtype name
@@ -276,19 +284,19 @@ def unpack_table(blob: bytes, kind: str, blob_ids: list[str], *, limits, build: 
     # checked against the per-tensor limit in floats first, so no integer product can overflow)
     starts = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(ndims, out=starts[1:])
-    rows = np.repeat(np.arange(n), ndims.astype(np.int64))
+    has = np.flatnonzero(ndims)  # tensors of one dimension or more (a scalar's product is 1); per tensor by reduceat
+    first = starts[has]
     logs = np.zeros(n)
-    if ndims_total:
-        with np.errstate(divide="ignore"):
-            np.add.at(logs, rows, np.log2(np.maximum(dims.astype(np.float64), 0.5)))
     zero = np.zeros(n, dtype=bool)
     if ndims_total:
-        np.logical_or.at(zero, rows, dims == 0)
+        with np.errstate(divide="ignore"):
+            logs[has] = np.add.reduceat(np.log2(np.maximum(dims.astype(np.float64), 0.5)), first)
+        zero[has] = np.logical_or.reduceat(dims == 0, first)
     if np.any((logs > np.log2(limits.MAX_TENSOR_ELEMENTS) + 1e-9) & ~zero):
         raise FormatError(f"manifest: a shape has over the {limits.MAX_TENSOR_ELEMENTS}-element limit per tensor")
     elements = np.ones(n, dtype=np.int64)
     if ndims_total:
-        np.multiply.at(elements, rows, dims.astype(np.int64))
+        elements[has] = np.multiply.reduceat(dims.astype(np.int64), first)
     elements[zero] = 0
     if np.any(elements > limits.MAX_TENSOR_ELEMENTS):
         raise FormatError(f"manifest: a shape has over the {limits.MAX_TENSOR_ELEMENTS}-element limit per tensor")

@@ -15,7 +15,7 @@ import numba
 import numpy as np
 
 from .cache import load_cached_directly
-from .rans import RAW, _step_symbol, bit_length, encode_chunk_pos
+from .rans import RAW, _recips, _step_symbol, bit_length, encode_chunk_into
 
 _U = np.uint64
 
@@ -124,19 +124,27 @@ def encode_chunks(pos, lo, hi, start, nb, sym, bigneg, bigmag, gf, gc, vf, vc):
         total += hi[j] - lo[j]
     out = np.empty(3 * total + 4 * J + 64, np.uint16)
     na = np.empty(J, np.int64)
+    gcm, grc = _recips(gf)  # the tables' reciprocals, once for every chunk
+    vcm, vrc = _recips(vf)
+    most = 0
+    for j in range(J):
+        most = max(most, hi[j] - lo[j])
+    scratch = np.empty(14 * most + 64, np.uint16)  # each message coded backwards here, then copied out
+    end = scratch.size
     at = 0
     for j in range(J):
         a = lo[j]
         b = hi[j]
-        m = encode_chunk_pos(pos[a:b], start[j], sym[a:b], bigneg[a : a + nb[j]], bigmag[a : a + nb[j]],
-                             gf, gc, vf, vc)
-        if at + m.size > out.size:
-            grown = np.empty(max(2 * out.size, at + m.size + 64), np.uint16)
+        s = encode_chunk_into(scratch, end, pos[a:b], start[j], sym[a:b], bigneg[a : a + nb[j]],
+                              bigmag[a : a + nb[j]], gf, gc, vf, vc, gcm, grc, vcm, vrc)
+        size = end - s
+        if at + size > out.size:
+            grown = np.empty(max(2 * out.size, at + size + 64), np.uint16)
             grown[:at] = out[:at]
             out = grown
-        out[at : at + m.size] = m
-        na[j] = m.size
-        at += m.size
+        out[at : at + size] = scratch[s:end]
+        na[j] = size
+        at += size
     return out[:at], na
 
 

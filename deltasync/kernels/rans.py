@@ -427,18 +427,33 @@ def _recips(freq):
 
 @numba.njit(cache=True, nogil=True)
 def encode_chunk_pos(positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc):
-    """:func:`encode_chunk` from the sorted positions (gaps taken on the fly), the same words.
+    """:func:`encode_chunk` from the sorted positions (gaps taken on the fly), the same words."""
+    gcm, grc = _recips(gf)
+    vcm, vrc = _recips(vf)
+    return encode_chunk_recips(positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc, gcm, grc, vcm, vrc)
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_chunk_recips(positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc, gcm, grc, vcm, vrc):
+    """:func:`encode_chunk_pos` with the tables' reciprocals (:func:`_recips` of ``gf`` and ``vf``) made by the
+    caller: once per blob, not per chunk (a 70,000-tensor step codes ~70,000 chunks under a blob's tables).
 
     The renormalisations of the gap bucket, the gap's low bits and the value symbol are branch-free (whether a
     word is emitted is a coin toss the branch predictor loses): the state's low word is stored at ``at - 1``
     every time and ``at`` moves only when it is emitted, so a word not emitted is overwritten by the next one
     emitted or by the final state (``at`` never moves up): ~15% fewer ns per change."""
+    out = np.empty(14 * positions.size + 64, dtype=np.uint16)
+    at = encode_chunk_into(out, out.size, positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc, gcm, grc, vcm, vrc)
+    return out[at:].copy()
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def encode_chunk_into(out, end, positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc, gcm, grc, vcm, vrc):
+    """:func:`encode_chunk_recips`'s message written backwards into ``out`` (at least ``14 * n + 64`` words before
+    ``end``), ending at ``end``; returns where it starts (a caller coding many chunks reuses one buffer)."""
     n = positions.size
-    out = np.empty(14 * n + 64, dtype=np.uint16)
-    at = out.size
+    at = end
     x = _U(L)
-    gcm, grc = _recips(gf)
-    vcm, vrc = _recips(vf)
     nb = bigmag.size
     for i in range(n - 1, -1, -1):
         s = vsym[i]
@@ -495,7 +510,7 @@ def encode_chunk_pos(positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc):
     at -= 2
     out[at] = np.uint16(x & _U(0xFFFF))
     out[at + 1] = np.uint16((x >> _U(16)) & _U(0xFFFF))
-    return out[at:].copy()
+    return at
 
 
 load_cached_directly(globals())  # the kernels above load their cached code directly

@@ -128,7 +128,8 @@ def test_publish_base_compared_early_keeps_its_answers(tmp_path):
         assert [w for _, w in stamps if w in side] == list(side), r.stderr
         stamps = [(t, w) for t, w in stamps if w not in side]
         assert [w for _, w in stamps] == ["publish-start", "publish-compare-started", "publish-head", "publish-compared",
-                                          "publish-encoded", "publish-uploaded", "publish-committed"], r.stderr
+                                          "publish-checked", "publish-encoded", "publish-digests", "publish-uploaded",
+                                          "publish-committed"], r.stderr
         times = [float(t) for t, _ in stamps]
         assert times == sorted(times)
         # a base that is not the head: refused after the compare, nothing committed

@@ -1,4 +1,4 @@
-"""deltasync/headercache.py: a large header's checked columns kept on disk by the SHA-256 of its text and the
+"""deltasync/headercache.py: a large header's checked columns kept on disk by the BLAKE3 of its text and the
 file's size, read back by the next process that meets the same text (a trainer's every checkpoint), and never
 trusted beyond what parsing the text gives: a damaged, truncated or foreign entry is ignored."""
 
