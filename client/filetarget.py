@@ -903,6 +903,15 @@ class FileTarget(TensorApplier):
         idx = self.name_index()
         return None if idx is None else self._per_layout("_layout_cols", lambda layout: LayoutColumns(layout, idx))
 
+    def _scratch(self, n: int) -> np.ndarray:
+        """``n`` bytes of a buffer kept for the next delta's journal (a step's is written to disk before its patch
+        and not read again): a 70k-tensor step's ~10 MB of fresh pages a step, each a fault, cost more than the
+        gather that fills them. One delta is staged at a time (the subscriber's apply lock)."""
+        buf = getattr(self, "_scratch_buf", None)
+        if buf is None or buf.size < n:
+            buf = self._scratch_buf = np.empty(max(n, 2 * (buf.size if buf is not None else 0)), np.uint8)
+        return buf[:n]
+
     def _per_layout(self, slot: str, make):
         """``make(layout)`` of the file's layout, kept in ``slot`` until the layout changes (None: no layout)."""
         layout = self._layout
@@ -972,7 +981,7 @@ class FileTarget(TensorApplier):
         regions, parts, total = self._plan_chunks([(everything.names[t], everything[everything.names[t]])
                                                    for t in rest], total)
         regions.append({"kind": "bytes", "offset": 0, "length": hdr, "at": total})
-        payload = np.empty(total + hdr, dtype=np.uint8)
+        payload = self._scratch(total + hdr)
         whole = np.frombuffer(self.file.buffer(), dtype=np.uint8)
         try:
             for w, sel, counts, n, at in plan:

@@ -416,6 +416,10 @@ class NameIndex:
         for known, rows in self._memo:
             if known is names:
                 return rows
+        for known, rows in self._memo:  # the same names in another list (the next step's table): compared, not hashed
+            if len(known) == len(names) and known == names:
+                self._memo = [*self._memo[-3:], (names, rows)]
+                return rows
         if len(names) == len(self.names) and names == self.names:
             rows = self._every()
         else:

@@ -278,3 +278,35 @@ def test_a_file_delta_skips_the_alias_search_and_journals_from_the_map(tmp_path,
     staged.rollback()
     t.close()
     assert t.path.read_bytes() == before
+
+
+def test_a_file_target_keeps_its_fingerprints_as_one_table_step_after_step(tmp_path):
+    """subscribe --out's state at 100k+ tensors: the fingerprints stay one uint64 array in the rows of the file's
+    layout (FingerprintTable), each step a new table (the columns' and the chunk-by-chunk tensors' fingerprints
+    put in); a step that fails its state check is rolled back and leaves the table it had."""
+    from deltasync.client.livestate import LiveState
+    from deltasync.client.ready import ReadyStep
+    from deltasync.fingerprint import FingerprintTable
+
+    s0 = _state(7)
+    s1 = _step(s0, 8)
+    s2 = _step(s1, 9)
+    t = _file(tmp_path, s0)
+    live = LiveState(t, version=3)
+    live.fps = t.scan()
+    assert type(live.fps) is FingerprintTable and live.fps.names is t.name_index()
+
+    def ready(a, b, version, state_fp=None):
+        enc = encode_delta(a, b, model="m", version=version, parent=version - 1)
+        return ReadyStep(kind="delta", version=version, base=version - 1, state_fp=state_fp or enc.manifest.state_fp,
+                         manifest=enc.manifest, generation=0, prepared=prepare_delta(enc.manifest, enc.blobs))
+
+    out = live.apply(ready(s0, s1, 4))
+    assert out.applied and live.version == 4
+    assert type(live.fps) is FingerprintTable and live.fps.names is t.name_index()
+    assert dict(live.fps) == {n: tensor_fingerprint(v) for n, v in s1.items()}
+    held = live.fps
+    out = live.apply(ready(s1, s2, 5, state_fp="0" * 16))  # the signed state says otherwise: rolled back
+    assert not out.applied and out.failure == "integrity" and live.version == 4 and live.fps is held
+    assert all(torch.equal(t.tensors()[n].view(-1).view(torch.uint8), s1[n].view(-1).view(torch.uint8)) for n in s1)
+    assert live.apply(ready(s1, s2, 5)).applied and dict(live.fps) == {n: tensor_fingerprint(v) for n, v in s2.items()}
