@@ -76,7 +76,7 @@ INPROC_MODEL = "seedscale-inproc"
 KEY = bytes(range(32))
 STEP_TIMEOUT = 600.0  # seconds any one command or wait may take
 CHANGED = 0.01
-STEPS = 7  # steps per layout, interleaved with the other layouts' (each row: their median)
+STEPS = 11  # steps per layout, interleaved with the other layouts' (each row: their median)
 WARM_STEPS = 1  # steps per layout before those, not measured (a layout's first step reads its step file first and
 # keeps its state lines beside its header: what a trainer's second checkpoint does once)
 FIRSTS = 3  # first subscribes per layout, likewise
@@ -558,6 +558,16 @@ PAIRED = (("step_delivery_s", "1%-step delivered"), ("publish_base_s", "`publish
           ("first_subscribe_s", "first subscribe"))
 
 
+def _paired_median(results: dict[str, dict], w: str, key: str) -> float | None:
+    """The median of layout ``w``'s per-repetition ratios against the 8 tensors' of the same repetition (measured
+    adjacent in time: a change of the machine's speed between repetitions cancels), for a row of ``PAIRED``."""
+    if key not in dict(PAIRED) or "few" not in results:
+        return None
+    xs, ys = results[w].get("samples", {}).get(key, []), results["few"].get("samples", {}).get(key, [])
+    got = [x / y for x, y in zip(xs, ys) if y]
+    return statistics.median(got) if got else None
+
+
 def report(results: dict[str, dict], quick: bool, timeout: float, steps: int = STEPS, firsts: int = FIRSTS) -> str:
     cols = [w for w in LAYOUTS if w in results]
     head = [f"{TITLES[w]} ({results[w]['facts']['tensors']:,})" for w in cols]
@@ -576,7 +586,9 @@ def report(results: dict[str, dict], quick: bool, timeout: float, steps: int = S
         f"time): {firsts} first subscribes, then {WARM_STEPS} unmeasured and {steps} measured steps (base -> step, "
         "step -> base, ...) per layout, each "
         "with every process of every layout idle before its clock starts; those rows (marked *) are the medians of "
-        "their repetitions, so that a change of this machine's speed during the run falls on every layout alike. "
+        "their repetitions, so that a change of this machine's speed during the run falls on every layout alike; "
+        "their ratios are the medians' ratio and, *paired*, the median of each repetition's ratio (a layout's "
+        "repetition against the 8 tensors' of the same repetition, adjacent in time). "
         "The keyframe and in-process rows are one run each"
         + (" (quick mode: 8 tensors and the Kimi layout only)" if quick else "") + ". Seconds unless marked; "
         f"ratios are layout / 8 tensors. Timeout per command or wait: {timeout:.0f} s.",
@@ -593,7 +605,9 @@ def report(results: dict[str, dict], quick: bool, timeout: float, steps: int = S
         few = results.get("few", {}).get(key)
         for w in ratio_cols:
             v = results[w].get(key)
-            cells.append(f"{v / few:,.1f}x" if v is not None and few else "-")
+            paired = _paired_median(results, w, key)
+            cells.append((f"{v / few:,.1f}x" if v is not None and few else "-")
+                         + (f" (paired {paired:.2f}x)" if paired is not None else ""))
         star = "*" if any(key in results[w].get("samples", {}) for w in cols) else ""
         lines.append(f"| {label}{star} | " + " | ".join(cells) + " |")
     lines.append("")
