@@ -53,7 +53,7 @@ from deltasync import kernels
 from deltasync.apply import (CHECK_EVERY, ColumnarPatches, LayoutColumns, PreparedDelta, check_base, layout_lines,
                              stage_prepared, warm_kernels)
 from deltasync.atomic import fsync_dir
-from deltasync.dtypes import dtype_info
+from deltasync.dtypes import dtype_info, word_sizes_in
 from deltasync.errors import BaseMismatchError, FormatError, IntegrityError, StorageError
 from deltasync.fingerprint import (
     FingerprintTable,
@@ -970,7 +970,7 @@ class FileTarget(TensorApplier):
         groups: list[dict] = []
         plan = []
         total = 0
-        for w in np.unique(cols.word_sizes).tolist():
+        for w in word_sizes_in(cols.word_sizes):
             sel = np.flatnonzero(cols.word_sizes == w)
             sel = sel[np.argsort(cols.seg[sel], kind="stable")]  # a run of rows per segment (blob): a call each
             counts = cols.counts[sel]

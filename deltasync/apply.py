@@ -37,7 +37,7 @@ import torch
 
 from .codec import DENSE_FP, ChunkPatch, DecodedBlob, chunk_spans, decode_blob_columns
 from . import kernels
-from .dtypes import dtype_info, host_words, numpy_word_dtype, signed_word_dtype, word_count, word_view
+from .dtypes import dtype_info, host_words, numpy_word_dtype, signed_word_dtype, word_count, word_view, word_sizes_in
 from .blob import verify_blob
 from .parts import split_counts
 from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError
@@ -1053,7 +1053,7 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
     if table is None:
         return None
     addr, nwords, wsz = table
-    wsizes = np.unique(cols.word_sizes).tolist()
+    wsizes = word_sizes_in(cols.word_sizes)
     if (wsz[cols.tensor] != cols.word_sizes).any():
         return None  # not the words the chunks were decoded as: the reference path (check_base says so first)
     base = fp_array(fps, names)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .blob import ANS_VERSIONS, BlobReader, BlobWriter, blob_id
-from .dtypes import DtypeInfo, HostTensor, dtype_info, host_words, numpy_word_dtype, word_count, word_view
+from .dtypes import DtypeInfo, HostTensor, dtype_info, host_words, numpy_word_dtype, word_count, word_view, word_sizes_in
 from .errors import FormatError, UnsupportedError
 from .frozen import maker
 from .kernels.fpkeys import MASK64
@@ -1050,7 +1050,7 @@ def _ans_blob_rows(reader: BlobReader):
         length = stop - start
         if ((length <= 0) | (count == 0) | (count > length)).any():
             return None
-        wsizes = np.unique(ws).tolist()
+        wsizes = word_sizes_in(ws)
         if not set(reader.stream_names) <= {"ans", "ansm", *(f"raw{w}" for w in wsizes)}:
             return None  # a stream no chunk uses
         ans = reader.stream("ans")

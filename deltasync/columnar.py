@@ -30,7 +30,7 @@ from .blob import ANS_VERSIONS, blob_id, newline_joined, pack_blob, pack_chunk_c
 from . import diffs as _diffs
 from .diffs import (SHARD_CELLS, ChunkDiff, Encoded, StateDiff, _cell, _check_layout, _on_host, _span_words,
                     tensor_chunk_ranges)
-from .dtypes import HostTensor, dtype_info, numpy_word_dtype
+from .dtypes import HostTensor, dtype_info, numpy_word_dtype, word_sizes_in
 from .errors import FormatError
 from .entropy import _RAW_LIMIT, AnsTables
 from .fingerprint import StateLines, _ascending
@@ -250,7 +250,7 @@ def _mapped_jobs(old: Mapping, new: Mapping, small: int, chunk_words: int):
     tab[:, 4] = e
     job_w = wsize_of[job_t]
     tables, owners = {}, {}
-    for w in np.unique(job_w).tolist():
+    for w in word_sizes_in(job_w):
         sel = np.flatnonzero(job_w == w)
         tables[w], owners[w] = tab[sel], job_t[sel]
     return names, dtypes, shapes, tables, owners, words_of, wsize_of, cols.key

@@ -19,7 +19,7 @@ import numpy as np
 from .kernels import rans
 from .errors import FormatError
 from .parts import map_parts, split_counts
-from .dtypes import numpy_word_dtype
+from .dtypes import numpy_word_dtype, word_sizes_in
 from .kernels import cpu_kernels
 from .values import Changes, _raw_limit, changes_from_symbols, step_symbols
 from .varint import decode_varints, encode_varints
@@ -279,7 +279,7 @@ def decode_ans_columns(tables, ans: np.ndarray, raws: dict, table: np.ndarray, *
         return out
     rows = table
     at, na, r0, nr, ws = table[:, 0], table[:, 1], table[:, 5], table[:, 6], table[:, 7]
-    wsizes = np.unique(ws).tolist()
+    wsizes = word_sizes_in(ws)
     multi = len(wsizes) > 1
     sizes = np.array([raws[w].size for w in ws.tolist()], np.int64) if multi else raws[wsizes[0]].size
     if ((at < 0) | (at + 2 * na > ans.size) | (r0 < 0) | (r0 + nr > sizes)).any():

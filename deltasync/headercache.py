@@ -32,7 +32,7 @@ import blake3
 import numpy as np
 import xxhash
 
-__all__ = ["MIN_ENTRIES", "cache_dir", "load", "load_lines", "store", "store_lines"]
+__all__ = ["MIN_ENTRIES", "cache_dir", "key_of", "load", "load_lines", "store", "store_lines"]
 
 MIN_ENTRIES = 4096  # smaller headers parse in a few ms: not kept
 KEEP = 8  # entries kept (a training run has one layout; its serving formats a few more)
@@ -53,18 +53,25 @@ def cache_dir() -> Path | None:
     return (Path(base) if base else Path.home() / ".cache") / "deltasync" / "headers"
 
 
-def _key(text: bytes, size: int) -> str:
+def _key(text: bytes | memoryview, size: int) -> str:
     return f"{blake3.blake3(text).hexdigest()}-{size}"  # (a cryptographic hash at ~4x SHA-256's pace here)
 
 
-def load(text: bytes, size: int, data_start: int) -> tuple[str | None, tuple | None]:
+def key_of(text: bytes | memoryview, size: int) -> str | None:
+    """The key :func:`load` gives ``text`` in a file of ``size`` bytes (None: never kept, or the cache off)."""
+    if len(text) < 32 * MIN_ENTRIES or cache_dir() is None:
+        return None
+    return _key(text, size)
+
+
+def load(text: bytes | memoryview, size: int, data_start: int) -> tuple[str | None, tuple | None]:
     """``(key, columns)``: the entry's key (None: never kept, for a text too short or the cache off) and
     ``(names, dtypes, shapes, starts, stops, metadata)`` kept for this header text in a file of ``size`` bytes
     whose data starts at ``data_start``, or None (none kept, unreadable, or failing any check)."""
     where = cache_dir()
-    if len(text) < 32 * MIN_ENTRIES or where is None:  # too short to hold MIN_ENTRIES entries: never kept
+    key = key_of(text, size)  # None: too short to hold MIN_ENTRIES entries (never kept), or the cache off
+    if key is None:
         return None, None
-    key = _key(text, size)
     try:
         return key, _unpack((where / key).read_bytes(), size, data_start)
     except (OSError, ValueError, UnicodeDecodeError, struct.error):

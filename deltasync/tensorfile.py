@@ -229,25 +229,34 @@ def parse_header(buf, *, where: str = "", size: int | None = None) -> TensorHead
     (n,) = _LEN.unpack_from(buf, 0)
     if n > MAX_HEADER_BYTES or 8 + n > size or 8 + n > len(buf):
         raise FormatError(f"{where}header of {n} bytes runs past the end of the {size}-byte data (truncated?)")
-    text = bytes(buf[8 : 8 + n])
-    global _LAST_HEADER
-    last = _LAST_HEADER
-    if last is not None and last[1] == size and last[0] == text:  # the same header again (a step's two files)
-        h = last[2]
-        return TensorHeader(entries=h.entries, metadata=dict(h.metadata), data_start=h.data_start, size=size)
-    with gc_paused():  # 70k entries: the collector's passes over them cost more than making them
-        return _parse_text(text, where, n, size)
+    view = memoryview(buf)[8 : 8 + n]  # (the text is copied only to be parsed: a 70k-tensor header is ~8 MB)
+    try:
+        global _LAST_HEADER
+        last = _LAST_HEADER
+        if last is not None and last[1] == size and _same_text(last[0], view, size):  # again (a step's two files)
+            h = last[2]
+            return TensorHeader(entries=h.entries, metadata=dict(h.metadata), data_start=h.data_start, size=size)
+        with gc_paused():  # 70k entries: the collector's passes over them cost more than making them
+            return _parse_text(view, where, n, size)
+    finally:
+        view.release()  # (a map may close once this returns)
 
 
-def _parse_text(text: bytes, where: str, n: int, size: int) -> TensorHeader:
+def _same_text(kept: bytes | str, view: memoryview, size: int) -> bool:
+    """Whether a header text is the one :data:`_LAST_HEADER` was read from: its text, or its header cache key."""
+    return kept == view if isinstance(kept, bytes) else kept == headercache.key_of(view, size)
+
+
+def _parse_text(view: memoryview, where: str, n: int, size: int) -> TensorHeader:
     global _LAST_HEADER
-    key, kept = headercache.load(text, size, 8 + n)  # this text's columns as a process parsed them before
+    key, kept = headercache.load(view, size, 8 + n)  # this text's columns as a process parsed them before
     if kept is not None:
         names, dtypes, shapes, starts, stops, meta = kept
         entries = LazyEntries()
         entries.columns = HeaderColumns(names=names, dtypes=dtypes, shapes=shapes, starts=starts, stops=stops, key=key)
-        _LAST_HEADER = (text, size, TensorHeader(entries=entries, metadata=dict(meta), data_start=8 + n, size=size))
+        _LAST_HEADER = (key, size, TensorHeader(entries=entries, metadata=dict(meta), data_start=8 + n, size=size))
         return TensorHeader(entries=entries, metadata=dict(meta), data_start=8 + n, size=size)
+    text = bytes(view)
     parsed = _fast_json(text)
     if parsed is not None:
         header, meta = parsed
@@ -370,10 +379,11 @@ def _entries_fast(header: dict, base: int, data_len: int) -> LazyEntries | None:
 _GET_DTYPE, _GET_SHAPE, _GET_OFFSETS = itemgetter("dtype"), itemgetter("shape"), itemgetter("data_offsets")
 
 
-#: (header text, buffer size, its checked TensorHeader): the last header parsed. Consecutive checkpoints of one
-#: trainer have the same header byte for byte (``publish --base``, ``diff``: 0.37 s a file at 70,000 tensors);
-#: a header is a pure function of its text and the buffer's size, so the second is the first's.
-_LAST_HEADER: tuple[bytes, int, TensorHeader] | None = None
+#: (header text, or its header cache key where it was read back from the cache; buffer size; its checked
+#: TensorHeader): the last header parsed. Consecutive checkpoints of one trainer have the same header byte for byte
+#: (``publish --base``, ``diff``: 0.37 s a file at 70,000 tensors); a header is a pure function of its text and the
+#: buffer's size, so the second is the first's.
+_LAST_HEADER: tuple[bytes | str, int, TensorHeader] | None = None
 
 
 def _tensor(whole: torch.Tensor, e: TensorEntry) -> torch.Tensor:
