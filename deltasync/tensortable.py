@@ -163,24 +163,26 @@ def pack_columns(kind: str, names: list[str], dtype_names: list[str], codes, ndi
     delta = kind == "delta"
     spans = delta and starts is not None and nchunks > 0
     flags = (_F_SPANS if spans else 0) | (_F_KEYS if keys is not None else 0)
-    dims = np.asarray(dims, dtype="<u8")
+    dims = np.ascontiguousarray(dims, dtype="<u8")
+    names_text = _text(names, "a tensor name")
+    # the columns joined from their own buffers (little-endian, contiguous): no bytes copy of each first
     parts = [
         _HEAD.pack(_MAGIC, _KINDS[kind], flags, TABLE_VERSION, n, nchunks, dims.size),
-        _lp(_text(names, "a tensor name")),
+        struct.pack("<I", len(names_text)), names_text,
         _lp(_text(dtype_names, "a dtype")),
-        np.asarray(codes, dtype=np.uint8).tobytes(), np.asarray(ndims, dtype=np.uint8).tobytes(), dims.tobytes(),
-        np.asarray(fps, dtype=np.uint64).astype("<u8").tobytes(),
-        np.asarray(changed, dtype=np.uint64).astype("<u8").tobytes(),
-        np.asarray(counts, dtype=np.uint32).astype("<u4").tobytes(),
-        np.diff(np.asarray(cblob, dtype=np.int64), prepend=0).astype("<i4").tobytes(),
+        np.ascontiguousarray(codes, dtype=np.uint8), np.ascontiguousarray(ndims, dtype=np.uint8), dims,
+        np.ascontiguousarray(fps, dtype="<u8"),
+        np.ascontiguousarray(changed, dtype="<u8"),
+        np.ascontiguousarray(counts, dtype="<u4"),
+        np.diff(np.asarray(cblob, dtype=np.int64), prepend=0).astype("<i4"),
     ]
     if delta:
         ci = np.asarray(cindex if cindex is not None else (), dtype=np.int64)
-        parts.append(np.diff(ci, prepend=0).astype("<i8").tobytes())
+        parts.append(np.diff(ci, prepend=0).astype("<i8"))
         if spans:
             a = np.asarray(starts, dtype=np.int64)
-            parts.append(np.diff(a, prepend=0).astype("<i8").tobytes())
-            parts.append((np.asarray(stops, dtype=np.int64) - a).astype("<u8").tobytes())
+            parts.append(np.diff(a, prepend=0).astype("<i8"))
+            parts.append((np.asarray(stops, dtype=np.int64) - a).astype("<u8"))
     elif keys is not None:
         parts.append(_lp(_text(keys, "a shard key")))
     return compressor(TABLE_LEVEL).compress(b"".join(parts))
