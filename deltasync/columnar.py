@@ -250,7 +250,11 @@ def _mapped_jobs(old: Mapping, new: Mapping, small: int, chunk_words: int):
     tab[:, 4] = e
     job_w = wsize_of[job_t]
     tables, owners = {}, {}
-    for w in word_sizes_in(job_w):
+    sizes = word_sizes_in(job_w)
+    for w in sizes:
+        if len(sizes) == 1:  # one word size (a bf16 state): the table as made, not a copy of it
+            tables[w], owners[w] = tab, job_t
+            break
         sel = np.flatnonzero(job_w == w)
         tables[w], owners[w] = tab[sel], job_t[sel]
     return names, dtypes, shapes, tables, owners, words_of, wsize_of, cols.key
