@@ -41,8 +41,8 @@ from .dtypes import dtype_info, host_words, numpy_word_dtype, signed_word_dtype,
 from .blob import verify_blob
 from .parts import split_counts
 from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError
-from .fingerprint import (FingerprintTable, NameIndex, StateLines, fingerprint_delta, words_range_delta, fp_hex, state_fingerprint,
-                          tensor_fingerprint, update_fingerprint)
+from .fingerprint import (FingerprintTable, NameIndex, StateLines, fingerprint_delta, words_range_delta, fp_hex,
+                          state_fingerprint, tensor_fingerprint, update_fingerprint)
 from .kernels.fpkeys import MASK64
 from .manifest import Manifest, TensorRecord, table_columns
 from .tensortable import fp_values
@@ -1042,8 +1042,8 @@ def _patch_columns(tensors: Mapping[str, torch.Tensor], cols: ColumnarPatches, f
     kernel's job rows made by numpy from the columns and a table of the tensors' addresses (``addresses(names)``,
     else :func:`host_addresses`), the fingerprints summed and compared as arrays. The same words, fingerprints and
     undo; returns (the fingerprints after, uint64 in ``cols.names``' order, None) or, at a failure, (those, (tensor
-    index, the exception to raise)): the first in tensor order, as :func:`_patch_batched` raises it. None (nothing done) unless the
-    compiled kernels are selected and every tensor is contiguous host memory."""
+    index, the exception to raise)): the first in tensor order, as :func:`_patch_batched` raises it. None (nothing
+    done) unless the compiled kernels are selected and every tensor is contiguous host memory."""
     if kernels.cpu_kernels() is None:
         return None
     names = cols.names

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .blob import ANS_VERSIONS, BlobReader, BlobWriter, blob_id
-from .dtypes import DtypeInfo, HostTensor, dtype_info, host_words, numpy_word_dtype, word_count, word_view, word_sizes_in
+from .dtypes import (DtypeInfo, HostTensor, dtype_info, host_words, numpy_word_dtype, word_count, word_view,
+                     word_sizes_in)
 from .errors import FormatError, UnsupportedError
 from .frozen import maker
 from .kernels.fpkeys import MASK64

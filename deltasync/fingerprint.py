@@ -393,8 +393,8 @@ def state_fingerprint_of(tensors: Mapping[str, torch.Tensor], fps: Mapping[str, 
 class NameIndex:
     """A fixed list of tensor names and each one's row, made once per layout and shared by every
     :class:`FingerprintTable` of it. :meth:`rows` maps another list of names (a step's table, a patch plan) to
-    rows, remembering the last few lists it was asked for: a step of a 1%-changed AdamW state lists every
-    tensor, in the same order, step after step."""
+    rows, remembering the last few lists it was asked for (kept, not copied: a list mapped is not changed after):
+    a step of a 1%-changed AdamW state lists every tensor, in the same order, step after step."""
 
     __slots__ = ("names", "index", "_memo", "_all")
 

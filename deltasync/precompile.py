@@ -31,7 +31,8 @@ from .budget import BudgetPolicy, Budgeter
 from .codec import EncodeOptions, diff_ranks, diff_states, encode_diff
 from .errors import IntegrityError
 from .dtypes import HostTensor, dtype_info, host_words, numpy_word_dtype, signed_word_dtype
-from .fingerprint import StateLines, copy_fingerprint, host_lanes, host_lanes_sum, lane_bits, lanes_sum, run_lane_sums, tensor_fingerprint
+from .fingerprint import (StateLines, copy_fingerprint, host_lanes, host_lanes_sum, lane_bits, lanes_sum, run_lane_sums,
+                          tensor_fingerprint)
 from .squash import squash_chain
 
 #: every dtype name the codec codes word by word (bool has no random words to draw; complex types share
