@@ -185,10 +185,9 @@ def pack_columns(kind: str, names: list[str], dtype_names: list[str], codes, ndi
             parts.append((np.asarray(stops, dtype=np.int64) - a).astype("<u8"))
     elif keys is not None:
         parts.append(_lp(_text(keys, "a shard key")))
-    # compressed part after part (its size pledged: the frame says it, as a one-shot compress's does), not joined
-    # first: a 70k-tensor table's ~8 MB of fresh pages fewer (the same bytes up to a block: larger may differ)
-    z = compressor(TABLE_LEVEL).compressobj(size=sum(memoryview(p).nbytes for p in parts))
-    return b"".join([*map(z.compress, parts), z.flush()])
+    # one-shot over the joined parts: compressed part after part (a stream) the 140k-tensor step's table came out
+    # 2.6% larger (995 against 970 KB of manifest), for ~8 MB of fresh pages fewer
+    return compressor(TABLE_LEVEL).compress(b"".join(parts))
 
 
 def _lp(data: bytes) -> bytes:
