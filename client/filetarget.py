@@ -648,6 +648,7 @@ class FileTarget(TensorApplier):
         self._lines: tuple | None = None  # (layout, its state fingerprint lines): see state_lines()
         self._layout_cols: tuple | None = None  # (layout, its LayoutColumns): see layout_columns()
         self._name_index: tuple | None = None  # (layout, its NameIndex): see name_index()
+        self._scratch_buf: np.ndarray | None = None  # the journal's buffer, kept: see _scratch()
         self._layout = dict(layout) if layout is not None else None
         if open_existing and self.path.exists():
             self._open_existing()
@@ -907,7 +908,7 @@ class FileTarget(TensorApplier):
         """``n`` bytes of a buffer kept for the next delta's journal (a step's is written to disk before its patch
         and not read again): a 70k-tensor step's ~10 MB of fresh pages a step, each a fault, cost more than the
         gather that fills them. One delta is staged at a time (the subscriber's apply lock)."""
-        buf = getattr(self, "_scratch_buf", None)
+        buf = self._scratch_buf
         if buf is None or buf.size < n:
             buf = self._scratch_buf = np.empty(max(n, 2 * (buf.size if buf is not None else 0)), np.uint8)
         return buf[:n]

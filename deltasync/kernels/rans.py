@@ -427,21 +427,15 @@ def _recips(freq):
 
 @numba.njit(cache=True, nogil=True)
 def encode_chunk_pos(positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc):
-    """:func:`encode_chunk` from the sorted positions (gaps taken on the fly), the same words."""
-    gcm, grc = _recips(gf)
-    vcm, vrc = _recips(vf)
-    return encode_chunk_recips(positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc, gcm, grc, vcm, vrc)
-
-
-@numba.njit(cache=True, nogil=True)
-def encode_chunk_recips(positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc, gcm, grc, vcm, vrc):
-    """:func:`encode_chunk_pos` with the tables' reciprocals (:func:`_recips` of ``gf`` and ``vf``) made by the
-    caller: once per blob, not per chunk (a 70,000-tensor step codes ~70,000 chunks under a blob's tables).
+    """:func:`encode_chunk` from the sorted positions (gaps taken on the fly), the same words
+    (:func:`encode_chunk_into` in a buffer of its own).
 
     The renormalisations of the gap bucket, the gap's low bits and the value symbol are branch-free (whether a
     word is emitted is a coin toss the branch predictor loses): the state's low word is stored at ``at - 1``
     every time and ``at`` moves only when it is emitted, so a word not emitted is overwritten by the next one
     emitted or by the final state (``at`` never moves up): ~15% fewer ns per change."""
+    gcm, grc = _recips(gf)
+    vcm, vrc = _recips(vf)
     out = np.empty(14 * positions.size + 64, dtype=np.uint16)
     at = encode_chunk_into(out, out.size, positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc, gcm, grc, vcm, vrc)
     return out[at:].copy()
@@ -449,8 +443,10 @@ def encode_chunk_recips(positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc, 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def encode_chunk_into(out, end, positions, start, vsym, bigneg, bigmag, gf, gc, vf, vc, gcm, grc, vcm, vrc):
-    """:func:`encode_chunk_recips`'s message written backwards into ``out`` (at least ``14 * n + 64`` words before
-    ``end``), ending at ``end``; returns where it starts (a caller coding many chunks reuses one buffer)."""
+    """:func:`encode_chunk_pos`'s message written backwards into ``out`` (at least ``14 * n + 64`` words before
+    ``end``), ending at ``end``, with the tables' reciprocals (:func:`_recips` of ``gf`` and ``vf``) made by the
+    caller; returns where it starts. A caller coding many chunks under one blob's tables
+    (``ansbatch.encode_chunks``: ~70,000 at 70,000 tensors) makes the reciprocals once and reuses one buffer."""
     n = positions.size
     at = end
     x = _U(L)
