@@ -90,19 +90,21 @@ def newline_joined(items: list[str]) -> bytes | None:
     return data if data.count(b"\n") == max(len(items) - 1, 0) else None
 
 
-def pack_chunk_columns(names: list[str], dtype_names: list[str], dtype, mode, ints) -> bytes | None:
+def pack_chunk_columns(names: list[str] | bytes | memoryview, dtype_names: list[str], dtype, mode, ints) -> bytes | None:
     """A version-4 blob's chunk block: per chunk its tensor name, dtype (index into ``dtype_names``), mode (index
     into :data:`COLUMN_MODES`) and the five integers of :data:`COLUMN_INTS` (``ints``: shape ``(5, n)``); None
-    where a name holds a newline (the caller writes that blob in version 2). docs/FORMAT.md §4.5::
+    where a name holds a newline (the caller writes that blob in version 2). ``names`` may be given already
+    joined (:func:`newline_joined`'s bytes, or a view of them: not joined again). docs/FORMAT.md §4.5::
 
         u32 n, u32 k, u32 dlen, dlen bytes: the k dtype names joined by newlines,
         u32 tlen, tlen bytes: the n tensor names joined by newlines,
         u8[n] dtype, u8[n] mode, the 5n integers as little-endian u64 (column after column), byte-plane shuffled
     """
-    text, dtext = newline_joined(names), newline_joined(dtype_names)
+    text = names if isinstance(names, (bytes, memoryview)) else newline_joined(names)
+    dtext = newline_joined(dtype_names)
     if text is None or dtext is None:
         return None
-    n = len(names)
+    n = np.shape(ints)[-1] if isinstance(names, (bytes, memoryview)) else len(names)
     cols = np.ascontiguousarray(ints, dtype="<u8").reshape(5, n)
     return b"".join([_U32.pack(n), _U32.pack(len(dtype_names)), _U32.pack(len(dtext)), dtext,
                      _U32.pack(len(text)), text, np.asarray(dtype, np.uint8).tobytes(), np.asarray(mode, np.uint8).tobytes(),

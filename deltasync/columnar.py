@@ -542,8 +542,15 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
     firsts = np.searchsorted(blob_of, np.arange(nblobs + 1))
     level, blob_version = options.level, options.blob_format
     dt_names = list(dt_codes)
-    if blob_version == 4 and C and newline_joined(names) is None:
+    # the state's names joined once: the table's names and each version-4 blob's chunk names are cut from it
+    names_text = newline_joined(names) if C else None
+    if blob_version == 4 and C and names_text is None:
         blob_version = 2  # a name holding a newline: version 4 cannot list it (the same chunks in JSON)
+    name_at = None
+    if blob_version == 4 and names_text is not None and (C < 2 or bool((tensor[1:] > tensor[:-1]).all())):
+        name_at = np.zeros(len(names) + 1, np.int64)  # where each name starts in names_text (and one past the end)
+        name_at[1:-1] = np.flatnonzero(np.frombuffer(names_text, np.uint8) == 10) + 1
+        name_at[-1] = len(names_text) + 1
     texts = _record_texts(names, dt_names, t_code) if blob_version == 2 else None
     chunk_dtype = t_code[tensor].astype(np.uint8) if blob_version == 4 else None
 
@@ -594,7 +601,11 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
             used = used[np.argsort(first)]
             renum = np.zeros(len(dt_names), np.uint8)
             renum[used] = np.arange(used.size, dtype=np.uint8)
-            block = pack_chunk_columns(list(map(names.__getitem__, tensor[rng].tolist())),
+            t0, t1 = int(tensor[c0]), int(tensor[c1 - 1])
+            # one chunk a tensor, the tensors consecutive: the chunks' names are a piece of the state's, not joined
+            chunk_names = memoryview(names_text)[name_at[t0] : name_at[t1 + 1] - 1] \
+                if name_at is not None and t1 - t0 == c1 - c0 - 1 else list(map(names.__getitem__, tensor[rng].tolist()))
+            block = pack_chunk_columns(chunk_names,
                                        [dt_names[u] for u in used.tolist()], renum[codes], dn.view(np.uint8),
                                        ints)  # (COLUMN_MODES: 0 ans, 1 dense)
         else:
@@ -613,13 +624,13 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
     # to the format-3 form packed below and makes neither: ~0.1 s at 70k tensors)
     index = (np.arange(C, dtype=np.int64) - firsts[blob_of]) if C else np.zeros(0, np.int64)
     heads = np.flatnonzero(np.r_[True, tensor[1:] != tensor[:-1]]) if C else np.zeros(0, np.int64)
-    owners = tensor[heads].tolist()
+    owner_rows = tensor[heads]  # (as lists only where the format-2 records or spans are made)
     single = heads.size == C  # one chunk a changed tensor (most states)
-    bounds = [*heads.tolist(), C]
     sums = count if single else np.add.reduceat(count, heads) if C else np.zeros(0, np.int64)
     fp_before, fp_after = flat.fp_before, flat.fp_after  # (the closures below keep these columns, not the diff)
 
     def records() -> tuple:
+        owners, bounds = owner_rows.tolist(), [*heads.tolist(), C]
         with gc_paused():  # 70k refs, tuples and records: the collector's passes over them cost more than making them
             bid_of = [ids[b] for b in blob_of.tolist()]
             refs = list(map(new_chunk, bid_of, index.tolist(), repeat(None), start.tolist(), stop.tolist()))
@@ -637,6 +648,7 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
             return tuple(map(new_record, names, dtypes, shapes, hb, ha, changed, chunks_of))
 
     def spans():
+        owners, bounds = owner_rows.tolist(), [*heads.tolist(), C]
         texts = list(map("{}:{}".format, start.tolist(), stop.tolist()))
         if not single:
             texts = [texts[a] if b - a == 1 else ",".join(texts[a:b]) for a, b in zip(bounds, bounds[1:])]
@@ -654,13 +666,13 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
         meta=meta,
     )
     # its format-3 form's table, from the columns: Manifest.compact() then makes no record
-    counts = np.ones(len(owners), np.int64) if single else np.diff(np.asarray(bounds, np.int64))
+    counts = np.ones(heads.size, np.int64) if single else np.diff(heads, append=C)
     position = {b: i for i, b in enumerate(blobs)}
     cblob = np.array([position[i] for i in ids], np.int64)[blob_of] if C else np.zeros(0, np.int64)
     try:
-        every = len(owners) == len(names) and bool((tensor[heads] == np.arange(len(names))).all())
-        table = _compact_table(None if every else owners, names, dtypes, shapes, flat.fp_after, sums, counts, cblob,
-                               index, start, stop)
+        every = owner_rows.size == len(names) and bool((owner_rows == np.arange(len(names))).all())
+        table = _compact_table(None if every else owner_rows.tolist(), names, dtypes, shapes, flat.fp_after, sums,
+                               counts, cblob, index, start, stop, names_text=names_text if every else None)
     except FormatError:  # a name format 3 cannot carry (a newline): compact() says so where it is asked for
         pass
     else:
@@ -670,10 +682,10 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
 
 def _compact_table(owners: list[int] | None, names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]],
                    fps: np.ndarray, changed, counts: np.ndarray, cblob: np.ndarray, cindex: np.ndarray,
-                   start: np.ndarray, stop: np.ndarray) -> bytes:
+                   start: np.ndarray, stop: np.ndarray, names_text: bytes | None = None) -> bytes:
     """The format-3 table of a delta whose changed tensors are ``owners`` (indices into the state's columns, in
     order; None: every tensor, no list gathered), their chunks given per chunk: what ``pack_table`` packs of
-    ``Manifest.compact()``'s records."""
+    ``Manifest.compact()``'s records. ``names_text``: with every tensor, its names already joined."""
     every = owners is None
     dl = dtypes if every else [dtypes[t] for t in owners]
     code = {d: i for i, d in enumerate(dict.fromkeys(dl))}  # numbered in order of first appearance
@@ -683,5 +695,6 @@ def _compact_table(owners: list[int] | None, names: list[str], dtypes: list[str]
                         np.fromiter(map(len, sl), np.uint8, len(sl)),
                         np.fromiter(chain.from_iterable(sl), np.uint64),
                         fps if every else fps[np.asarray(owners, np.int64)],
-                        np.asarray(changed, np.uint64), counts, cblob, cindex=cindex, starts=start, stops=stop)
+                        np.asarray(changed, np.uint64), counts, cblob, cindex=cindex, starts=start, stops=stop,
+                        names_text=names_text if every else None)
 

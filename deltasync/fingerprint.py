@@ -25,7 +25,6 @@ records of every tensor.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Mapping
 from itertools import islice
 from operator import add, itemgetter, le
@@ -314,20 +313,22 @@ class StateLines:
 
     def digest(self, fps: np.ndarray) -> str:
         """The state fingerprint with ``fps`` (uint64, in the records' order as given). With the compiled kernels,
-        the digits are written into a copy of the lines kept for the next digest (a fresh ~10 MB buffer a call,
-        at 140,000 tensors, costs more in page faults than the digits), one call at a time. (A line's digits are never
-        read but by the hash: :meth:`describes` skips them.)"""
+        the lines are hashed a window at a time, each copied into one small buffer with its digits written in:
+        the lines are only read (a cache's, mapped from its file, stay the file's pages), and no fresh copy of
+        them (~10 MB at 140,000 tensors: more in page faults than the digits cost) is made."""
         k = cpu_kernels()
-        lock = self.__dict__.setdefault("_lock", threading.Lock())
-        if k is not None and self.order.size and lock.acquire(blocking=False):
-            try:
-                work = self.__dict__.get("_work")
-                if work is None:  # lines read into memory of their own (headercache.load_lines) are written in place
-                    work = self._work = self.template if self.template.flags.writeable else self.template.copy()
-                k.state_hex(work, self.hex_at, np.ascontiguousarray(fps, np.uint64), self.order)
-                return xxhash.xxh3_64_hexdigest(work.data)
-            finally:
-                lock.release()
+        if k is not None and self.order.size:
+            fps = np.ascontiguousarray(fps, np.uint64)
+            cuts, begins, size = self._windows()
+            scratch = np.empty(size, np.uint8)
+            h = xxhash.xxh3_64()
+            template, hex_at, order = self.template, self.hex_at, self.order
+            for j0, j1, b, e in zip(cuts, cuts[1:], begins, begins[1:]):
+                buf = scratch[: e - b]
+                buf[:] = template[b:e]
+                k.state_hex(buf, hex_at[j0:j1] - b, fps, order[j0:j1])
+                h.update(buf.data)
+            return h.hexdigest()
         buf = self.template.copy()
         if self.order.size:
             nibbles = fps[self.order].astype(">u8").view(np.uint8).reshape(-1, 8)
@@ -337,6 +338,22 @@ class StateLines:
                 buf[at + 2 * k] = high[:, k]
                 buf[at + 2 * k + 1] = low[:, k]
         return xxhash.xxh3_64_hexdigest(buf.data)
+
+    def _windows(self) -> tuple[list[int], list[int], int]:
+        """The lines cut into windows of about ``_WINDOW`` bytes at line ends: the first line of each (and the
+        count), the byte where each starts (and the end), and the largest window's bytes (made once)."""
+        got = self.__dict__.get("_cuts")
+        if got is None:
+            ends = self.hex_at + len(_PAD)
+            total = int(ends[-1])
+            cuts = np.unique(np.r_[0, np.searchsorted(ends, np.arange(_WINDOW, total, _WINDOW), side="right"),
+                                   ends.size]).tolist()
+            begins = [int(ends[j - 1]) if j else 0 for j in cuts]
+            got = self._cuts = (cuts, begins, max(e - b for b, e in zip(begins, begins[1:])))
+        return got
+
+
+_WINDOW = 1 << 18  # bytes of state lines hashed at a time (StateLines.digest)
 
 
 def _tail(dtype: str, shape) -> str:

@@ -151,20 +151,21 @@ def pack_table(records, kind: str, blob_ids: list[str]) -> bytes:
 
 
 def pack_columns(kind: str, names: list[str], dtype_names: list[str], codes, ndims, dims, fps, changed, counts,
-                 cblob, *, cindex=None, starts=None, stops=None, keys: list[str] | None = None) -> bytes:
+                 cblob, *, cindex=None, starts=None, stops=None, keys: list[str] | None = None,
+                 names_text: bytes | None = None) -> bytes:
     """:func:`pack_table` of records given as columns: per record (sorted by name) its name, dtype code (an index
     in ``dtype_names``, codes numbered in order of first appearance), dimension count, fingerprint after
     (uint64), change count and chunk count; ``dims`` every record's shape, one after another; per chunk (record
     after record) its blob's position in the manifest's blob list, and for a delta its index in that blob and,
     where known (``starts``/``stops``, both or neither), its word span; ``keys``: a keyframe's chunk keys where
     any is not its tensor's name. What a writer holding columns (the codec's flat encoder) packs without making
-    a record."""
+    a record. ``names_text``: ``names`` already joined (:func:`~deltasync.blob.newline_joined`), not joined again."""
     n, nchunks = len(names), len(cblob)
     delta = kind == "delta"
     spans = delta and starts is not None and nchunks > 0
     flags = (_F_SPANS if spans else 0) | (_F_KEYS if keys is not None else 0)
     dims = np.ascontiguousarray(dims, dtype="<u8")
-    names_text = _text(names, "a tensor name")
+    names_text = _text(names, "a tensor name") if names_text is None else names_text
     # the columns joined from their own buffers (little-endian, contiguous): no bytes copy of each first
     parts = [
         _HEAD.pack(_MAGIC, _KINDS[kind], flags, TABLE_VERSION, n, nchunks, dims.size),

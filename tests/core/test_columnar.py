@@ -242,6 +242,28 @@ def test_names_that_need_json_escapes_and_an_unchanged_state():
     assert not fast.blobs
 
 
+@pytest.mark.parametrize("opt", range(len(OPTIONS)))
+def test_every_tensor_changed_names_cut_from_one_text(opt, flat_min, monkeypatch):
+    """Every tensor changed (an AdamW step): the table's names and each version-4 blob's chunk names are pieces of
+    the state's names joined once; the bytes are the per-chunk path's all the same."""
+    old, new = _states(600)
+    for name in [n for n in old if torch.equal(old[n], new[n]) and old[n].numel()]:
+        new[name] = old[name].clone()
+        host_words(new[name])[0] += 1
+    for name in ("model.norm.weight", "model.lm_head.weight"):  # (an empty tensor cannot change; one cut in cells)
+        del old[name], new[name]
+    cut = []
+    real = columnar.pack_chunk_columns
+    monkeypatch.setattr(columnar, "pack_chunk_columns", lambda names, *a: (cut.append(type(names)), real(names, *a))[1])
+    options = OPTIONS[opt]
+    d_ref, ref = _encode(old, new, options, fast=False)
+    d_fast, fast = _encode(old, new, options, fast=True)
+    _same(ref, fast)
+    assert all(t.changed for t in fast.manifest.tensors)
+    if flat_min == 0 and opt != 2:  # (option 2 cuts tensors into many chunks: names listed, one a chunk)
+        assert memoryview in cut
+
+
 def test_a_state_of_empty_tensors():
     old = {"a": torch.zeros(0, dtype=torch.bfloat16), "b": torch.zeros((3, 0), dtype=torch.float32)}
     new = {n: t.clone() for n, t in old.items()}

@@ -1,5 +1,5 @@
 """fingerprint.NameIndex / FingerprintTable: a layout's fingerprints as one array (the follower's state at 100k+
-tensors), and StateLines.digest writing its digits in place (compiled) against the reference."""
+tensors), and StateLines.digest writing its digits a window of lines at a time (compiled) against the reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from deltasync import kernels
+from deltasync import fingerprint, kernels
 from deltasync.apply import fp_array
 from deltasync.fingerprint import FingerprintTable, NameIndex, StateLines
 
@@ -68,14 +68,18 @@ def test_take_replaced_and_of_keep_the_values_and_the_index():
     assert FingerprintTable.of(t.names, {**dict(new), names[0]: -1}) is None  # not a 64-bit fingerprint
 
 
+@pytest.mark.parametrize("window", [1 << 18, 1, 200])  # one window; a line a window; a few lines a window
 @pytest.mark.parametrize("which", ["numba", "reference"])
-def test_lines_digest_in_place_matches_the_definition_with_any_kernels(which):
+def test_lines_digest_matches_the_definition_with_any_kernels(which, window, monkeypatch):
     kernels.select(which)
+    monkeypatch.setattr(fingerprint, "_WINDOW", window)
     rng = np.random.default_rng(4)
     names, dtypes, shapes = sorted(NAMES), ["bfloat16"] * 50, [(3, 4)] * 50
     made = StateLines(names, dtypes, shapes)
-    # lines read back into memory of their own (headercache.load_lines): written in place, still described
-    kept = StateLines.of_parts(made.order.copy(), made.hex_at.copy(), made.template.copy())
+    # lines read back read-only (headercache.load_lines maps them): only read, still described
+    template = made.template.copy()
+    template.flags.writeable = False
+    kept = StateLines.of_parts(made.order.copy(), made.hex_at.copy(), template)
     for k in range(3):
         fps = rng.integers(0, 2**64, 50, np.uint64, endpoint=False)
         if k == 2:
