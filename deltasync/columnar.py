@@ -616,6 +616,9 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
 
     made = list(map_parts(blob, range(nblobs), executor,
                           weight=lambda b: int(count[int(firsts[b]) : int(firsts[b + 1])].sum())))
+    # the symbols are coded: their memory (~12 bytes a changed word) is free for what follows (the table and its
+    # compressed frame; at 70k tensors ~14 MB), not fresh pages on top of it
+    del outs, work
     blobs: dict[str, bytes] = {}
     for data, bid in made:
         blobs.setdefault(bid, data)
