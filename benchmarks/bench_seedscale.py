@@ -576,20 +576,33 @@ PAIRED = (("step_delivery_s", "1%-step delivered"), ("publish_base_s", "`publish
           ("first_subscribe_s", "first subscribe"))
 
 
+def _baseline(results: dict[str, dict], w: str) -> dict | None:
+    """The 8 tensors' results layout ``w`` is compared with: those of its own round (``few@w``), else ``few``."""
+    return results.get(f"few@{w}", results.get("few"))
+
+
+def _title(w: str) -> str:
+    """A results key's title: a layout's, or the 8 tensors' of a round (``few@kimi``)."""
+    few, _, of = w.partition("@")
+    return f"{TITLES[few]}, {TITLES[of].split()[0]}'s round" if of else TITLES[w]
+
+
 def _paired_median(results: dict[str, dict], w: str, key: str) -> float | None:
     """The median of layout ``w``'s per-repetition ratios against the 8 tensors' of the same repetition (measured
     adjacent in time: a change of the machine's speed between repetitions cancels), for a row of ``PAIRED``."""
-    if key not in dict(PAIRED) or "few" not in results:
+    base = _baseline(results, w)
+    if key not in dict(PAIRED) or base is None:
         return None
-    xs, ys = results[w].get("samples", {}).get(key, []), results["few"].get("samples", {}).get(key, [])
+    xs, ys = results[w].get("samples", {}).get(key, []), base.get("samples", {}).get(key, [])
     got = [x / y for x, y in zip(xs, ys) if y]
     return statistics.median(got) if got else None
 
 
 def report(results: dict[str, dict], quick: bool, timeout: float, steps: int = STEPS, firsts: int = FIRSTS) -> str:
-    cols = [w for w in LAYOUTS if w in results]
-    head = [f"{TITLES[w]} ({results[w]['facts']['tensors']:,})" for w in cols]
-    ratio_cols = [w for w in cols if w != "few" and "few" in results]
+    cols = [w for w in results if w.partition("@")[0] in LAYOUTS]  # (in the order measured)
+    head = [f"{_title(w)} ({results[w]['facts']['tensors']:,})" for w in cols]
+    ratio_cols = [w for w in cols if w in LAYOUTS and w != "few" and _baseline(results, w) is not None]
+    rounds = any("@" in w for w in cols)
     lines = [
         "## Seed-scale tensor counts: the same bytes as 8, ~70k and ~140k tensors (issue 22)",
         "",
@@ -599,11 +612,15 @@ def report(results: dict[str, dict], quick: bool, timeout: float, steps: int = S
         "manifests, `--no-fsync` stores; then the in-process `Publisher` and a `ThreadedSubscriber` (dict of tensors, "
         "auto apply) on the same states and servers. Each layout has a header cache of its own, empty at its start "
         "(`deltasync/headercache.py`: the keyframe publish parses the checkpoint's header and keeps it, the step's "
-        "publish reads it back, as a trainer's later checkpoints do). Every layout's servers, files and follower are up "
-        f"together, and the repeated rows are measured interleaved, layout after layout (the order reversed each "
+        "publish reads it back, as a trainer's later checkpoints do). "
+        + ("Each large layout is measured in a round of its own beside the 8 tensors (only those two layouts' servers, "
+           "files and followers on this machine, the round's before removed: on the VMs this was built on, memory "
+           "another layout holds slowed the steps that touch more fresh pages), and each is compared with its round's "
+           "8 tensors. " if rounds else "Every layout's servers, files and follower are up together. ")
+        + f"The repeated rows are measured interleaved, layout after layout (the order reversed each "
         f"time): {firsts} first subscribes, then {WARM_STEPS} unmeasured and {steps} measured steps (base -> step, "
         "step -> base, ...) per layout, each "
-        "with every process of every layout idle before its clock starts; those rows (marked *) are the medians of "
+        "with every process of the round idle before its clock starts; those rows (marked *) are the medians of "
         "their repetitions, so that a change of this machine's speed during the run falls on every layout alike; "
         "their ratios are the medians' ratio and, *paired*, the median of each repetition's ratio (a layout's "
         "repetition against the 8 tensors' of the same repetition, adjacent in time). "
@@ -620,9 +637,8 @@ def report(results: dict[str, dict], quick: bool, timeout: float, steps: int = S
             continue
         cells = [f"> {timeout:.0f} (timed out)" if key in results[w].get("timed_out", ())
                  else _fmt(v, kind) if v is not None or not results[w]["error"] else "failed" for v, w in zip(vals, cols)]
-        few = results.get("few", {}).get(key)
         for w in ratio_cols:
-            v = results[w].get(key)
+            v, few = results[w].get(key), _baseline(results, w).get(key)
             paired = _paired_median(results, w, key)
             cells.append((f"{v / few:,.1f}x" if v is not None and few else "-")
                          + (f" (paired {paired:.2f}x)" if paired is not None else ""))
@@ -632,15 +648,15 @@ def report(results: dict[str, dict], quick: bool, timeout: float, steps: int = S
     for w in ratio_cols:  # each repetition's ratio against the 8 tensors' of the same repetition (adjacent in time)
         got = []
         for key, label in PAIRED:
-            xs, ys = results[w].get("samples", {}).get(key, []), results["few"].get("samples", {}).get(key, [])
+            xs, ys = results[w].get("samples", {}).get(key, []), _baseline(results, w).get("samples", {}).get(key, [])
             if xs and ys:
                 got.append(f"{label} " + " ".join(f"{x / y:.2f}x" for x, y in zip(xs, ys)))
         if got:
-            lines.append(f"- {TITLES[w]} / 8 tensors, repetition by repetition: " + "; ".join(got))
+            lines.append(f"- {_title(w)} / 8 tensors, repetition by repetition: " + "; ".join(got))
     for w in cols:
         sm = results[w].get("samples", {})
         if "step_delivery_s" in sm:
-            lines.append(f"- {TITLES[w]}, every repetition (s): step delivered "
+            lines.append(f"- {_title(w)}, every repetition (s): step delivered "
                          + " ".join(f"{x:.2f}" for x in sm["step_delivery_s"]) + "; `publish --base` "
                          + " ".join(f"{x:.2f}" for x in sm.get("publish_base_s", ())) + "; first subscribe "
                          + " ".join(f"{x:.2f}" for x in sm.get("first_subscribe_s", ())))
@@ -648,7 +664,7 @@ def report(results: dict[str, dict], quick: bool, timeout: float, steps: int = S
         f = results[w]["facts"]
         scales = (f"; {f['scales']:,} `weight_scale_inv` tensors as float32 (their bf16 values widened)"
                   if f["scales"] else "")
-        lines.append(f"- {TITLES[w]}: {f['tensors']:,} tensors, {f['bytes'] / 1e6:,.1f} MB{scales}; "
+        lines.append(f"- {_title(w)}: {f['tensors']:,} tensors, {f['bytes'] / 1e6:,.1f} MB{scales}; "
                      f"{f['changed_words']:,} words changed in the step ({100 * f['changed_words'] / f['elements']:.2f}%); "
                      f"files on {results[w]['dir']} (states written in {f['write_s']:.1f} s); 1-min load average "
                      f"{results[w]['load']:.1f} at the start, {results[w].get('load_end', float('nan')):.1f} at the end "
@@ -659,14 +675,14 @@ def report(results: dict[str, dict], quick: bool, timeout: float, steps: int = S
                      "which the step-delivery rows carry and their ratios understate")
     for w in cols:
         if results[w]["error"]:
-            lines.append(f"- **{TITLES[w]} FAILED**: " + results[w]["error"].splitlines()[0])
+            lines.append(f"- **{_title(w)} FAILED**: " + results[w]["error"].splitlines()[0])
             lines += ["", "```", results[w]["error"][-2500:], "```"]
     lines.append("")
     return "\n".join(lines)
 
 
 def run(quick: bool = False, layouts: list[str] | None = None, *, timeout: float = STEP_TIMEOUT,
-        kimi_kwargs: dict | None = None, steps: int = STEPS, firsts: int = FIRSTS) -> str:
+        kimi_kwargs: dict | None = None, steps: int = STEPS, firsts: int = FIRSTS, rounds: bool = True) -> str:
     layouts = layouts or (["few", "kimi"] if quick else list(LAYOUTS))
 
     def say(text: str) -> None:
@@ -679,9 +695,17 @@ def run(quick: bool = False, layouts: list[str] | None = None, *, timeout: float
     if warm["kimi"]["error"]:
         raise RuntimeError(f"seedscale warm-up failed: {warm['kimi']['error']}")
     t0 = time.perf_counter()
-    results = _measure(layouts, timeout, kimi_kwargs or {}, steps, firsts, say)
+    big = [w for w in layouts if w != "few"]
+    if rounds and "few" in layouts and len(big) > 1:  # a round per large layout, beside the 8 tensors
+        results = {}
+        for w in big:
+            say(f"round: 8 tensors and {TITLES[w]}")
+            got = _measure(["few", w], timeout, kimi_kwargs or {}, steps, firsts, say)
+            results[f"few@{w}"], results[w] = got["few"], got[w]
+    else:
+        results = _measure(layouts, timeout, kimi_kwargs or {}, steps, firsts, say)
     say(f"done in {time.perf_counter() - t0:.0f} s")
-    run.last_failed = [w for w in layouts if results[w]["error"]]
+    run.last_failed = [w for w in results if results[w]["error"]]
     return report(results, quick, timeout, steps, firsts)
 
 
@@ -695,6 +719,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=STEPS, help="steps per layout, interleaved (default %(default)s)")
     ap.add_argument("--firsts", type=int, default=FIRSTS,
                     help="first subscribes per layout, interleaved (default %(default)s)")
+    ap.add_argument("--together", action="store_true",
+                    help="every layout up at once, one baseline (default: a round per large layout beside the 8 tensors)")
     ap.add_argument("--out", help="also write the section to this file")
     args = ap.parse_args()
     if args.steps < 1 or args.firsts < 1:
@@ -704,7 +730,8 @@ def main() -> int:
         if w not in LAYOUTS:
             ap.error(f"unknown layout {w!r}; expected some of {','.join(LAYOUTS)}")
     kw = {k: v for k, v in (("experts", args.experts), ("layers", args.layers)) if v is not None}
-    text = run(args.quick, layouts, timeout=args.timeout, kimi_kwargs=kw, steps=args.steps, firsts=args.firsts)
+    text = run(args.quick, layouts, timeout=args.timeout, kimi_kwargs=kw, steps=args.steps, firsts=args.firsts,
+               rounds=not args.together)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
