@@ -195,11 +195,12 @@ class ColumnarPatches(Mapping):
         """(the tensors whose chunks are all columns, as ColumnarPatches; their indices here; the indices of the
         others, in order): the columnar paths take the first, the chunk-by-chunk ones the rest."""
         if self._pure is not None:
-            return self._pure
+            sub, kept, dropped = self._pure
+            return (self if sub is None else sub), kept, dropped
         n = len(self.names)
         if not self.others:
-            self._pure = (self, np.arange(n, dtype=np.int64), [])
-            return self._pure
+            self._pure = (None, np.arange(n, dtype=np.int64), [])  # (None: itself; no cycle through self)
+            return self, self._pure[1], self._pure[2]
         keep = np.ones(n, dtype=np.bool_)
         keep[self.tensor[np.fromiter(self.others, dtype=np.int64, count=len(self.others))]] = False
         rows = keep[self.tensor]
