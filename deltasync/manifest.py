@@ -300,8 +300,26 @@ _COMPACT: list[tuple[tuple, tuple, dict, dict, str]] = []
 
 def table_columns(m: Manifest) -> TableColumns | None:
     """The checked columns of a parsed format-3 manifest's table (a reader that works on arrays takes them
-    without a record made), or None (another manifest: its records)."""
-    return getattr(m.tensors, "columns", None) if isinstance(m.tensors, _Packed) else None
+    without a record made), or None (another manifest: its records). Columns let go (:func:`release_columns`) are
+    made again from the table."""
+    if not isinstance(m.tensors, _Packed):
+        return None
+    t = m.tensors
+    cols = t.__dict__.get("columns")
+    if cols is None and t.__dict__.get("released"):
+        cols = t.columns = _table_records(t.table, t.kind, list(t.blob_ids), build="columns")
+        del t.released
+    return cols
+
+
+def release_columns(m: Manifest) -> None:
+    """Let go of a parsed format-3 manifest's checked columns (made again from its table if asked for): a
+    subscriber keeps the manifests of the versions it applied for a while (catch-up plans walk them), and at
+    70,000 tensors the columns of each (its names, the decompressed table their arrays view) are ~15 MB, its
+    table's text ~1.2 MB. Nothing happens to any other manifest."""
+    t = m.tensors
+    if isinstance(t, _Packed) and t.__dict__.pop("columns", None) is not None:
+        t.released = True
 
 
 def record_names(m: Manifest) -> list[str]:

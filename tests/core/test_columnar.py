@@ -174,6 +174,27 @@ def test_prepared_columns_are_freed_without_the_cyclic_collector(flat_min):
     assert sys.getrefcount(cols) == 2  # this name and the call's argument: nothing of its own points back at it
 
 
+def test_released_columns_are_made_again_from_the_table(flat_min):
+    """A subscriber lets go of an applied manifest's columns (release_columns); asked for again, they are the same,
+    made from its table; any other manifest is left as it is."""
+    from deltasync.apply import prepare_delta
+    from deltasync.manifest import release_columns, table_columns
+
+    old, new = _states(200)
+    _, enc = _encode(_host(old), _host(new), EncodeOptions(), fast=True)
+    m = parse_manifest(enc.manifest.compact().to_json())
+    before = table_columns(m)
+    names, fps = list(before.names), before.fps.copy()
+    release_columns(m)
+    assert "columns" not in m.tensors.__dict__
+    again = table_columns(m)
+    assert again is not before and again.names == names and again.fps.tolist() == fps.tolist()
+    assert table_columns(m) is again  # made once
+    assert prepare_delta(m, enc.blobs).decoded_bytes > 0
+    release_columns(enc.manifest)  # a manifest made in memory (records): nothing to let go of
+    assert table_columns(enc.manifest) is None
+
+
 def test_a_publish_makes_no_format_2_record(flat_min):
     """The columnar encoder's format-2 records and span entries are made only if used: what a publish does with
     the manifest (digests, compact, sign, send, count the changed words) makes neither (~0.1 s at 70,000
