@@ -151,6 +151,7 @@ class Subscriber:
         self._trusted = version
         self._lock = threading.RLock()  # the engine's lock: hold() and apply_pending(); never taken by the loop
         self._last_error: str | None = None
+        self._applied_manifest = None  # the last applied step's manifest: its columns let go at the next one
         self._started = False
         self._closing = threading.Event()
         self._applier: threading.Thread | None = None
@@ -225,8 +226,12 @@ class Subscriber:
                 if step.generation != self.queue.generation:
                     continue
                 out = self.live.apply(step)
-                if step.manifest is not None:  # kept for catch-up plans, not its columns (~15 MB at 70k tensors)
-                    release_columns(step.manifest)
+                if out.applied and step.manifest is not None:
+                    # the manifest before is kept for catch-up plans, not its columns (~15 MB at 70k tensors); not
+                    # this one's yet: subscribers in one process share a parsed manifest, and the others apply it next
+                    prev, self._applied_manifest = self._applied_manifest, step.manifest
+                    if prev is not None and prev is not step.manifest:
+                        release_columns(prev)
                 told += out.told
                 if out.applied:
                     applied_any = True
