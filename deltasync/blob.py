@@ -104,7 +104,7 @@ def pack_chunk_columns(names: list[str] | bytes | memoryview, dtype_names: list[
     dtext = newline_joined(dtype_names)
     if text is None or dtext is None:
         return None
-    n = np.shape(ints)[-1] if isinstance(names, (bytes, memoryview)) else len(names)
+    n = np.shape(ints)[-1]  # (5, n): one column a chunk
     cols = np.ascontiguousarray(ints, dtype="<u8").reshape(5, n)
     return b"".join([_U32.pack(n), _U32.pack(len(dtype_names)), _U32.pack(len(dtext)), dtext,
                      _U32.pack(len(text)), text, np.asarray(dtype, np.uint8).tobytes(), np.asarray(mode, np.uint8).tobytes(),
