@@ -192,6 +192,89 @@ Q = 4  # the decoder walks a chunk's base as Q interleaved quarters: independent
 
 
 @numba.njit(cache=True, nogil=True)
+def decode_groups(words, cnt, count, gf, gc, glut, vf, vc, vlut):
+    """The symbol stage of an ``ansx``-style message, shared by every context source (the base's exponents
+    here, a history's ages in :mod:`deltasync.history`): given each context's group size ``cnt``, ->
+    (each change's rank inside its group, value symbol, BIG sign, BIG magnitude, in group-major order; the
+    first change of each group (``gstart``, N_CTX + 1); error)."""
+    grank = np.empty(count, dtype=np.int64)
+    vsym = np.empty(count, dtype=np.uint8)
+    bneg = np.zeros(count, dtype=np.bool_)
+    bmag = np.zeros(count, dtype=np.uint64)
+    gstart = np.zeros(N_CTX + 1, dtype=np.int64)
+    nw = words.size
+    if nw < 2:
+        return grank, vsym, bneg, bmag, gstart, rans.E_SHORT
+    x = np.int64(words[0]) | (np.int64(words[1]) << 16)
+    at = 2
+    mk = np.int64(rans.M - 1)
+    kk_ = 0  # changes decoded so far
+    for e in range(N_CTX):
+        gstart[e] = kk_
+        if cnt[e] == 0:
+            continue
+        if gf[e, END] == 0:
+            return grank, vsym, bneg, bmag, gstart, E_CTX
+        rank = np.int64(-1)
+        while True:
+            slot = x & mk
+            b = np.int64(glut[e, slot])
+            x = np.int64(gf[e, b]) * (x >> rans.PREC) + slot - np.int64(gc[e, b])
+            if x < rans.L:
+                x <<= 16
+                if at < nw:
+                    x |= np.int64(words[at])
+                at += 1
+            if b == END:
+                break
+            g = np.int64(0)
+            if b >= 1:
+                bits, x, at = rans.read_bits(x, at, words, nw, b - 1)
+                g = np.int64(bits) | (np.int64(1) << (b - 1))
+            rank += g + 1
+            if rank >= cnt[e] or kk_ >= count:
+                return grank, vsym, bneg, bmag, gstart, rans.E_GAP
+            grank[kk_] = rank
+            if vf[e, rans.RAW + 1] == 0:  # no value model for this context (sentinel column: see tables)
+                return grank, vsym, bneg, bmag, gstart, E_CTX
+            slot = x & mk
+            s = np.int64(vlut[e, slot])
+            x = np.int64(vf[e, s]) * (x >> rans.PREC) + slot - np.int64(vc[e, s])
+            if x < rans.L:
+                x <<= 16
+                if at < nw:
+                    x |= np.int64(words[at])
+                at += 1
+            vsym[kk_] = s
+            if s == rans.BIG:
+                v8 = x & 0xFF
+                x >>= 8
+                if x < rans.L:
+                    x <<= 16
+                    if at < nw:
+                        x |= np.int64(words[at])
+                    at += 1
+                q8 = v8 >> 1
+                if q8 > 64:
+                    return grank, vsym, bneg, bmag, gstart, rans.E_SYMBOL
+                m = np.uint64(0)
+                if q8 >= 1:
+                    m, x, at = rans.read_bits(x, at, words, nw, q8 - 1)
+                    m |= np.uint64(1) << np.uint64(q8 - 1)
+                bneg[kk_] = (v8 & 1) == 1
+                bmag[kk_] = m
+            kk_ += 1
+    gstart[N_CTX] = kk_
+    if at > nw:
+        return grank, vsym, bneg, bmag, gstart, rans.E_SHORT
+    if at != nw or x != rans.L:
+        return grank, vsym, bneg, bmag, gstart, rans.E_END
+    if kk_ != count:
+        return grank, vsym, bneg, bmag, gstart, rans.E_GAP
+    return grank, vsym, bneg, bmag, gstart, rans.OK
+
+
+@numba.njit(cache=True, nogil=True)
 def _decode(words, base, count, shift, mask, gf, gc, glut, vf, vc, vlut):
     """-> (positions, value symbols, BIG signs, BIG magnitudes (per change, natural order), error).
 
@@ -218,80 +301,9 @@ def _decode(words, base, count, shift, mask, gf, gc, glut, vf, vc, vlut):
     for q in range(Q):
         for e in range(N_CTX):
             cnt[e] += cntq[q, e]
-    grank = np.empty(count, dtype=np.int64)
-    vsym = np.empty(count, dtype=np.uint8)
-    bneg = np.zeros(count, dtype=np.bool_)
-    bmag = np.zeros(count, dtype=np.uint64)
-    gstart = np.zeros(N_CTX + 1, dtype=np.int64)
-    nw = words.size
-    if nw < 2:
-        return pos, vsym_n, bneg_n, bmag_n, rans.E_SHORT
-    x = np.int64(words[0]) | (np.int64(words[1]) << 16)
-    at = 2
-    mk = np.int64(rans.M - 1)
-    kk_ = 0  # changes decoded so far
-    for e in range(N_CTX):
-        gstart[e] = kk_
-        if cnt[e] == 0:
-            continue
-        if gf[e, END] == 0:
-            return pos, vsym_n, bneg_n, bmag_n, E_CTX
-        rank = np.int64(-1)
-        while True:
-            slot = x & mk
-            b = np.int64(glut[e, slot])
-            x = np.int64(gf[e, b]) * (x >> rans.PREC) + slot - np.int64(gc[e, b])
-            if x < rans.L:
-                x <<= 16
-                if at < nw:
-                    x |= np.int64(words[at])
-                at += 1
-            if b == END:
-                break
-            g = np.int64(0)
-            if b >= 1:
-                bits, x, at = rans.read_bits(x, at, words, nw, b - 1)
-                g = np.int64(bits) | (np.int64(1) << (b - 1))
-            rank += g + 1
-            if rank >= cnt[e] or kk_ >= count:
-                return pos, vsym_n, bneg_n, bmag_n, rans.E_GAP
-            grank[kk_] = rank
-            if vf[e, rans.RAW + 1] == 0:  # no value model for this context (sentinel column: see tables)
-                return pos, vsym_n, bneg_n, bmag_n, E_CTX
-            slot = x & mk
-            s = np.int64(vlut[e, slot])
-            x = np.int64(vf[e, s]) * (x >> rans.PREC) + slot - np.int64(vc[e, s])
-            if x < rans.L:
-                x <<= 16
-                if at < nw:
-                    x |= np.int64(words[at])
-                at += 1
-            vsym[kk_] = s
-            if s == rans.BIG:
-                v8 = x & 0xFF
-                x >>= 8
-                if x < rans.L:
-                    x <<= 16
-                    if at < nw:
-                        x |= np.int64(words[at])
-                    at += 1
-                q8 = v8 >> 1
-                if q8 > 64:
-                    return pos, vsym_n, bneg_n, bmag_n, rans.E_SYMBOL
-                m = np.uint64(0)
-                if q8 >= 1:
-                    m, x, at = rans.read_bits(x, at, words, nw, q8 - 1)
-                    m |= np.uint64(1) << np.uint64(q8 - 1)
-                bneg[kk_] = (v8 & 1) == 1
-                bmag[kk_] = m
-            kk_ += 1
-    gstart[N_CTX] = kk_
-    if at > nw:
-        return pos, vsym_n, bneg_n, bmag_n, rans.E_SHORT
-    if at != nw or x != rans.L:
-        return pos, vsym_n, bneg_n, bmag_n, rans.E_END
-    if kk_ != count:
-        return pos, vsym_n, bneg_n, bmag_n, rans.E_GAP
+    grank, vsym, bneg, bmag, gstart, err = decode_groups(words, cnt, count, gf, gc, glut, vf, vc, vlut)
+    if err != rans.OK:
+        return pos, vsym_n, bneg_n, bmag_n, err
     # merge, per quarter: its first change of group e is the first decoded rank at or past the words of
     # group e in the quarters before it; the changes of quarter q follow those of the quarters before it
     ptr = np.empty((Q, N_CTX), dtype=np.int64)
@@ -457,6 +469,8 @@ class CondBlobCoder:
 
     Not thread-safe (one per :class:`~deltasync.codec.ChunkPacker`)."""
 
+    MODE, TABLES = "ansx", "ansxm"  # the chunks' mode and the blob's streams (messages, tables)
+
     def __init__(self) -> None:
         self._chunks: list[tuple] = []
         self._gcount = np.zeros((N_CTX, N_G), dtype=np.int64)
@@ -473,23 +487,24 @@ class CondBlobCoder:
         self._gcount += gcount
         self._vcount += vcount
         bigidx = np.cumsum(sym == rans.BIG) - 1
-        record.update(mode="ansx", na=0, nr=int(raw.size))
+        record.update(mode=self.MODE, na=0, nr=int(raw.size))
         self._chunks.append((record, order, grp, gaps, bkt, sym, bigneg, bigmag, bigidx, cnt))
         return raw
 
     def finish(self, writer) -> None:
-        """Append ``ansxm`` and each queued chunk's message (in chunk order) to ``writer``; reset."""
+        """Append the tables (``ansxm``) and each queued chunk's message (``ansx``, in chunk order) to
+        ``writer``; reset."""
         if not self._chunks:
             return
         gfreq = {int(e): rans.normalize(self._gcount[e]) for e in np.flatnonzero(self._gcount.sum(1))}
         vfreq = {int(e): rans.normalize(self._vcount[e]) for e in np.flatnonzero(self._vcount.sum(1))}
         tables = CondTables.from_freqs(gfreq, vfreq)
-        writer.append("ansxm", tables.to_bytes())
+        writer.append(self.TABLES, tables.to_bytes())
         for record, order, grp, gaps, bkt, sym, bigneg, bigmag, bigidx, cnt in self._chunks:
             words = _encode(order, grp, gaps, bkt, sym, bigneg, bigmag, bigidx, cnt,
                             tables.gf, tables.gc, tables.vf, tables.vc)
             record["na"] = int(words.size)
-            writer.append("ansx", words.astype("<u2").view(np.uint8))
+            writer.append(self.MODE, words.astype("<u2").view(np.uint8))
         self.__init__()
 
 
