@@ -8,18 +8,21 @@ same kind of gain from the old words' exponents, but a decoder must read every o
 chunk (O(chunk), and impossible on an engine rank that holds only a shard of the chunk). The history is
 what both ends already hold: the positions each of the last ``depth`` deltas changed.
 
-The model, per chunk: every position has a context, its **age** ``a`` (1 = changed by the previous delta,
-..., ``depth``; 0 = not changed by any of them, "cold"). The chunk's changes are coded group by group
-exactly as ``ansx`` codes its exponent groups (the same symbols, per-context models G_a and V_a, rANS,
-tables: :func:`deltasync.conditioned.decode_groups`): the gap between consecutive ranks inside the group,
-then the value symbol, then END. Only the groups differ: a hot group's members are the history's positions
-of that age (an explicit sorted list), the cold group is every other position of the chunk. So the
+The model, per chunk: every position the history holds has a context from its **age** (deltas since its
+last change, 1..``depth``) and the **interval** between its last two changes (a master weight moving at a
+steady pace changes at a steady interval, so the pair says how due the word is): 30 classes
+(:meth:`ChunkHistory.contexts`); every other position is in the cold group, context 0. The chunk's changes
+are coded group by group exactly as ``ansx`` codes its exponent groups (the same symbols, per-context
+models G_c and V_c, rANS, tables: :func:`deltasync.conditioned.decode_groups`): the gap between
+consecutive ranks inside the group, then the value symbol, then END. Only the groups differ: a hot group's
+members are the history's positions of that context (an explicit sorted list), the cold group is every
+other position of the chunk. So the
 encoder's ranks come from one merge of the changes with the history (:func:`history_ranks`), and the
 decoder's positions from a merge of the decoded ranks with it (:func:`decode_chunk`): O(history + changes)
 per chunk, never a read of the base.
 
-A :class:`ChunkHistory` is a chunk's recent positions (relative to the chunk, sorted) and their ages;
-:func:`advance` turns it into the next step's from the positions a delta changed.
+A :class:`ChunkHistory` is a chunk's recent positions (relative to the chunk, sorted) with their ages and
+previous ages; :func:`advance` turns it into the next step's from the positions a delta changed.
 
 This module is the codec (kernels, round trip, the bytes it reaches: ``benchmarks/bench_codec_ratio.py``).
 It is not yet a blob mode: publishing a stream with it needs both ends to keep the history of the
@@ -44,78 +47,116 @@ _ERRORS = {
     rans.E_SHORT: "the message ends before its last change (truncated or corrupt)",
     rans.E_SYMBOL: "a BIG step's bucket is out of range",
     rans.E_END: "the message has words or state left after its last change (corrupt)",
-    rans.E_GAP: "a rank leaves its age group, or the changes do not add up (corrupt, or decoded with the wrong "
+    rans.E_GAP: "a rank leaves its context group, or the changes do not add up (corrupt, or decoded with the wrong "
                 "history)",
-    E_CTX: "an age group of the history has no model in this blob (decoded with the wrong history?)",
+    E_CTX: "a context group of the history has no model in this blob (decoded with the wrong history?)",
 }
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkHistory:
-    """A chunk's recent changes: ``positions`` (int64, relative to the chunk, sorted, unique) and each one's
-    ``ages`` (uint8, 1 = changed by the last delta)."""
+    """A chunk's recent changes: ``positions`` (int64, relative to the chunk, sorted, unique), each one's
+    ``ages`` (uint8: deltas since its last change, 1 = the last delta) and ``prevs`` (uint8: deltas since the
+    change before that, 0 where the history holds only one)."""
 
     positions: np.ndarray
     ages: np.ndarray
+    prevs: np.ndarray
 
     @classmethod
     def empty(cls) -> ChunkHistory:
-        return cls(np.empty(0, np.int64), np.empty(0, np.uint8))
+        return cls(np.empty(0, np.int64), np.empty(0, np.uint8), np.empty(0, np.uint8))
 
     def __len__(self) -> int:
         return int(self.positions.size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.positions.nbytes + self.ages.nbytes + self.prevs.nbytes
+
+    def contexts(self) -> np.ndarray:
+        """Each position's coding context, 1..:data:`N_HOT`: its age's class (1, 2, 3-4, 5-8, 9+) and the
+        class of the interval between its last two changes (none, 1, 2, 3-4, 5-8, 9+). A word whose master
+        weight moves at a steady pace changes at a steady interval: the pair says how due it is."""
+        return _contexts(self.ages, self.prevs, _CLASS)
 
 
 # -- kernels --------------------------------------------------------------------------------------
 
 @numba.njit(cache=True, nogil=True)
-def _advance(hpos, hage, changed, depth):
-    """The history after a delta that changed ``changed`` (sorted): those age 1, the rest one older, and
-    those older than ``depth`` dropped."""
-    out_p = np.empty(hpos.size + changed.size, dtype=np.int64)
-    out_a = np.empty(hpos.size + changed.size, dtype=np.uint8)
+def _advance(hpos, hage, hprev, changed, depth):
+    """The history after a delta that changed ``changed`` (sorted): those age 1 (their previous change, if
+    the history held one, becomes their ``prev``), the rest one step older, and what is older than ``depth``
+    forgotten."""
+    m = hpos.size + changed.size
+    out_p = np.empty(m, dtype=np.int64)
+    out_a = np.empty(m, dtype=np.uint8)
+    out_v = np.empty(m, dtype=np.uint8)
     i = j = o = 0
     while i < hpos.size or j < changed.size:
         if j < changed.size and (i >= hpos.size or changed[j] <= hpos[i]):
+            prev = 0
             if i < hpos.size and hpos[i] == changed[j]:
+                prev = np.int64(hage[i]) + 1
                 i += 1
             out_p[o] = changed[j]
             out_a[o] = 1
+            out_v[o] = prev if prev <= depth else 0
             o += 1
             j += 1
         else:
             a = np.int64(hage[i]) + 1
             if a <= depth:
+                v = np.int64(hprev[i])
+                v = v + 1 if 0 < v < depth else 0
                 out_p[o] = hpos[i]
                 out_a[o] = a
+                out_v[o] = v
                 o += 1
             i += 1
-    return out_p[:o].copy(), out_a[:o].copy()
+    return out_p[:o].copy(), out_a[:o].copy(), out_v[:o].copy()
+
+
+#: age (steps since the last change, 1..) -> class 1..5: 1, 2, 3-4, 5-8, 9+; likewise the interval between
+#: the last two changes (0: one change in the history) -> 0..5
+_CLASS = np.array([0, 1, 2, 3, 3, 4, 4, 4, 4] + [5] * 247, dtype=np.uint8)
+N_HOT = 30  # contexts 1..30 = (age class - 1) * 6 + interval class + 1; 0 is the cold group
 
 
 @numba.njit(cache=True, nogil=True)
-def history_ranks(rel, hpos, hage, n):
+def _contexts(hage, hprev, cls):
+    out = np.empty(hage.size, dtype=np.uint8)
+    for t in range(hage.size):
+        a = np.int64(hage[t])
+        v = np.int64(hprev[t])
+        ic = cls[v - a] if v > a else 0
+        out[t] = (np.int64(cls[a]) - 1) * 6 + ic + 1
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def history_ranks(rel, hpos, hctx, n):
     """Each change's (age group, rank inside it) and the group sizes: ``rel`` the chunk's sorted change
-    positions (relative), ``hpos``/``hage`` its history, ``n`` its length. The shape of
+    positions (relative), ``hpos`` its history's positions, ``n`` its length. The shape of
     :func:`deltasync.conditioned.chunk_ranks`' answer, so :class:`~deltasync.conditioned.CondBlobCoder`
-    codes it."""
+    codes it. ``hctx``: each history position's context (1..255; :func:`contexts`)."""
     k = rel.size
     h = hpos.size
     grp = np.empty(k, dtype=np.uint8)
     rank = np.empty(k, dtype=np.int64)
     cnt = np.zeros(N_CTX, dtype=np.int64)
     for t in range(h):
-        cnt[np.int64(hage[t])] += 1
+        cnt[np.int64(hctx[t])] += 1
     cnt[0] = n - h
-    seen = np.zeros(N_CTX, dtype=np.int64)  # history positions of each age before the current change
+    seen = np.zeros(N_CTX, dtype=np.int64)  # history positions of each context before the current change
     j = 0
     for t in range(k):
         p = rel[t]
         while j < h and hpos[j] < p:
-            seen[np.int64(hage[j])] += 1
+            seen[np.int64(hctx[j])] += 1
             j += 1
         if j < h and hpos[j] == p:
-            a = np.int64(hage[j])
+            a = np.int64(hctx[j])
             grp[t] = a
             rank[t] = seen[a]
         else:
@@ -125,7 +166,7 @@ def history_ranks(rel, hpos, hage, n):
 
 
 @numba.njit(cache=True, nogil=True)
-def _decode(words, hpos, hage, n, count, gf, gc, glut, vf, vc, vlut):
+def _decode(words, hpos, hctx, n, count, gf, gc, glut, vf, vc, vlut):
     """-> (positions, value symbols, BIG signs, BIG magnitudes, per change in position order; error)."""
     h = hpos.size
     pos = np.empty(count, dtype=np.int64)
@@ -134,7 +175,7 @@ def _decode(words, hpos, hage, n, count, gf, gc, glut, vf, vc, vlut):
     bmag_n = np.zeros(count, dtype=np.uint64)
     cnt = np.zeros(N_CTX, dtype=np.int64)
     for t in range(h):
-        a = np.int64(hage[t])
+        a = np.int64(hctx[t])
         if a == 0 or (t and hpos[t] <= hpos[t - 1]) or hpos[t] < 0 or hpos[t] >= n:
             return pos, vsym_n, bneg_n, bmag_n, rans.E_GAP
         cnt[a] += 1
@@ -147,13 +188,13 @@ def _decode(words, hpos, hage, n, count, gf, gc, glut, vf, vc, vlut):
     if h:
         start = np.zeros(N_CTX + 1, dtype=np.int64)
         for t in range(h):
-            start[np.int64(hage[t]) + 1] += 1
+            start[np.int64(hctx[t]) + 1] += 1
         for a in range(N_CTX):
             start[a + 1] += start[a]
         at = start[:N_CTX].copy()
-        where = np.empty(h, dtype=np.int64)  # age-major order -> index in the history
+        where = np.empty(h, dtype=np.int64)  # context-major order -> index in the history
         for t in range(h):
-            a = np.int64(hage[t])
+            a = np.int64(hctx[t])
             where[at[a]] = t
             at[a] += 1
         for a in range(1, N_CTX):
@@ -200,13 +241,14 @@ def advance(history: ChunkHistory, changed_rel: np.ndarray, depth: int) -> Chunk
     """The chunk's history after a delta that changed ``changed_rel`` (sorted positions relative to it)."""
     if not 1 <= depth <= MAX_DEPTH:
         raise ValueError(f"history depth {depth} out of 1..{MAX_DEPTH}")
-    p, a = _advance(history.positions, history.ages, np.ascontiguousarray(changed_rel, np.int64), depth)
-    return ChunkHistory(p, a)
+    p, a, v = _advance(history.positions, history.ages, history.prevs,
+                       np.ascontiguousarray(changed_rel, np.int64), depth)
+    return ChunkHistory(p, a, v)
 
 
 def ranks(changes: Changes, start: int, length: int, history: ChunkHistory):
     """:func:`history_ranks` of one chunk's changes (absolute positions, chunk ``[start, start + length)``)."""
-    return history_ranks(changes.positions - start, history.positions, history.ages, length)
+    return history_ranks(changes.positions - start, history.positions, history.contexts(), length)
 
 
 class HistoryBlobCoder(CondBlobCoder):
@@ -219,7 +261,7 @@ class HistoryBlobCoder(CondBlobCoder):
 def decode_chunk(tables: CondTables, words: np.ndarray, raw: np.ndarray, count: int, start: int, length: int,
                  word_size: int, history: ChunkHistory) -> Changes:
     """A history-coded chunk's changes (absolute positions), given the history it was coded with."""
-    pos, sym, bneg, bmag, err = _decode(words, history.positions, history.ages, length, count,
+    pos, sym, bneg, bmag, err = _decode(words, history.positions, history.contexts(), length, count,
                                         tables.gf, tables.gc, tables.glut, tables.vf, tables.vc, tables.vlut)
     if err != rans.OK:
         raise FormatError(f"ansh chunk: {_ERRORS.get(err, f'error {err}')}")

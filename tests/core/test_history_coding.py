@@ -69,14 +69,31 @@ def _trace(n: int, steps: int, seed: int = 0):
     return out
 
 
+def _hist(pos, ages, prevs=None) -> hc.ChunkHistory:
+    pos = np.asarray(pos, np.int64)
+    return hc.ChunkHistory(pos, np.asarray(ages, np.uint8),
+                           np.zeros(pos.size, np.uint8) if prevs is None else np.asarray(prevs, np.uint8))
+
+
 def test_advance_ages_the_history_and_drops_what_is_older_than_the_depth():
-    h = hc.ChunkHistory(np.array([2, 5, 9], np.int64), np.array([1, 3, 2], np.uint8))
+    h = _hist([2, 5, 9], [1, 3, 2], [0, 0, 3])
     h2 = hc.advance(h, np.array([0, 5, 7]), depth=3)
     assert h2.positions.tolist() == [0, 2, 5, 7, 9] and h2.ages.tolist() == [1, 2, 1, 1, 3]
-    h3 = hc.advance(h2, np.array([], np.int64), depth=3)
-    assert h3.positions.tolist() == [0, 2, 5, 7] and h3.ages.tolist() == [2, 3, 2, 2]
+    assert h2.prevs.tolist() == [0, 0, 0, 0, 0]  # 5's change before was 4 deltas ago: past the depth; 9's too
+    h3 = hc.advance(h2, np.array([2]), depth=3)
+    assert h3.positions.tolist() == [0, 2, 5, 7] and h3.ages.tolist() == [2, 1, 2, 2]
+    assert h3.prevs.tolist() == [0, 3, 0, 0]  # 2 changed now and 3 deltas ago
+    h4 = hc.advance(h3, np.array([], np.int64), depth=4)
+    assert h4.ages.tolist() == [3, 2, 3, 3] and h4.prevs.tolist() == [0, 4, 0, 0]
     with pytest.raises(ValueError, match="depth"):
         hc.advance(h, np.array([1]), depth=0)
+
+
+def test_contexts_class_the_age_and_the_interval():
+    h = _hist([0, 1, 2, 3, 4], [1, 2, 3, 9, 1], [0, 3, 7, 10, 2])
+    # (age class - 1) * 6 + interval class + 1: interval none / 1 / 3-4 / 1 / 1
+    assert h.contexts().tolist() == [1, 6 + 1 + 1, 12 + 3 + 1, 24 + 1 + 1, 0 + 1 + 1]
+    assert int(h.contexts().max()) <= hc.N_HOT
 
 
 def test_a_trace_round_trips_step_after_step_and_the_history_makes_it_smaller():
@@ -114,13 +131,13 @@ def test_edge_histories_round_trip(case):
         idx = rng.choice(n, 40, replace=False)
     elif case == "all hot":
         hp = np.sort(rng.choice(n, 300, replace=False))
-        hist = hc.ChunkHistory(hp, rng.integers(1, 5, hp.size).astype(np.uint8))
+        hist = _hist(hp, rng.integers(1, 5, hp.size), rng.integers(5, 9, hp.size) * rng.integers(0, 2, hp.size))
         idx = rng.choice(hp, 50, replace=False)
     elif case == "edges":
-        hist = hc.ChunkHistory(np.array([0, 17, n - 1], np.int64), np.array([2, 1, 1], np.uint8))
+        hist = _hist([0, 17, n - 1], [2, 1, 1])
         idx = np.array([0, 1, 16, 17, 18, n - 2, n - 1])
     else:
-        hist = hc.ChunkHistory(np.arange(n, dtype=np.int64), rng.integers(1, 9, n).astype(np.uint8))
+        hist = _hist(np.arange(n), rng.integers(1, 9, n))
         idx = rng.choice(n, 700, replace=False)
     new[idx] += rng.integers(1, 40, idx.size).astype(np.uint16)
     new[idx[:3]] ^= 0x8000  # sign flips: raw words
@@ -142,11 +159,11 @@ def test_bad_messages_and_wrong_histories_are_format_errors():
     with pytest.raises(FormatError, match="ansh chunk"):
         hc.decode_chunk(tables, msg[: msg.size - 3], raw, count, 0, n, 2, hist)  # truncated
     with pytest.raises(FormatError, match="ansh chunk"):  # a history out of order
-        hc.decode_chunk(tables, msg, raw, count, 0, n, 2, hc.ChunkHistory(hist.positions[::-1].copy(), hist.ages))
+        hc.decode_chunk(tables, msg, raw, count, 0, n, 2, hc.ChunkHistory(hist.positions[::-1].copy(), hist.ages, hist.prevs))
     with pytest.raises(FormatError, match="ansh chunk"):  # a history position past the chunk
         hc.decode_chunk(tables, msg, raw, count, 0, 10, 2, hist)
     # another history: refused, or other positions (the fingerprints after an apply catch those)
-    other = hc.ChunkHistory(hist.positions[1:].copy(), hist.ages[1:].copy())
+    other = hc.ChunkHistory(hist.positions[1:].copy(), hist.ages[1:].copy(), hist.prevs[1:].copy())
     try:
         got = hc.decode_chunk(tables, msg, raw, count, 0, n, 2, other)
     except FormatError:
