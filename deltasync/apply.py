@@ -40,7 +40,10 @@ from . import kernels
 from .dtypes import dtype_info, host_words, numpy_word_dtype, signed_word_dtype, word_count, word_view, word_sizes_in
 from .blob import verify_blob
 from .parts import split_counts
-from .errors import ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError
+from .conditioned import CODING_HISTORY
+from .errors import (ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError,
+                     UnsupportedError)
+from .history import HISTORY_META, PendingHistory, StateHistory
 from .fingerprint import (FingerprintTable, NameIndex, StateLines, fingerprint_delta, words_range_delta, fp_hex,
                           state_fingerprint, tensor_fingerprint, update_fingerprint)
 from .kernels.fpkeys import MASK64
@@ -87,14 +90,23 @@ class PreparedDelta:
 
 
 def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor | None = None,
-                  only: set[str] | frozenset[str] | None = None) -> PreparedDelta:
+                  only: set[str] | frozenset[str] | None = None, history: StateHistory | None = None) -> PreparedDelta:
     """Decode a delta's blobs and check them against its manifest. Raises FormatError/IntegrityError.
 
     ``executor``: decode chunks on its threads (the caller owns it; the core starts none).
     ``only``: decode just these blob ids (None: all). A tensor with no chunk in them is left
-    out (``skipped``); a tensor with chunks both in and out of them raises FormatError."""
+    out (``skipped``); a tensor with chunks both in and out of them raises FormatError.
+    ``history``: the stream's history at the delta's parent, which a history-coded delta needs (docs/FORMAT.md
+    §4.5; not advanced here: the caller takes the delta in once it is applied)."""
     if manifest.kind != "delta":
         raise FormatError(f"v{manifest.version} is a {manifest.kind}, not a delta")
+    by_history = manifest.coding == CODING_HISTORY
+    if by_history:
+        if history is None:
+            raise UnsupportedError(f"v{manifest.version} uses the history coding: decoding it needs the stream's "
+                                   f"history of the deltas since v{manifest.meta.get(HISTORY_META, '?').split(':')[0]} "
+                                   "(prepare_delta(history=))")
+        history.check(manifest)
     if only is not None:
         unknown = set(only) - {ref.id for ref in manifest.blobs}
         if unknown:
@@ -150,6 +162,11 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
                 raise FormatError(f"{rec.name}: chunk {ref.index} of blob {ref.blob} belongs to {p.tensor} ({p.dtype})")
             if p.start < last_stop or p.stop > words:
                 raise FormatError(f"{rec.name}: chunk [{p.start}:{p.stop}] overlaps or leaves the tensor of {words} words")
+            if isinstance(p.pending, PendingHistory):
+                if not by_history:
+                    raise FormatError(f"{rec.name}: chunk {ref.index} of blob {ref.blob} is history-coded (ansh), "
+                                      f"the manifest says the {manifest.coding} coding")
+                p = p.resolve_history(history.chunk(rec.name, p.start, p.stop))
             if partial and (p.start, p.stop) != spans[rec.name][k]:
                 raise FormatError(f"{rec.name}: chunk {k} covers [{p.start}:{p.stop}], its recorded span is "
                                   f"{spans[rec.name][k]}")
@@ -1208,10 +1225,15 @@ def _patch_group(patch_one, group):
 
 
 def apply_delta(target, manifest: Manifest, blobs: BlobSource, fps: Mapping[str, int] | None = None, *,
-                verify: str = "incremental", executor: Executor | None = None) -> dict[str, int]:
-    """prepare_delta + apply_prepared in one call."""
-    return apply_prepared(target, prepare_delta(manifest, blobs, executor=executor), fps, verify=verify,
-                          executor=executor)
+                verify: str = "incremental", executor: Executor | None = None,
+                history: StateHistory | None = None) -> dict[str, int]:
+    """prepare_delta + apply_prepared in one call; a history-coded delta also takes the ``history`` at its parent
+    and, once applied, advances it to its version."""
+    prepared = prepare_delta(manifest, blobs, executor=executor, history=history)
+    out = apply_prepared(target, prepared, fps, verify=verify, executor=executor)
+    if history is not None and manifest.coding == CODING_HISTORY:
+        history.advance_patches(manifest.version, prepared.patches)
+    return out
 
 
 # -- Q: loading the compiled kernels before the first delta --------------------------------------

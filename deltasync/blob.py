@@ -44,7 +44,8 @@ BLOB_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 WORD_STREAMS = {f"{kind}{w}": w for kind in ("raw", "dense") for w in (1, 2, 4, 8)}
 V1_BYTE_STREAMS = {"gap", "gapx", "bitmap", "sym", "tok", "ext"}
 V2_BYTE_STREAMS = V1_BYTE_STREAMS | {"ans", "ansm"}  # v2: rANS messages (16-bit words, LE) and their tables
-BYTE_STREAMS = V2_BYTE_STREAMS | {"ansx", "ansxm"}  # v3: base-conditioned messages and their tables
+# v3: base-conditioned messages and their tables; history-conditioned ones (deltasync.history) and theirs
+BYTE_STREAMS = V2_BYTE_STREAMS | {"ansx", "ansxm", "ansh", "anshm"}
 STREAMS = BYTE_STREAMS | set(WORD_STREAMS)
 _STREAMS_OF = {1: V1_BYTE_STREAMS | set(WORD_STREAMS), 2: V2_BYTE_STREAMS | set(WORD_STREAMS), 3: STREAMS,
                4: {"ans", "ansm"} | set(WORD_STREAMS)}

@@ -47,12 +47,14 @@ from .manifest import SPANS_META_PREFIX, BlobRef, ChunkRef, Manifest, TensorReco
 from .tensortable import fp_values
 from .tensorfile import same_header
 from .entropy import AnsBlobCoder, AnsTables, decode_ans_columns, decode_ans_rows, word_symbols
-from .conditioned import (CODING_BASE_CONDITIONED, CODING_BASE_FREE, CODING_META, CODINGS, CondBlobCoder, CondTables,
+from .conditioned import (CODING_BASE_CONDITIONED, CODING_BASE_FREE, CODING_HISTORY, CODING_META, CODINGS, CondBlobCoder,
+                          CondTables,
                           PendingChanges, chunk_ranks, context_spec)
 from . import kernels
 from .kernels import changes_from_words, decode_bitmap, decode_gaps, decode_values, encode_bitmap, encode_gaps, encode_values
 from .positions import choose_position_mode
 from .values import Changes
+from .history import HISTORY_META, ChunkHistory, HistoryBlobCoder, PendingHistory, StateHistory
 
 if TYPE_CHECKING:
     import torch
@@ -75,9 +77,11 @@ class EncodeOptions:
     # binary chunk records; 2 = the same chunks under JSON records (what readers before version 4 understand);
     # 1 = the byte-token coding every older reader understands (publish 2 or 1 while a fleet still runs them).
     format: int = 4
-    # "base-free" (formats 1/2: relays squash chains without the model) or "base-conditioned" (blob format 3:
+    # "base-free" (formats 1/2: relays squash chains without the model), "base-conditioned" (blob format 3:
     # positions and steps modelled by the old word's exponent, ~30% smaller on AdamW traces; decoding needs the
-    # base, so relays cannot squash the stream: subscribers walk its chain). docs/FORMAT.md §4.4.
+    # base, so relays cannot squash the stream: subscribers walk its chain; docs/FORMAT.md §4.4) or "history"
+    # (blob format 3: positions modelled by the deltas before, ~20% smaller, O(changed) at both ends, which both
+    # hold the stream's history; relays cannot squash it either; §4.5).
     coding: str = CODING_BASE_FREE
     dim1_suffixes: tuple[str, ...] = ("o_proj.weight", "down_proj.weight", ".w2.weight", "experts.down_proj")
 
@@ -94,14 +98,14 @@ class EncodeOptions:
             raise ValueError(f"format must be 1, 2, 3 or 4, got {self.format!r}")
         if self.coding not in CODINGS:
             raise ValueError(f"coding must be one of {CODINGS}, got {self.coding!r}")
-        if (self.format == 3) != (self.coding == CODING_BASE_CONDITIONED) and self.format not in ANS_VERSIONS:
+        if (self.format == 3) != (self.coding != CODING_BASE_FREE) and self.format not in ANS_VERSIONS:
             raise ValueError(f"blob format {self.format} cannot carry the {self.coding} coding "
-                             "(base-conditioned is format 3; base-free is 1, 2 or 4)")
+                             "(base-conditioned and history are format 3; base-free is 1, 2 or 4)")
 
     @property
     def blob_format(self) -> int:
-        """The blob version written: 3 for the base-conditioned coding, else ``format``."""
-        return 3 if self.coding == CODING_BASE_CONDITIONED else self.format
+        """The blob version written: 3 for the base-conditioned and history codings, else ``format``."""
+        return self.format if self.coding == CODING_BASE_FREE else 3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,7 +118,8 @@ class ChunkPatch:
     stop: int
     changes: Changes | None = None  # gap/bitmap/ans modes (and ansx once resolved)
     dense: np.ndarray | None = None  # dense mode: every new word of the chunk
-    pending: PendingChanges | None = None  # ansx mode before :meth:`resolve`: needs the base's words
+    # ansx mode before :meth:`resolve` (needs the base's words); ansh before :meth:`resolve_history` (the history's)
+    pending: PendingChanges | PendingHistory | None = None
 
     @property
     def count(self) -> int:
@@ -127,12 +132,26 @@ class ChunkPatch:
         (host, unsigned). Reads every word given (O(chunk)); a chunk that needs no base returns itself."""
         if self.changes is not None or self.pending is None:
             return self
+        if isinstance(self.pending, PendingHistory):
+            raise UnsupportedError(f"{self.tensor}[{self.start}:{self.stop}] uses the history coding: decoding it "
+                                   "needs the stream's history (prepare_delta(history=)), not the base")
         return ChunkPatch(tensor=self.tensor, dtype=self.dtype, start=self.start, stop=self.stop,
                           changes=self.pending.decode(base))
+
+    def resolve_history(self, history: ChunkHistory) -> "ChunkPatch":
+        """This ``ansh`` chunk with its changes decoded with ``history`` (the chunk's, at the delta's parent)."""
+        if not isinstance(self.pending, PendingHistory):
+            return self
+        return ChunkPatch(tensor=self.tensor, dtype=self.dtype, start=self.start, stop=self.stop,
+                          changes=self.pending.decode(history))
 
     def as_changes(self) -> Changes:
         if self.changes is not None:
             return self.changes
+        if isinstance(self.pending, PendingHistory):
+            raise UnsupportedError(
+                f"{self.tensor}[{self.start}:{self.stop}] uses the history coding: decoding it needs the stream's "
+                "history (prepare_delta(history=))")
         if self.pending is not None:
             raise UnsupportedError(
                 f"{self.tensor}[{self.start}:{self.stop}] uses the base-conditioned coding: decoding it needs the "
@@ -472,12 +491,14 @@ class ChunkPacker:
         self.refs: dict[str, list[ChunkRef]] = {}
         self._pending: list[tuple[str, int, int, int]] = []  # (tensor, index in open blob, span start, stop)
         self._ans = AnsBlobCoder(executor)  # v2: the open blob's ans chunks, coded when it closes (on executor's threads)
-        self._cond = CondBlobCoder()  # v3: the open blob's ansx chunks
+        # v3: the open blob's ansx chunks (or ansh: the same coder over the history's groups)
+        self._cond = HistoryBlobCoder() if options.coding == CODING_HISTORY else CondBlobCoder()
 
     def add(self, name: str, info: DtypeInfo, start: int, stop: int, changes: Changes,
             ranks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
         """``ranks``: :func:`conditioned.chunk_ranks` of the chunk against its base (format 3 codes the
-        chunk ``ansx`` with them; without them, or for a dtype the mode does not cover, ``ans``)."""
+        chunk ``ansx`` with them; without them, or for a dtype the mode does not cover, ``ans``), or with the
+        history coding :func:`history.history_ranks` against its history (``ansh``, any dtype)."""
         length = stop - start
         count = len(changes)
         if count == 0:
@@ -488,7 +509,8 @@ class ChunkPacker:
             self.add_dense(name, info, start, stop, changes.values)
             return
         fmt = self.options.blob_format
-        if fmt == 3 and ranks is not None and context_spec(info.name) is not None:
+        if fmt == 3 and ranks is not None and (self.options.coding == CODING_HISTORY
+                                               or context_spec(info.name) is not None):
             raw = self._cond.add(record, ranks, changes)
             self.writer.raw_bytes += 2 * count
             self._add(name, record, {f"raw{w}": raw})
@@ -613,6 +635,7 @@ def encode_delta(
     meta: Mapping[str, str] | None = None,
     progress: Callable[[int, int], None] | None = None,
     executor: Executor | None = None,
+    history: StateHistory | None = None,
 ) -> Encoded:
     """Delta from ``old`` (version ``parent``) to ``new`` (``version``): :func:`diff_states`
     then :func:`encode_diff`.
@@ -621,14 +644,15 @@ def encode_delta(
     publisher does); otherwise they are computed. The new fingerprints are derived
     incrementally from the changes, so encoding reads each tensor once.
     ``progress(done_bytes, total_bytes)`` is called after each chunk; ``executor``: compare
-    chunks and code them on its threads (:func:`diff_states`, :func:`encode_diff`).
+    chunks and code them on its threads (:func:`diff_states`, :func:`encode_diff`). ``history``: the
+    stream's history at ``parent``, for the history coding (the caller advances it once the delta is out).
     """
     options = options or EncodeOptions()
     diff = diff_states(old, new, base_fps=base_fps, chunk_words=options.chunk_words, progress=progress,
                        executor=executor)
     conditioned = options.coding == CODING_BASE_CONDITIONED
     return encode_diff(diff, model=model, version=version, parent=parent, options=options, meta=meta,
-                       base=old if conditioned else None, executor=executor)
+                       base=old if conditioned else None, executor=executor, history=history)
 
 
 RankTable = dict[tuple[str, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -669,13 +693,21 @@ def diff_ranks(diff: StateDiff, base: Mapping[str, torch.Tensor]) -> RankTable:
 
 def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, options: EncodeOptions | None = None,
                 meta: Mapping[str, str] | None = None, base: Mapping[str, torch.Tensor] | None = None,
-                ranks: RankTable | None = None, executor: Executor | None = None) -> Encoded:
+                ranks: RankTable | None = None, executor: Executor | None = None,
+                history: StateHistory | None = None) -> Encoded:
     """The delta ``parent → version`` from a :class:`StateDiff` (any thread; host only); unsigned.
 
     The base-conditioned coding (``options.coding``) also needs ``ranks`` (:func:`diff_ranks`) or the
-    ``base`` state to compute them from. ``executor``: code chunks on its threads (the compiled kernels
-    release the GIL); the bytes are the same as without."""
+    ``base`` state to compute them from; the history coding needs ``history`` (the stream's
+    :class:`~deltasync.history.StateHistory` at ``parent``), which it does not advance. ``executor``: code chunks
+    on its threads (the compiled kernels release the GIL); the bytes are the same as without."""
     options = options or EncodeOptions()
+    if options.coding == CODING_HISTORY:
+        if history is None:
+            raise ValueError("the history coding needs the stream's history: pass history= (a StateHistory)")
+        if history.version != parent:
+            raise ValueError(f"the history is at v{history.version}, not at the delta's parent v{parent}")
+        ranks = history.ranks(diff)
     if options.coding == CODING_BASE_CONDITIONED and ranks is None:
         if base is None:
             raise ValueError("the base-conditioned coding needs the base: pass base= (the state before) or "
@@ -744,8 +776,10 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
             changed=(cs[0].positions.size if len(cs) == 1 else sum([c.positions.size for c in cs])) if cs else 0,
             chunks=tuple(refs[name]) if name in refs else ()))
     meta = dict(meta or {})
-    if options.coding == CODING_BASE_CONDITIONED:
-        meta[CODING_META] = CODING_BASE_CONDITIONED  # readers (relays, subscribers) know before fetching a blob
+    if options.coding != CODING_BASE_FREE:
+        meta[CODING_META] = options.coding  # readers (relays, subscribers) know before fetching a blob
+    if options.coding == CODING_HISTORY:
+        meta[HISTORY_META] = history.meta
     if len(packer.order) > 1:  # with one blob there is nothing to select: no spans
         for name in names:
             cs = chunks.get(name)
@@ -786,7 +820,8 @@ CHUNK_MODES: dict[int, dict[str, Callable[[dict, int], dict[str, int]]]] = {
         "ans": lambda r, w: {"ans": 2 * r["na"], f"raw{w}": r["nr"]},
     },
 }
-CHUNK_MODES[3] = {**CHUNK_MODES[2], "ansx": lambda r, w: {"ansx": 2 * r["na"], f"raw{w}": r["nr"]}}
+CHUNK_MODES[3] = {**CHUNK_MODES[2], "ansx": lambda r, w: {"ansx": 2 * r["na"], f"raw{w}": r["nr"]},
+                  "ansh": lambda r, w: {"ansh": 2 * r["na"], f"raw{w}": r["nr"]}}
 CHUNK_MODES[4] = CHUNK_MODES[2]  # version 2's chunks, their records as binary columns
 
 
@@ -880,6 +915,7 @@ def decode_blob_columns(data: bytes | bytearray | memoryview, *, executor: Execu
     modes = CHUNK_MODES[reader.version]
     tables: list[AnsTables] = []  # the blob's models, parsed at its first ans chunk
     ctables: list[CondTables] = []  # v3: the blob's per-context models, parsed at its first ansx chunk
+    htables: list[CondTables] = []  # v3: the same for its ansh chunks
 
     jobs: list[Callable[[], ChunkPatch] | None] = []
     # ans chunks: (index in jobs, tensor, dtype, stop) and their kernel rows (entropy.decode_ans_rows)
@@ -934,6 +970,19 @@ def decode_blob_columns(data: bytes | bytearray | memoryview, *, executor: Execu
                 raise FormatError("ansx chunk: its message is shorter than the 2-word state")
             pending = PendingChanges(tables=ctables[0], words=words, raw=raw, count=count, start=start,
                                      length=length, word_size=w, dtype=info.name)
+            patch = ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, pending=pending)
+            jobs.append(lambda patch=patch: patch)
+            continue
+        if mode == "ansh":
+            if not htables:
+                htables.append(CondTables.parse(reader.stream("anshm")))
+                cursors["anshm"] = reader.stream("anshm").size
+            words = np.array(take("ansh", 2 * _nonneg(rec, "na"))).view("<u2")
+            raw = take(f"raw{w}", _nonneg(rec, "nr"), wdt)
+            if int(words.size) < 2:
+                raise FormatError("ansh chunk: its message is shorter than the 2-word state")
+            pending = PendingHistory(tables=htables[0], words=words, raw=raw, count=count, start=start,
+                                     length=length, word_size=w)
             patch = ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, pending=pending)
             jobs.append(lambda patch=patch: patch)
             continue

@@ -36,7 +36,8 @@ from .varint import decode_varints, encode_varints
 
 CODING_BASE_FREE = "base-free"
 CODING_BASE_CONDITIONED = "base-conditioned"
-CODINGS = (CODING_BASE_FREE, CODING_BASE_CONDITIONED)
+CODING_HISTORY = "history"  # deltasync.history: positions modelled by the deltas before (ansh chunks)
+CODINGS = (CODING_BASE_FREE, CODING_BASE_CONDITIONED, CODING_HISTORY)
 CODING_META = "deltasync.coding"  # manifest meta key; absent = base-free
 
 N_CTX = 256

@@ -6,8 +6,10 @@ word moves that word, and a raw word replaces whatever came before. The result
 applied to v equals applying the chain in order, bit for bit; its fingerprints
 are the chain's first ``fp_before`` and last ``fp_after``.
 
-A chain in the base-conditioned coding (docs/FORMAT.md §4.4: decoding needs the base) is refused with
-:class:`~deltasync.errors.UnsupportedError` before any blob is read; subscribers walk such chains.
+A chain in the base-conditioned coding (docs/FORMAT.md §4.4: decoding needs the base) or the history coding
+(§4.5: decoding needs the deltas before, and a squashed delta would leave the history its successors were
+coded with) is refused with :class:`~deltasync.errors.UnsupportedError` before any blob is read; subscribers
+walk such chains.
 
 Work is bounded (:class:`SquashBudget`): the words read from the chain's blobs, the changed
 words held, the output bytes and the wall time each have a cap, checked between steps; going
@@ -94,9 +96,10 @@ def check_chain(manifests: Sequence[Manifest]) -> None:
         if m.kind != "delta":
             raise ChainError(f"v{m.version} is a {m.kind}; only deltas squash")
         if m.coding != "base-free":
-            raise UnsupportedError(
-                f"{m.model} v{m.version} uses the {m.coding} coding: decoding it needs the base model, so it "
-                "cannot be squashed without the model; fetch the chain version by version")
+            why = ("decoding it needs the stream's history, so it cannot be squashed" if m.coding == "history" else
+                   "decoding it needs the base model, so it cannot be squashed without the model")
+            raise UnsupportedError(f"{m.model} v{m.version} uses the {m.coding} coding: {why}; fetch the chain "
+                                   "version by version")
         if m.model != manifests[0].model:
             raise ChainError(f"chain mixes models {manifests[0].model!r} and {m.model!r}")
     for a, b in zip(manifests, manifests[1:]):
@@ -131,9 +134,10 @@ def squash_chain(manifests: Sequence[Manifest], get_blob: Callable[[str], bytes]
                 raise IntegrityError(f"v{m.version}: blob {ref.id} is {len(data)} bytes, its manifest says {ref.size}")
             version = blob_version(data)
             newest = max(newest, version)
-            if version == 3:  # a base-conditioned blob under a manifest that does not say so
-                raise UnsupportedError(f"v{m.version}: blob {ref.id} uses the base-conditioned coding (format 3), which "
-                                       "cannot be squashed without the model; fetch the chain version by version")
+            if version == 3:  # a base- or history-conditioned blob under a manifest that does not say so
+                raise UnsupportedError(f"v{m.version}: blob {ref.id} is blob format 3 (the base-conditioned or history "
+                                       "coding), which cannot be squashed without the model or the stream's history; "
+                                       "fetch the chain version by version")
             for patch in decode_blob(data):
                 rec = layout.get(patch.tensor)
                 if rec is None or rec.dtype != patch.dtype or patch.stop > rec.words:

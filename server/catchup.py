@@ -177,9 +177,10 @@ class CatchupBuilder:
         if len(chain) == 1:
             return await self.catalog.manifest_bytes(model, end)
         coded = next((m for m in chain if m.coding != "base-free"), None)
-        if coded is not None:  # docs/FORMAT.md §4.4: decoding needs the model, which a server does not hold
+        if coded is not None:  # docs/FORMAT.md §4.4-4.5: decoding needs the model or the history, which a server
+            why = "the stream's history" if coded.coding == "history" else "the model"
             raise UnsupportedError(f"{model} v{coded.version} uses the {coded.coding} coding, which cannot be squashed "
-                                   "without the model; fetch the chain version by version")
+                                   f"without {why}; fetch the chain version by version")
         ids = sorted({b.id for m in chain for b in m.blobs})
         self.store.lease(ids)
         try:

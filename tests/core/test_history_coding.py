@@ -75,18 +75,23 @@ def _hist(pos, ages, prevs=None) -> hc.ChunkHistory:
                            np.zeros(pos.size, np.uint8) if prevs is None else np.asarray(prevs, np.uint8))
 
 
-def test_advance_ages_the_history_and_drops_what_is_older_than_the_depth():
-    h = _hist([2, 5, 9], [1, 3, 2], [0, 0, 3])
-    h2 = hc.advance(h, np.array([0, 5, 7]), depth=3)
-    assert h2.positions.tolist() == [0, 2, 5, 7, 9] and h2.ages.tolist() == [1, 2, 1, 1, 3]
-    assert h2.prevs.tolist() == [0, 0, 0, 0, 0]  # 5's change before was 4 deltas ago: past the depth; 9's too
-    h3 = hc.advance(h2, np.array([2]), depth=3)
-    assert h3.positions.tolist() == [0, 2, 5, 7] and h3.ages.tolist() == [2, 1, 2, 2]
-    assert h3.prevs.tolist() == [0, 3, 0, 0]  # 2 changed now and 3 deltas ago
-    h4 = hc.advance(h3, np.array([], np.int64), depth=4)
-    assert h4.ages.tolist() == [3, 2, 3, 3] and h4.prevs.tolist() == [0, 4, 0, 0]
+def test_the_history_keeps_the_last_two_changes_within_the_depth_in_one_flat_column():
+    h = hc.StateHistory({"b": ("bfloat16", (10,)), "a": ("float32", (4,))}, since=5, depth=3)
+    assert h.offsets == {"a": 0, "b": 4} and h.words == 14 and h.version == 5
+    h.advance(6, [("b", np.array([2, 5, 9])), ("a", np.array([1]))])
+    h.advance(7, [("b", np.array([5]))])
+    c = h.chunk("b", 0, 10)  # as coding the delta into v8 sees it
+    assert c.positions.tolist() == [2, 5, 9] and c.ages.tolist() == [2, 1, 2] and c.prevs.tolist() == [0, 2, 0]
+    assert h.chunk("a", 0, 4).positions.tolist() == [1] and h.chunk("b", 3, 9).positions.tolist() == [2]
+    h.advance(8, [])
+    h.advance(9, [("b", np.array([9]))])  # 2 and a's 1 are now 4 deltas old: gone; 9's change before (v6) too
+    c = h.chunk("b", 0, 10)
+    assert c.positions.tolist() == [5, 9] and c.ages.tolist() == [3, 1] and c.prevs.tolist() == [0, 0]
+    assert len(h.chunk("a", 0, 4)) == 0 and len(h) == 2 and h.meta == "5:3"
+    with pytest.raises(ValueError, match="v9"):
+        h.advance(11, [])
     with pytest.raises(ValueError, match="depth"):
-        hc.advance(h, np.array([1]), depth=0)
+        hc.StateHistory({}, since=0, depth=0)
 
 
 def test_contexts_class_the_age_and_the_interval():
@@ -100,17 +105,16 @@ def test_a_trace_round_trips_step_after_step_and_the_history_makes_it_smaller():
     words = _trace(200_000, 12)
     n, chunk = words[0].size, 1 << 15
     spans = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
-    hists = {s: hc.ChunkHistory.empty() for s, _ in spans}
+    hist = hc.StateHistory({"w": ("bfloat16", (n,))}, since=0, depth=8)
     sizes = []
     for t in range(12):
         old, new = words[t], words[t + 1]
-        chunks = [(old[s:e], new[s:e], s, hists[s]) for s, e in spans if (old[s:e] != new[s:e]).any()]
+        chunks = [(old[s:e], new[s:e], s, hist.chunk("w", s, e)) for s, e in spans if (old[s:e] != new[s:e]).any()]
         out, meta, expected = _code(chunks)
         for want, got in zip(expected, _decode_all(out, meta, chunks)):
             _same(want, got)
         sizes.append(out.nbytes() + sum(r.nbytes for r, _ in meta))
-        for s, e in spans:
-            hists[s] = hc.advance(hists[s], np.flatnonzero(old[s:e] != new[s:e]), depth=8)
+        hist.advance(t + 1, [("w", np.flatnonzero(old != new))])
     # the first step has no history: the same models as ansx with one context; later steps know the hot words
     t0 = {"w": torch.from_numpy(words[10].view(np.int16)).view(torch.bfloat16)}
     t1 = {"w": torch.from_numpy(words[11].view(np.int16)).view(torch.bfloat16)}
@@ -148,8 +152,10 @@ def test_edge_histories_round_trip(case):
 
 def test_bad_messages_and_wrong_histories_are_format_errors():
     words = _trace(50_000, 3)
-    hist = hc.advance(hc.ChunkHistory.empty(), np.flatnonzero(words[0] != words[1]), depth=4)
-    hist = hc.advance(hist, np.flatnonzero(words[1] != words[2]), depth=4)
+    state = hc.StateHistory({"w": ("bfloat16", (words[0].size,))}, since=0, depth=4)
+    state.advance(1, [("w", np.flatnonzero(words[0] != words[1]))])
+    state.advance(2, [("w", np.flatnonzero(words[1] != words[2]))])
+    hist = state.chunk("w", 0, words[0].size)
     chunks = [(words[2], words[3], 0, hist)]
     out, meta, expected = _code(chunks)
     tables = CondTables.parse(out.parts["anshm"][0])
@@ -169,3 +175,122 @@ def test_bad_messages_and_wrong_histories_are_format_errors():
     except FormatError:
         return
     assert not np.array_equal(got.positions, expected[0].positions)
+
+
+# -- the coding in delta files (docs/FORMAT.md §4.5) -----------------------------------------------
+
+from dataclasses import replace  # noqa: E402
+
+from deltasync.apply import apply_delta, prepare_delta  # noqa: E402
+from deltasync.blob import blob_version  # noqa: E402
+from deltasync.codec import ChunkPatch, diff_states  # noqa: E402
+from deltasync.errors import BaseMismatchError, IntegrityError, UnsupportedError  # noqa: E402
+from deltasync.squash import squash_chain  # noqa: E402
+
+HIST = EncodeOptions(coding="history")
+
+
+def _states(steps: int):
+    """A two-tensor AdamW-like trace (bf16 of moving fp32 masters), plus an int8 tensor that never moves."""
+    words = _trace(120_000, steps, seed=5)
+    small = _trace(3_000, steps, seed=6)
+    return [{"big": torch.from_numpy(w.view(np.int16)).view(torch.bfloat16).reshape(300, 400),
+             "small": torch.from_numpy(s.view(np.int16)).view(torch.bfloat16),
+             "ids": torch.arange(64, dtype=torch.int8)} for w, s in zip(words, small)]
+
+
+def _layout(state):
+    return {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()}
+
+
+def _stream(states, depth=8, since=0):
+    """Publish the trace history-coded: [(Encoded, base-free Encoded)], the publisher's history advanced."""
+    pub = hc.StateHistory(_layout(states[0]), since=since, depth=depth)
+    out = []
+    for v in range(1, len(states)):
+        a, b = states[v - 1], states[v]
+        enc = encode_delta(a, b, model="m", version=since + v, parent=since + v - 1, options=HIST, history=pub)
+        out.append((enc, encode_delta(a, b, model="m", version=since + v, parent=since + v - 1)))
+        pub.advance_diff(since + v, diff_states(a, b))
+    return out
+
+
+def test_a_history_coded_stream_applies_bit_for_bit_and_is_smaller():
+    states = _states(8)
+    stream = _stream(states)
+    live = {k: v.clone() for k, v in states[0].items()}
+    sub = hc.StateHistory(_layout(states[0]), since=0)
+    for v, (enc, free) in enumerate(stream, 1):
+        m = enc.manifest
+        assert m.coding == "history" and m.meta[hc.HISTORY_META] == "0:8"
+        assert {blob_version(b) for b in enc.blobs.values()} == {3}
+        apply_delta(live, m, enc.blobs, history=sub)
+        assert sub.version == v
+        for k in live:
+            assert torch.equal(live[k].view(torch.int8 if k == "ids" else torch.int16),
+                               states[v][k].view(torch.int8 if k == "ids" else torch.int16)), (v, k)
+    size = [sum(map(len, e.blobs.values())) for e, _ in stream]
+    free = [sum(map(len, f.blobs.values())) for _, f in stream]
+    assert size[0] < 1.02 * free[0] and size[-1] < 0.9 * free[-1], (size, free)
+
+
+def test_decoding_needs_the_history_it_was_coded_with():
+    states = _states(3)
+    (e1, _), (e2, _), *_ = _stream(states)
+    with pytest.raises(UnsupportedError, match="history coding.*since v0"):
+        prepare_delta(e1.manifest, e1.blobs)
+    sub = hc.StateHistory(_layout(states[0]), since=0)
+    with pytest.raises(BaseMismatchError, match="at v1; this end holds .* at v0"):
+        prepare_delta(e2.manifest, e2.blobs, history=sub)  # v1 not taken in
+    for other in (hc.StateHistory(_layout(states[0]), since=0, depth=4), hc.StateHistory(_layout(states[0]), since=1)):
+        with pytest.raises(BaseMismatchError, match="keyframe"):
+            prepare_delta(e1.manifest, e1.blobs, history=other)
+    p = prepare_delta(e1.manifest, e1.blobs, history=sub)
+    assert all(c.changes is not None for cs in p.patches.values() for c in cs)
+    raw = e1.manifest.blobs[0].id
+    from deltasync.codec import decode_blob
+    chunk = next(c for c in decode_blob(e1.blobs[raw]) if isinstance(c, ChunkPatch) and c.pending is not None)
+    with pytest.raises(UnsupportedError, match="history"):
+        chunk.resolve(np.zeros(chunk.stop - chunk.start, np.uint16))
+    with pytest.raises(UnsupportedError, match="history"):
+        chunk.as_changes()
+
+
+def test_forged_or_corrupt_history_deltas_leave_the_state_as_it_was():
+    states = _states(3)
+    (e1, _), (e2, _), *_ = _stream(states)
+    # history-coded chunks under a manifest that says base-free
+    with pytest.raises(FormatError, match="history-coded"):
+        prepare_delta(replace(e1.manifest, meta={}), e1.blobs)
+    # a history that diverged from the publisher's (same versions, other positions): refused by the decoder or by
+    # the fingerprints, and the state and the history left as they were
+    live = {k: v.clone() for k, v in states[0].items()}
+    sub = hc.StateHistory(_layout(states[0]), since=0)
+    for seed in range(3):
+        wrong = np.sort(np.random.default_rng(seed).choice(sub.words, 5000, replace=False)).astype(np.int64)
+        sub.positions, sub.last = wrong, np.zeros(wrong.size, np.uint32)
+        sub.prev = np.full(wrong.size, hc.NONE, np.uint32)
+        with pytest.raises((FormatError, IntegrityError)):
+            apply_delta(live, e1.manifest, e1.blobs, history=sub)
+        assert sub.version == 0 and np.array_equal(sub.positions, wrong)
+        for k in live:
+            assert torch.equal(live[k], states[0][k])
+    sub = hc.StateHistory(_layout(states[0]), since=0)
+    # the right delta with the right history still applies after the refusals
+    apply_delta(live, e1.manifest, e1.blobs, history=sub)
+    assert sub.version == 1 and torch.equal(live["big"], states[1]["big"])
+
+
+def test_squash_and_relays_refuse_history_chains_before_reading_a_blob():
+    states = _states(3)
+    (e1, _), (e2, _), *_ = _stream(states)
+    read = []
+    blobs = {**e1.blobs, **e2.blobs}
+    with pytest.raises(UnsupportedError, match="history coding.*cannot be squashed"):
+        squash_chain([e1.manifest, e2.manifest], lambda bid: read.append(bid) or blobs[bid])
+    assert read == []
+    with pytest.raises(ValueError, match="needs the stream's history"):
+        encode_delta(states[0], states[1], model="m", version=1, parent=0, options=HIST)
+    h = hc.StateHistory(_layout(states[0]), since=0)
+    with pytest.raises(ValueError, match="not at the delta's parent"):
+        encode_delta(states[1], states[2], model="m", version=2, parent=1, options=HIST, history=h)
