@@ -38,7 +38,9 @@ import aiohttp
 
 from deltasync import syncmachine as sm
 from deltasync.apply import prepare_delta
+from deltasync.conditioned import CODING_HISTORY
 from deltasync.errors import DeltaSyncError, IntegrityError, NotFoundError, SignatureError
+from deltasync.history import HistoryKeeper
 from deltasync.keyframe import load_keyframe
 from deltasync.manifest import Manifest, parse_manifest
 from deltasync.planner import walk_parents
@@ -90,6 +92,8 @@ class SyncDriver:
         self._main: asyncio.Task | None = None
         self._work: asyncio.Task | None = None
         self._squash_not_before = 0.0  # loop time before which no squash is asked for (one was not ready)
+        # the history-coded stream's history at each version prepared (docs/FORMAT.md §4.5); the decode thread only
+        self.histories = HistoryKeeper(lambda: self.live.applier.layout())
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     async def start(self, trusted: int | None) -> None:
@@ -307,7 +311,8 @@ class SyncDriver:
 
     async def _blobs(self, a: sm.FetchBlobs) -> sm.BlobsReady:
         m = a.manifest
-        only = self.live.applier.needed_blobs(m) if m.kind == "delta" else None
+        # a history-coded delta is decoded whole: the history of every chunk must take in every delta
+        only = self.live.applier.needed_blobs(m) if m.kind == "delta" and m.coding != CODING_HISTORY else None
         refs = [r for r in m.blobs if only is None or r.id in only]
         sem = asyncio.Semaphore(self.download_concurrency)
 
@@ -331,13 +336,23 @@ class SyncDriver:
         timeline.debug("mono=%.6f prepare-start v%d cpu=%.3f", time.monotonic(), a.version, time.process_time())
         if a.kind == "keyframe":
             state, fps = await loop.run_in_executor(self.pool, load_keyframe, a.manifest, blobs)
+            self.histories.keyframe(a.version)
             step = ReadyStep(kind="keyframe", state=state, fps=fps, **common)
         else:
-            prepared = await loop.run_in_executor(
-                self.pool, lambda: prepare_delta(a.manifest, blobs, only=set(only) if only is not None else None))
+            prepared = await loop.run_in_executor(self.pool, self._prepare_delta, a.manifest, blobs, only)
             step = ReadyStep(kind="delta", prepared=prepared, **common)
         timeline.debug("mono=%.6f prepare-end v%d cpu=%.3f", time.monotonic(), a.version, time.process_time())
         return sm.StepPrepared(ticket=a.ticket, version=a.version, payload=step)
+
+    def _prepare_delta(self, m: Manifest, blobs, only):
+        """prepare_delta on the decode thread; a history-coded delta with the history at its parent (steps are
+        prepared in chain order), which then takes it in."""
+        self.histories.forget(self.machine.live)
+        history = self.histories.at(m) if m.coding == CODING_HISTORY else None
+        prepared = prepare_delta(m, blobs, only=set(only) if only is not None else None, history=history)
+        if only is None:
+            self.histories.took(m, prepared.patches, history)
+        return prepared
 
     async def _check_initial(self, a: sm.CheckInitial) -> sm.InitialChecked:
         model = self.machine.config.model

@@ -75,6 +75,9 @@ import torch
 from deltasync.apply import live_tensors
 from deltasync.budget import Budgeter, BudgetPolicy, ResidualReport
 from deltasync.codec import EncodeOptions, Encoded, RankTable, diff_ranks
+from deltasync.conditioned import CODING_BASE_FREE, CODING_HISTORY
+from deltasync.dtypes import dtype_info
+from deltasync.history import HISTORY_META, StateHistory
 from deltasync.errors import ChainError, DeltaSyncError, PublishError
 from deltasync.fingerprint import state_fingerprint
 from deltasync.keyframe import DEFAULT_SHARD_BYTES, encode_keyframe
@@ -209,6 +212,7 @@ class _Job:
     meta: dict[str, str]
     budgeted: bool = False  # a budgeted delta: the worker plans it and patches the served view
     ranks: RankTable | None = None  # base-conditioned coding: what it needs of the base, taken at diff time
+    history_meta: str | None = None  # history coding: the history the ranks were taken with (meta[HISTORY_META])
 
 
 class Publisher:
@@ -262,6 +266,9 @@ class Publisher:
         self._ref: Reference | None = None
         self._version: int | None = None
         self._last_keyframe: int | None = None
+        # the history coding: the positions the deltas since the last keyframe changed (docs/FORMAT.md §4.5),
+        # kept on the publishing thread, in version order
+        self._history: StateHistory | None = None
         self._origin_checked = not check_origin
         self._closed = False
         self.results: list[PublishResult] = []  # committed versions, in order (kept small: last 1000)
@@ -279,6 +286,7 @@ class Publisher:
             self._ref = Reference.adopt(tensors, fps)
             self._version = self._last_keyframe = version
             self._origin_checked = True
+            self._start_history(version, tensors)
 
     # -- public API ----------------------------------------------------------------------
     @property
@@ -323,13 +331,14 @@ class Publisher:
                 force, self._force_keyframe = self._force_keyframe, False
                 generation = self._generation
             raw_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            ranks = None
+            ranks = history_meta = None
             if self._ref is None or force or not self._ref.same_layout(tensors):
                 if self._ref is None:
                     self._ref = Reference(tensors)
                 else:
                     self._ref.reset(tensors)
                 kind, side, diff, parent = "keyframe", False, None, None
+                self._start_history(step, tensors)
                 if self._budgeter is not None:
                     self._budgeter.reset()
                     words = sum(t.numel() for t in tensors.values())
@@ -341,11 +350,18 @@ class Publisher:
             else:
                 diff = self._ref.diff_and_update(tensors, chunk_words=self.options.chunk_words)
                 kind, parent = "delta", self._version
-                if self.options.coding != "base-free":  # from the reference now, before it moves on
+                if self.options.coding == CODING_HISTORY:  # with the history at the parent, which then takes it in
+                    ranks, history_meta = self._history.ranks(diff), self._history.meta
+                elif self.options.coding != CODING_BASE_FREE:  # from the reference now, before it moves on
                     ranks = diff_ranks(diff, self._ref.tensors)
             if kind == "delta":
                 side = keyframe or (self.keyframe_every > 0 and (
                     self._last_keyframe is None or step - self._last_keyframe >= self.keyframe_every))
+                if self._history is not None:
+                    if side:  # a late joiner starts at this keyframe: the deltas after it are coded since it
+                        self._start_history(step, tensors)
+                    else:
+                        self._history.advance_diff(step, diff)
             if kind == "keyframe" or side:
                 self._ref_free.clear()  # the workers read the reference to serialize the keyframe
                 self._last_keyframe = step
@@ -354,11 +370,14 @@ class Publisher:
             budgeted = kind == "delta" and self._budgeter is not None
             job = _Job(version=step, parent=parent, kind=kind, side=side, diff=diff, fps=dict(self._ref.fps),
                        generation=generation, blocking_s=blocking, raw_bytes=raw_bytes, meta=dict(meta or {}),
-                       budgeted=budgeted, ranks=ranks)
+                       budgeted=budgeted, ranks=ranks, history_meta=history_meta)
             fut = self._io.submit(self._process(job, self._prev))
         except BaseException:
             self._slots.release()
             self._ref_free.set()
+            if self._history is not None:
+                with self._lock:  # the history may have taken in a step that is not out: start again from a keyframe
+                    self._force_keyframe = True
             raise
         fut.add_done_callback(lambda _f: self._slots.release())
         self._prev = fut
@@ -427,6 +446,11 @@ class Publisher:
                 log.error("publisher close after %s: %s", exc_type.__name__, e)
 
     # -- internals ---------------------------------------------------------------------------
+    def _start_history(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        if self.options.coding == CODING_HISTORY:
+            self._history = StateHistory({n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in tensors.items()},
+                                         since=version)
+
     def _check_open(self) -> None:
         if self._closed:
             raise PublishError("publisher is closed")
@@ -552,6 +576,7 @@ def encode_job(job: _Job, ref: Reference, budgeter: Budgeter | None, *, model: s
             side = encode_keyframe(ref.tensors, model=side_model, version=job.version, fps=job.fps,
                                    shard_bytes=shard_bytes, meta=job.meta)
             on_side_done()
+        meta = job.meta if job.history_meta is None else {**job.meta, HISTORY_META: job.history_meta}
         main = encode_diff(job.diff, model=model, version=job.version, parent=job.parent, options=options,
-                           meta=job.meta, ranks=job.ranks)
+                           meta=meta, ranks=job.ranks)
     return main, side, report

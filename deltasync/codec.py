@@ -703,11 +703,14 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
     on its threads (the compiled kernels release the GIL); the bytes are the same as without."""
     options = options or EncodeOptions()
     if options.coding == CODING_HISTORY:
-        if history is None:
-            raise ValueError("the history coding needs the stream's history: pass history= (a StateHistory)")
-        if history.version != parent:
-            raise ValueError(f"the history is at v{history.version}, not at the delta's parent v{parent}")
-        ranks = history.ranks(diff)
+        if history is not None:
+            if history.version != parent:
+                raise ValueError(f"the history is at v{history.version}, not at the delta's parent v{parent}")
+            ranks = history.ranks(diff)
+            meta = {**(meta or {}), HISTORY_META: history.meta}
+        elif ranks is None or HISTORY_META not in (meta or {}):
+            raise ValueError("the history coding needs the stream's history: pass history= (a StateHistory), or "
+                             f"ranks=history.ranks(diff) with meta[{HISTORY_META!r}]=history.meta")
     if options.coding == CODING_BASE_CONDITIONED and ranks is None:
         if base is None:
             raise ValueError("the base-conditioned coding needs the base: pass base= (the state before) or "
@@ -778,8 +781,6 @@ def encode_diff(diff: StateDiff, *, model: str, version: int, parent: int, optio
     meta = dict(meta or {})
     if options.coding != CODING_BASE_FREE:
         meta[CODING_META] = options.coding  # readers (relays, subscribers) know before fetching a blob
-    if options.coding == CODING_HISTORY:
-        meta[HISTORY_META] = history.meta
     if len(packer.order) > 1:  # with one blob there is nothing to select: no spans
         for name in names:
             cs = chunks.get(name)

@@ -31,7 +31,7 @@ deltas since the last keyframe (docs/ARCHITECTURE.md, "History-conditioned codin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numba
@@ -313,16 +313,35 @@ class StateHistory:
 
     def check(self, manifest) -> None:
         """Raise unless ``manifest`` (history-coded) was coded with this history at its parent."""
-        text = manifest.meta.get(HISTORY_META, "")
-        try:
-            since, depth = (int(x) for x in text.split(":"))
-        except ValueError:
-            raise FormatError(f"v{manifest.version}: history coding without a valid {HISTORY_META} ({text!r})") from None
+        since, depth = _history_meta(manifest)
         if (since, depth) != (self.since, self.depth) or manifest.parent != self.version:
             raise BaseMismatchError(
                 f"v{manifest.version} was coded with the history of the deltas since v{since} (depth {depth}) at "
                 f"v{manifest.parent}; this end holds the history since v{self.since} (depth {self.depth}) at "
                 f"v{self.version}: start again from a keyframe at or after v{since}")
+
+    def copy(self) -> StateHistory:
+        """Another history at the same point (the columns are shared: an advance replaces them, never writes)."""
+        other = object.__new__(StateHistory)
+        other.since, other.depth, other.version = self.since, self.depth, self.version
+        other.offsets, other.words = self.offsets, self.words
+        other.positions, other.last, other.prev = self.positions, self.last, self.prev
+        return other
+
+    def restricted(self, since: int, depth: int) -> StateHistory:
+        """This history as an end that started at ``since`` (later than this one's) with ``depth`` (at most this
+        one's) would hold it: the same positions, less what is older than either."""
+        if since < self.since or depth > self.depth:
+            raise ValueError(f"the history since v{self.since} (depth {self.depth}) cannot give the one since "
+                             f"v{since} (depth {depth})")
+        other = self.copy()
+        other.since, other.depth = int(since), int(depth)
+        lo = np.int64(max(since, self.version - depth))
+        keep = self.last.astype(np.int64) > lo
+        other.positions, other.last = self.positions[keep], self.last[keep]
+        pv = self.prev[keep]
+        other.prev = np.where((pv != NONE) & (pv.astype(np.int64) > lo), pv, NONE).astype(np.uint32)
+        return other
 
     def chunk(self, name: str, start: int, stop: int) -> ChunkHistory:
         """The history of words [start, stop) of tensor ``name``, as coding the next delta sees it."""
@@ -384,3 +403,72 @@ class PendingHistory:
     def decode(self, history: ChunkHistory) -> Changes:
         return decode_chunk(self.tables, self.words, self.raw, self.count, self.start, self.length,
                             self.word_size, history)
+
+
+class HistoryKeeper:
+    """A subscriber's histories, for a driver that prepares the steps of a chain in order (ahead of applying
+    them): the history at each version prepared and not yet left behind. Nothing is kept for a stream that is
+    not history-coded; a keyframe starts an empty history at its version.
+
+    :meth:`at` gives the history a history-coded delta needs (at its parent, restricted to its ``since`` and
+    depth), or raises :class:`~deltasync.errors.BaseMismatchError` when this end did not take in the deltas it
+    needs (it started later, or restarted): only a keyframe at or after the delta's ``since`` helps.
+    :meth:`took` records the history after a prepared delta; :meth:`forget` drops what is older than the live
+    version (a refetch or a resync goes back to a version still kept)."""
+
+    def __init__(self, layout: Callable[[], Mapping[str, tuple[str, Sequence[int]]]]) -> None:
+        self._layout = layout  # the target's layout, asked for when a history is first made
+        self._at: dict[int, StateHistory | None] = {}  # version -> history there (None: empty since that version)
+
+    def keyframe(self, version: int) -> None:
+        self._at = {version: None}
+
+    def at(self, manifest) -> StateHistory:
+        since, depth = _history_meta(manifest)
+        parent = manifest.parent
+        have = self._at.get(parent, _MISSING)
+        if since == parent and (have is None or have is _MISSING):
+            return StateHistory(self._layout(), since=parent, depth=depth)  # what any end at the parent holds
+        if isinstance(have, StateHistory) and have.since <= since and have.depth >= depth:
+            return have if (have.since, have.depth) == (since, depth) else have.restricted(since, depth)
+        held = ("no history" if have is _MISSING else "the history since v" + str(
+            parent if have is None else have.since))
+        raise BaseMismatchError(f"v{manifest.version} was coded with the history of the deltas since v{since} "
+                                f"(depth {depth}); at v{parent} this subscriber holds {held}: start again from a "
+                                f"keyframe at or after v{since}")
+
+    def took(self, manifest, patches, history: StateHistory | None) -> None:
+        """Record the history after the prepared delta ``manifest`` (``history``: the one it was prepared with,
+        None for a delta of another coding: then only a stream already followed is advanced)."""
+        if history is None:
+            prev = self._at.get(manifest.parent)
+            if not isinstance(prev, StateHistory):
+                return
+            history = prev
+        after = history.copy()
+        after.advance_patches(manifest.version, patches)
+        self._at[manifest.version] = after
+
+    def forget(self, live: int | None) -> None:
+        """Drop the histories of versions before ``live`` (None: keep all)."""
+        if live is not None:
+            for v in [v for v in self._at if v < live]:
+                del self._at[v]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.nbytes for h in self._at.values() if h is not None)
+
+
+_MISSING = object()
+
+
+def _history_meta(manifest) -> tuple[int, int]:
+    text = manifest.meta.get(HISTORY_META, "")
+    try:
+        since, depth = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise FormatError(f"v{manifest.version}: history coding without a valid {HISTORY_META} ({text!r})") from None
+    if not 1 <= depth <= MAX_DEPTH or since > manifest.parent:
+        raise FormatError(f"v{manifest.version}: {HISTORY_META} {text!r} is out of range for parent v{manifest.parent}")
+    return since, depth

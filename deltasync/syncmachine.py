@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import DeltaSyncError, IntegrityError, NotFoundError
+from .errors import BaseMismatchError, DeltaSyncError, IntegrityError, NotFoundError
 from .fingerprint import state_fingerprint
 from .manifest import Manifest, keyframe_stream
 from .planner import Plan, plan_catchup
@@ -419,6 +419,17 @@ class SyncMachine:
             self._new_round(out)
             return
         if isinstance(ev, SourceFailed):
+            if isinstance(ev.error, BaseMismatchError) and r is not None and r.phase == "prepare":
+                # a step this end cannot decode from what it holds (a history-coded delta whose history it did
+                # not take in: it started or restarted later, docs/FORMAT.md §4.5): only a keyframe helps
+                out.append(Notify(kind="error", version=self.pipeline_version,
+                                  detail=f"{type(ev.error).__name__}: {ev.error}", error=ev.error))
+                self.need_keyframe = True
+                self.resyncs += 1
+                out.append(Notify(kind="resync", version=self.live, detail="resyncing from a keyframe"))
+                self._round = None
+                self._new_round(out)
+                return
             self._fail(ev.error, out)
             return
         if isinstance(ev, InitialChecked):

@@ -1,0 +1,108 @@
+"""A history-coded stream (docs/FORMAT.md §4.5) through real servers: an origin and a relay (LocalCluster,
+processes on 127.0.0.1), a Publisher with ``EncodeOptions(coding="history")`` and side keyframes, and
+subscribers in this process: one that follows from the start, one that joins late (from a side keyframe), and
+one that restarts at a version without its history (it resyncs from a keyframe, then follows), each bit for bit."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+import torch
+
+from deltasync.cli.cluster import LocalCluster
+from deltasync.client.publisher import Publisher
+from deltasync.client.subscriber import SyncEvent, ThreadedSubscriber
+from deltasync.codec import EncodeOptions
+from deltasync.history import HISTORY_META
+from deltasync.manifest import parse_manifest
+from deltasync.testing.trace import ModelShape, RLTrace
+from core_support import same_state as _same
+
+# long: real server processes; `make test-long` (which .ci/run also runs), not `make test`
+pytestmark = pytest.mark.long
+
+KEY = bytes(range(7, 39))
+SHAPE = ModelShape(vocab=256, hidden=32, layers=2, ffn=64)
+HIST = EncodeOptions(coding="history")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(tmp_path_factory.mktemp("hist"), key=KEY)
+    try:
+        c.start_tree({"relay": ["origin"]})
+        yield c
+    finally:
+        c.close()
+
+
+def _manifest(cluster, model: str, v: int):
+    return parse_manifest(urllib.request.urlopen(f"{cluster.origin}/v1/models/{model}/versions/{v}", timeout=10).read())
+
+
+def _follow(cluster, model, states, version, events=None, **kw):
+    target = {n: torch.zeros_like(t) for n, t in states[-1].items()}
+    sub = ThreadedSubscriber(cluster.url("relay"), model, target, verifier=KEY,
+                             on_event=(events.append if events is not None else None), **kw)
+    sub.start()
+    return sub, target
+
+
+def test_history_coded_stream_is_followed_joined_late_and_resumed(cluster):
+    trace = RLTrace(SHAPE, lr=1e-4, seed=31)
+    states = [trace.step() for _ in range(12)]
+    early_events: list[SyncEvent] = []
+    early, early_target = _follow(cluster, "hist", states, 0, early_events)
+    try:
+        with Publisher(cluster.origin, "hist", cluster.token, KEY, keyframe_every=5, options=HIST) as pub:
+            for v, s in enumerate(states[:8]):
+                pub.publish(v, s)
+                pub.flush(60)
+            assert early.wait_version(7, 60) == 7
+            assert _same(early_target, states[7])
+            # the deltas are history-coded, since the last keyframe (v0, then the side keyframe at v5)
+            metas = {v: _manifest(cluster, "hist", v).meta for v in range(1, 8)}
+            assert all(m["deltasync.coding"] == "history" for m in metas.values())
+            assert [metas[v][HISTORY_META] for v in range(1, 8)] == ["0:8"] * 5 + ["5:8"] * 2
+            # a late joiner starts from the side keyframe at v5 and decodes the deltas after it
+            late_events: list[SyncEvent] = []
+            late, late_target = _follow(cluster, "hist", states, 7, late_events)
+            try:
+                assert late.wait_version(7, 60) == 7
+                for v, s in enumerate(states[8:], 8):
+                    pub.publish(v, s)
+                pub.flush(60)
+                assert early.wait_version(11, 60) == 11 and late.wait_version(11, 60) == 11
+            finally:
+                late.close()
+        assert _same(early_target, states[11]) and _same(late_target, states[11])
+        applied = [ev.version for ev in early_events if ev.kind == "applied"]
+        assert applied == list(range(applied[0], 12)), applied  # walked every delta, none refused
+        assert not [ev for ev in early_events if ev.kind in ("resync", "rolled-back")], early_events
+        assert [ev.version for ev in late_events if ev.kind == "applied"][0] == 5  # the side keyframe
+    finally:
+        early.close()
+
+
+def test_a_subscriber_without_the_history_resyncs_from_a_keyframe(cluster):
+    """A target already at v3 (adopted: a restart with its state but no history) meets a delta coded since v0:
+    it cannot decode it, says so, resyncs from the side keyframe at v5 and follows from there."""
+    trace = RLTrace(SHAPE, lr=1e-4, seed=32)
+    states = [trace.step() for _ in range(9)]
+    with Publisher(cluster.origin, "hist2", cluster.token, KEY, keyframe_every=5, options=HIST) as pub:
+        for v, s in enumerate(states):
+            pub.publish(v, s)
+        pub.flush(60)
+    events: list[SyncEvent] = []
+    target = {n: t.clone() for n, t in states[3].items()}
+    sub = ThreadedSubscriber(cluster.url("relay"), "hist2", target, verifier=KEY, on_event=events.append, version=3)
+    try:
+        sub.start()
+        assert sub.wait_version(8, 60) == 8
+    finally:
+        sub.close()
+    assert _same(target, states[8])
+    errors = [ev for ev in events if ev.kind == "error"]
+    assert errors and "history of the deltas since v0" in errors[0].detail, events
+    assert any(ev.kind == "resync" for ev in events)
