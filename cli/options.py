@@ -10,4 +10,4 @@ def blob_format_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blob-format", type=int, choices=(4, 2), default=4,
                    help="blob format of base-free deltas: 4 (default: chunk records as binary columns) or 2 (the "
                         "same chunks under JSON records: what subscribers and relays of deltasync before blob "
-                        "format 4 read; write it while a fleet upgrades). docs/FORMAT.md §4.5")
+                        "format 4 read; write it while a fleet upgrades). docs/FORMAT.md §4.6")

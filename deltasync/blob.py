@@ -95,7 +95,7 @@ def pack_chunk_columns(names: list[str] | bytes | memoryview, dtype_names: list[
     """A version-4 blob's chunk block: per chunk its tensor name, dtype (index into ``dtype_names``), mode (index
     into :data:`COLUMN_MODES`) and the five integers of :data:`COLUMN_INTS` (``ints``: shape ``(5, n)``); None
     where a name holds a newline (the caller writes that blob in version 2). ``names`` may be given already
-    joined (:func:`newline_joined`'s bytes, or a view of them: not joined again). docs/FORMAT.md §4.5::
+    joined (:func:`newline_joined`'s bytes, or a view of them: not joined again). docs/FORMAT.md §4.6::
 
         u32 n, u32 k, u32 dlen, dlen bytes: the k dtype names joined by newlines,
         u32 tlen, tlen bytes: the n tensor names joined by newlines,

@@ -18,14 +18,17 @@ import json
 import struct
 
 import numpy as np
+import pytest
 import torch
 import zstandard
 
 from deltasync.apply import apply_delta
 from deltasync.blob import BlobReader, blob_id
-from deltasync.codec import EncodeOptions, decode_blob, encode_delta
+from deltasync.codec import EncodeOptions, decode_blob, diff_states, encode_delta
 from deltasync.deltafile import pack_delta_file, unpack_delta_file
+from deltasync.errors import BaseMismatchError, UnsupportedError
 from deltasync.fingerprint import fp_hex, tensor_fingerprint
+from deltasync.history import StateHistory
 from deltasync.manifest import parse_manifest
 
 KEY = bytes(range(32))
@@ -243,7 +246,7 @@ def test_golden2_bytes_still_decode():
 
 # -- blob format 3 (EncodeOptions(coding="base-conditioned"), docs/FORMAT.md §4.4): the same states ------------
 
-# Blob version 4 (FORMAT.md §4.5, what encoders write by default): GOLDEN2's chunks and streams, its records as
+# Blob version 4 (FORMAT.md §4.6, what encoders write by default): GOLDEN2's chunks and streams, its records as
 # binary columns. The header frame decompresses to GOLDEN4_HEADER.
 GOLDEN4_BLOB = bytes.fromhex(
     "4453594e43424c42040000009200000028b52ffd600b00450400d2881c1d60a933060a3b55a1c2b0a298b5a308124037115a5ac0549"
@@ -406,3 +409,182 @@ def test_golden_manifest_format3():
     target = {n: t.clone() for n, t in old.items()}
     apply_delta(target, m, {GOLDEN2_BLOB_ID: GOLDEN2_BLOB})
     assert {n: tensor_bytes(t) for n, t in target.items()} == {n: tensor_bytes(t) for n, t in new.items()}
+
+
+# -- the history coding (EncodeOptions(coding="history"), docs/FORMAT.md §4.5): three steps, an empty history --
+
+def golden_history_states():
+    """v0..v3 of a stream published history-coded since v0 (depth 8). Flat positions (§4.5): a (int32, 3 words) at 0,
+    b (bfloat16, 40) at 3, c (float32, 4) at 43, d (float8_e5m2, 4) at 47. v1: b +1/-1/+3 steps and a sign flip, c
+    two steps, d rewritten (a dense chunk: all four words enter the history). v2: b again at 1, 9, 30 (age 1) and
+    new words, c at 2 and 3, d[2] (its chunk all history: no cold group). v3: b at 1, 9, 30 (age 1, interval 1:
+    context 2), 4 (age 2: context 7; a sign flip), 18 (age 1: context 1), 25 (cold; a sign flip, coded before
+    b[4] but its raw word after: position order), 33 (cold), a BIG step at b[30]; c at 0 (context 7) and 3
+    (context 1); a[1] +5 (an int32 chunk: any dtype is ansh)."""
+    a0 = torch.tensor([7, -1, 100000], dtype=torch.int32)
+    b0 = (torch.arange(40, dtype=torch.float32) * 0.37 - 5.0).to(torch.bfloat16)
+    c0 = torch.tensor([[1.0, -2.0], [0.25, 3.0]], dtype=torch.float32)
+    d0 = torch.tensor([1.0, -2.0, 0.5, 448.0], dtype=torch.float32).to(torch.float8_e5m2)
+    states = [{"a": a0, "b": b0, "c": c0, "d": d0}]
+
+    def step(prev, b_steps, c_steps, d=None, a=None):
+        s = {k: v.clone() for k, v in prev.items()}
+        b = s["b"].view(torch.int16)
+        for p, dv in b_steps.items():
+            if dv == "flip":
+                b[p] ^= -32768
+            else:
+                b[p] += dv
+        c = s["c"].view(torch.int32).reshape(-1)
+        for p, dv in c_steps.items():
+            c[p] += dv
+        if d == "flip":
+            s["d"] = (s["d"].view(torch.uint8) ^ 0x80).view(torch.float8_e5m2)
+        elif d is not None:
+            s["d"].view(torch.uint8)[d] += 1
+        if a is not None:
+            s["a"][a[0]] += a[1]
+        return s
+
+    states.append(step(states[0], {1: 1, 4: -1, 9: 1, 17: 3, 30: "flip"}, {0: 1, 1: -1}, d="flip"))
+    states.append(step(states[1], {1: 1, 9: 1, 18: -1, 30: 1, 39: 1}, {2: 1, 3: 1}, d=2))
+    states.append(step(states[2], {1: 1, 4: "flip", 9: -2, 18: -1, 25: "flip", 30: 200, 33: 1}, {0: -1, 3: 1},
+                       a=(1, 5)))
+    return states
+
+
+def _history(states, depth: int = 8) -> StateHistory:
+    """An empty history since v0, as both ends start it."""
+    return StateHistory({k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in states[0].items()},
+                        since=0, depth=depth)
+
+
+GOLDENH = [  # (blob id, blob, manifest) of v1, v2, v3
+    ("06a4f519fdb3f0dcad5ef6b15b3e510b",
+     bytes.fromhex(
+         "4453594e43424c4203000000c600000028b52ffd607500e50500220c241e6067ab03461523b5d16b30ccb4599a4e471128101846"
+         "beb88b2a8220e002cb92f2882710903a0994f3d379813f03a4c6a753bc38c744eae429f198374815f5266ab9b77e5a8c18b3962d"
+         "24311640e11c26b3c82f3658eddab2f57c73d488f6d637eae7d45b1fd58ef947ad98efc33265f5425ae27b804fb5810083d50b51"
+         "f010df503f96688715a45e0196381c560211006a184573bdff8f158301201d0cd6b3fcc2603cd009f0eb8211201d18187c7ba119"
+         "40767e5a880228b52ffd200c610000dcb403009a51872e37d2ed0228b52ffd2022110100010006008f0701c70302c703038e0704"
+         "c703318e070400dc0d01920904c90411c90428b52ffd2004210000bc40b8df28b52ffd2002110000c3c0"),
+     (
+         '{"blobs":[{"digest":null,"id":"06a4f519fdb3f0dcad5ef6b15b3e510b","size":302}],"format":2,"key_id":null,"'
+         'kind":"delta","meta":{"deltasync.coding":"history","deltasync.history":"0:8"},"model":"policy","parent":'
+         '0,"signature":null,"state_fp":"2647db9b09eeac25","state_fp_before":"9b3a5cea349069c8","tensors":[{"chang'
+         'ed":0,"chunks":[],"dtype":"int32","fp_after":"853a29339900c88c","fp_before":"853a29339900c88c","name":"a'
+         '","shape":[3]},{"changed":5,"chunks":[{"blob":"06a4f519fdb3f0dcad5ef6b15b3e510b","index":0}],"dtype":"bf'
+         'loat16","fp_after":"59839e1699f00d06","fp_before":"36839333dd92d700","name":"b","shape":[40]},{"changed"'
+         ':2,"chunks":[{"blob":"06a4f519fdb3f0dcad5ef6b15b3e510b","index":1}],"dtype":"float32","fp_after":"470211'
+         'd7613fa5e9","fp_before":"673b9ed6d26e33a8","name":"c","shape":[2,2]},{"changed":4,"chunks":[{"blob":"06a'
+         '4f519fdb3f0dcad5ef6b15b3e510b","index":2}],"dtype":"float8_e5m2","fp_after":"18c53af8b22bb773","fp_befor'
+         'e":"4b2b7f268342dc73","name":"d","shape":[4]}],"version":1}')),
+    ("8bacefe15fe218da314a38732a1363f7",
+     bytes.fromhex(
+         "4453594e43424c42030000009e00000028b52ffd605000a5040052891c1a70c73aa89e09c948bd0c94b024a0feff8554a9915d51"
+         "56faff85731a675db0ae52a1763716ba4a3f85366ae9588b2b7d633a71441b041092924a9f3eac8e50beb6fe59ea056e642bfda3"
+         "8ecf576af67c2bf231ab5b029d6f005a060d84c3eab61c36f109f53e06226e0ab52c3c4641dc040c0034c2f3ffb012064941c780"
+         "4b170c00f685472fb400787f41f3d2ac980128b52ffd200e71000036f6e000734224657100fb06210028b52ffd20284101000200"
+         "0400d60a04aa0505aa0531d60a02008018018008010400c90401920902c90431dc0d01008020"),
+     (
+         '{"blobs":[{"digest":null,"id":"8bacefe15fe218da314a38732a1363f7","size":246}],"format":2,"key_id":null,"'
+         'kind":"delta","meta":{"deltasync.coding":"history","deltasync.history":"0:8"},"model":"policy","parent":'
+         '1,"signature":null,"state_fp":"bc986ba98dd7242a","state_fp_before":"2647db9b09eeac25","tensors":[{"chang'
+         'ed":0,"chunks":[],"dtype":"int32","fp_after":"853a29339900c88c","fp_before":"853a29339900c88c","name":"a'
+         '","shape":[3]},{"changed":5,"chunks":[{"blob":"8bacefe15fe218da314a38732a1363f7","index":0}],"dtype":"bf'
+         'loat16","fp_after":"8250532f4d36820b","fp_before":"59839e1699f00d06","name":"b","shape":[40]},{"changed"'
+         ':2,"chunks":[{"blob":"8bacefe15fe218da314a38732a1363f7","index":1}],"dtype":"float32","fp_after":"fb58bb'
+         'e24d0a2b77","fp_before":"470211d7613fa5e9","name":"c","shape":[2,2]},{"changed":1,"chunks":[{"blob":"8ba'
+         'cefe15fe218da314a38732a1363f7","index":2}],"dtype":"float8_e5m2","fp_after":"158e0b0f85414ad4","fp_befor'
+         'e":"18c53af8b22bb773","name":"d","shape":[4]}],"version":2}')),
+    ("962ac8e21df05f2f18a4141066cd1802",
+     bytes.fromhex(
+         "4453594e43424c4203000000b400000028b52ffd605c00550500b24a201c70a7d50146f58324c2ee530515177da2a82a2e66fd96"
+         "925256faff85312ae2c7dc1493d449b09eaf907164bcc8a446ae9079912f49133544167b0b7d157d94cc9383422481cc2e370030"
+         "301ebdac7e0e36b6fe511bdcbeb5d02fead7fc54afe6bb00dbb29a111ce23bcfb600ab99a16009be516f3bb8c34952438176281c"
+         "4e02100034c2dbffd82e1800d28181816fd00cc00cb8f88281c0331884173ec366b6502ed2ac440128b52ffd2010810000ab9225"
+         "00cca87d23af1a3f000044820028b52ffd204c1d0200c2c40f17c0251ddfcb3f5f55250000a642ca8c4d66d936d952ca143ef187"
+         "7cf44b804b5fd60d2d3b0a5e227ffc928ff6b1b7e6925cda0dadc000471146a9514654040028b52ffd2004210000608840c0"),
+     (
+         '{"blobs":[{"digest":null,"id":"962ac8e21df05f2f18a4141066cd1802","size":310}],"format":2,"key_id":null,"'
+         'kind":"delta","meta":{"deltasync.coding":"history","deltasync.history":"0:8"},"model":"policy","parent":'
+         '2,"signature":null,"state_fp":"95a11e7c6d199d1d","state_fp_before":"bc986ba98dd7242a","tensors":[{"chang'
+         'ed":1,"chunks":[{"blob":"962ac8e21df05f2f18a4141066cd1802","index":0}],"dtype":"int32","fp_after":"59755'
+         'b01f4c92f8e","fp_before":"853a29339900c88c","name":"a","shape":[3]},{"changed":7,"chunks":[{"blob":"962a'
+         'c8e21df05f2f18a4141066cd1802","index":1}],"dtype":"bfloat16","fp_after":"14a78e27152649cc","fp_before":"'
+         '8250532f4d36820b","name":"b","shape":[40]},{"changed":2,"chunks":[{"blob":"962ac8e21df05f2f18a4141066cd1'
+         '802","index":2}],"dtype":"float32","fp_after":"b7ae358f6c324ee3","fp_before":"fb58bbe24d0a2b77","name":"'
+         'c","shape":[2,2]},{"changed":0,"chunks":[],"dtype":"float8_e5m2","fp_after":"158e0b0f85414ad4","fp_befor'
+         'e":"158e0b0f85414ad4","name":"d","shape":[4]}],"version":3}')),
+]
+GOLDENH_FINAL = {  # v3's words, as bytes (little-endian)
+    "a": "0700000004000000a0860100",
+    "b": ("a0c097c088c079c060404ac032c01ac003c0d6bfa6bf6ebf0fbf43be383e0d3f6c3fa83fd23f0240"
+          "1a40314049406140784088c09440a040ac40b7408cc1cf40db40e840f340fe4005410b4111411841"),
+    "c": "0000803fffffffbf0100803e02004040",
+    "d": "bc40b9df",
+}
+
+# below zstd: per version, each chunk's (tensor, mode, count, na, nr) and the streams. anshm: the tables of the
+# contexts the blob's chunks have (v1: only the cold group 0, v2: 0 and 1, v3: 0, 1, 2 and 7), laid out as ansxm
+GOLDENH_CHUNKS = [
+    [("b", "ansh", 5, 4, 1), ("c", "ansh", 2, 2, 0), ("d", "dense", 4, 0, 0)],
+    [("b", "ansh", 5, 3, 0), ("c", "ansh", 2, 2, 0), ("d", "ansh", 1, 2, 0)],
+    [("a", "ansh", 1, 2, 0), ("b", "ansh", 7, 4, 2), ("c", "ansh", 2, 2, 0)],
+]
+GOLDENH_STREAMS = [
+    {"ansh": "dcb403009a51872e37d2ed02",
+     "anshm": "010006008f0701c70302c703038e0704c703318e070400dc0d01920904c90411c904",
+     "dense1": "bc40b8df", "raw2": "c3c0"},
+    {"ansh": "36f6e000734224657100fb062100",
+     "anshm": "02000400d60a04aa0505aa0531d60a02008018018008010400c90401920902c90431dc0d01008020"},
+    {"ansh": "ab922500cca87d23af1a3f0000448200",
+     "anshm": "04000401b30603b30605b30631e70c0300d60a08d50a11d50a01030080080180083180100200801001801002020080183180"
+              "080300d60a03d50a10d50a070200801031801002018010118010",
+     "raw2": "604088c0"},  # b[4] then b[25]: position order, though b[25] (cold group) is coded first
+]
+
+
+def test_goldenh_blobs_and_manifests():
+    """Published history-coded from an empty history (since 0, depth 8): the same bytes, step after step."""
+    states = golden_history_states()
+    assert {k: tensor_bytes(t).hex() for k, t in states[3].items()} == GOLDENH_FINAL
+    pub = _history(states)
+    for v, (bid, blob, manifest) in enumerate(GOLDENH, 1):
+        enc = encode_delta(states[v - 1], states[v], model="policy", version=v, parent=v - 1,
+                           options=EncodeOptions(coding="history"), history=pub)
+        assert list(enc.blobs) == [bid] and blob_id(blob) == bid
+        assert enc.blobs[bid].hex() == blob.hex(), v
+        assert enc.manifest.to_json().decode() == manifest
+        pub.advance_diff(v, diff_states(states[v - 1], states[v]))
+
+
+def test_goldenh_streams_below_zstd():
+    for (_, blob, _), chunks, streams in zip(GOLDENH, GOLDENH_CHUNKS, GOLDENH_STREAMS):
+        assert struct.unpack_from("<8sI", blob) == (b"DSYNCBLB", 3)
+        reader = BlobReader(blob)
+        assert [(c["tensor"], c["mode"], c["count"], c["na"], c["nr"]) for c in reader.chunks] == chunks
+        assert {n: reader.stream(n).view(np.uint8).tobytes().hex() for n in sorted(reader.stream_names)} == streams
+
+
+def test_goldenh_bytes_still_decode_with_a_fresh_history():
+    """A subscriber holding v0 and an empty history since v0 applies the stored bytes to v3 bit for bit, its history
+    taking each delta in; without it, or with another one, it refuses before decoding."""
+    states = golden_history_states()
+    live = {n: t.clone() for n, t in states[0].items()}
+    sub = _history(states)
+    pub = _history(states)
+    for v, (bid, blob, manifest) in enumerate(GOLDENH, 1):
+        m = parse_manifest(manifest)
+        assert m.coding == "history" and m.meta["deltasync.history"] == "0:8"
+        with pytest.raises(UnsupportedError, match="history"):
+            apply_delta({n: t.clone() for n, t in live.items()}, m, {bid: blob})
+        with pytest.raises(BaseMismatchError, match="keyframe"):  # another depth: another history
+            apply_delta({n: t.clone() for n, t in live.items()}, m, {bid: blob}, history=_history(states, depth=4))
+        apply_delta(live, m, {bid: blob}, history=sub)
+        assert sub.version == v
+        assert {n: tensor_bytes(t) for n, t in live.items()} == {n: tensor_bytes(t) for n, t in states[v].items()}
+        pub.advance_diff(v, diff_states(states[v - 1], states[v]))  # the publisher's side: the same history
+        assert np.array_equal(sub.positions, pub.positions) and np.array_equal(sub.last, pub.last)
+        assert np.array_equal(sub.prev, pub.prev)
+    assert {n: tensor_bytes(t).hex() for n, t in live.items()} == GOLDENH_FINAL

@@ -749,7 +749,7 @@ def test_decoder_accepts_every_valid_choice_of_coding(variant):
     assert np.flatnonzero(words).tolist() == [299, 599, 603] and set(words[[299, 599, 603]]) == {want}
 
 
-# -- blob version 4: binary chunk columns (docs/FORMAT.md §4.5) -----------------------------------------------
+# -- blob version 4: binary chunk columns (docs/FORMAT.md §4.6) -----------------------------------------------
 
 def _v4_parts():
     """(streams JSON, chunk block) of a real version-4 blob of two ans chunks and its bytes."""
