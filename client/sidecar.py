@@ -104,7 +104,7 @@ class Sidecar:
         self.marker = marker
         self.poll = poll
         self.state_path = Path(state_file) if state_file else self.dir / STATE_NAME
-        self.options = EncodeOptions(coding=coding, format=blob_format)  # docs/FORMAT.md §4.4, §4.5
+        self.options = EncodeOptions(coding=coding, format=blob_format)  # docs/FORMAT.md §4.4, §4.6
         self.client = HttpClient([origin], token=token, timeouts=Timeouts(), ssl=ssl, read_token=token)
         self.on_event = on_event
         # resumable state
