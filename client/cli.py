@@ -666,11 +666,15 @@ def _serve_format_option(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--serve-format", action="append", choices=("fp8-block", "int4"), metavar="FMT", help=help)
 
 
-def _coding_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--coding", choices=("base-free", "base-conditioned"), default="base-free",
+def _coding_option(p: argparse.ArgumentParser, *, history: bool = False) -> None:
+    choices = ("base-free", "base-conditioned", "history") if history else ("base-free", "base-conditioned")
+    p.add_argument("--coding", choices=choices, default="base-free",
                    help="how deltas are coded: base-free (default; relays squash chains) or base-conditioned "
                         "(~30%% smaller on AdamW steps; decoding reads each changed chunk of the base, and relays "
-                        "cannot squash the stream: subscribers walk its chain; docs/FORMAT.md §4.4)")
+                        "cannot squash the stream: subscribers walk its chain; docs/FORMAT.md §4.4)"
+                        + (", or history (~20%% smaller once a few deltas are out: positions modelled by the deltas "
+                           "since the last keyframe, which publisher and subscribers both keep, O(changed) at both "
+                           "ends; relays cannot squash it; §4.5)" if history else ""))
     blob_format_option(p)
 
 
@@ -767,7 +771,7 @@ def register(subparsers) -> None:
                             "(fp8-block: DeepSeek/vLLM FP8 blocks) or MODEL.int4 (compressed-tensors INT4 "
                             "pack-quantized); repeatable")
     _budget_options(c)
-    _coding_option(c)
+    _coding_option(c, history=True)
     c.set_defaults(func=cmd_sidecar)
 
 

@@ -51,7 +51,9 @@ import torch
 
 from deltasync.atomic import write_atomic
 from deltasync.budget import Budgeter, BudgetPlan, BudgetPolicy
-from deltasync.codec import EncodeOptions, diff_states, encode_delta
+from deltasync.codec import EncodeOptions, diff_states, encode_delta, encode_diff, state_layout
+from deltasync.conditioned import CODING_HISTORY
+from deltasync.history import StateHistory
 from deltasync.errors import ChainError, DeltaSyncError, NotFoundError
 from deltasync.fingerprint import fingerprint_state, fp_hex, state_fingerprint_of, tensor_fingerprint
 from deltasync.keyframe import encode_keyframe
@@ -107,6 +109,10 @@ class Sidecar:
         self.options = EncodeOptions(coding=coding, format=blob_format)  # docs/FORMAT.md §4.4, §4.6
         self.client = HttpClient([origin], token=token, timeouts=Timeouts(), ssl=ssl, read_token=token)
         self.on_event = on_event
+        # the history coding (docs/FORMAT.md §4.5): the positions the deltas since the last keyframe (or since
+        # this run's first version) changed; the step's diff, taken in once the step is committed
+        self.history: StateHistory | None = None
+        self._history_diff = None
         # resumable state
         self.version: int | None = None
         self.last_keyframe: int | None = None
@@ -284,6 +290,13 @@ class Sidecar:
                     plan = self.budgeter.plan(diff, model=self.model, version=ck.step, parent=self.version,
                                               options=self.options, meta={"source": ck.path.name})
                     main = plan.encoded
+            elif old is not None and self.options.coding == CODING_HISTORY:
+                if self.history is None or self.history.version != self.version:  # a restart: empty since here
+                    self.history = StateHistory(state_layout(old.tensors), since=self.version)
+                diff = diff_states(old.tensors, new.tensors, base_fps=self.base_fps, chunk_words=self.options.chunk_words)
+                main = encode_diff(diff, model=self.model, version=ck.step, parent=self.version, options=self.options,
+                                   meta={"source": ck.path.name}, history=self.history)
+                self._history_diff = diff
             elif old is not None:
                 main = encode_delta(old.tensors, new.tensors, model=self.model, version=ck.step, parent=self.version,
                                     base_fps=self.base_fps, options=self.options, meta={"source": ck.path.name})
@@ -392,6 +405,12 @@ class Sidecar:
             side_bytes = side.manifest.total_bytes
         if manifest.kind == "keyframe" or side is not None:
             self.last_keyframe = ck.step
+        if self.options.coding == CODING_HISTORY:
+            diff, self._history_diff = self._history_diff, None
+            if kind == "published" and diff is not None and side is None and self.history is not None:
+                self.history.advance_diff(ck.step, diff)
+            else:  # a keyframe (late joiners start there) or a version of an earlier run: empty since here
+                self.history = StateHistory(state_layout(new.tensors), since=ck.step)
         self.version = ck.step
         self.base = ck
         self.base_fps = dict(fps)

@@ -106,3 +106,43 @@ def test_a_subscriber_without_the_history_resyncs_from_a_keyframe(cluster):
     errors = [ev for ev in events if ev.kind == "error"]
     assert errors and "history of the deltas since v0" in errors[0].detail, events
     assert any(ev.kind == "resync" for ev in events)
+
+
+def test_the_sidecar_publishes_history_coded_deltas_and_a_follower_keeps_up(cluster, tmp_path):
+    """``Sidecar(coding="history")``: deltas since the last keyframe (its side keyframes reset the history), a
+    restart starts an empty history at the version it resumes from, and a subscriber that followed from the
+    start decodes every step, bit for bit, without a resync."""
+    import asyncio
+
+    from deltasync.client.sidecar import Sidecar
+    from deltasync.tensorfile import write_state_file
+
+    trace = RLTrace(SHAPE, lr=1e-4, seed=33)
+    states = {step: trace.step() for step in range(1, 9)}
+    events: list[SyncEvent] = []
+    follower, target = _follow(cluster, "histcar", list(states.values()), 0, events)
+
+    async def scan(car):
+        try:
+            return await car.scan()
+        finally:
+            await car.close()
+
+    try:
+        for step in range(1, 6):
+            write_state_file(tmp_path / f"step-{step}.safetensors", states[step])
+        car = Sidecar(tmp_path, cluster.origin, "histcar", cluster.token, KEY, keyframe_every=3, coding="history")
+        assert [e.kind for e in asyncio.run(scan(car))] == ["published"] * 5
+        assert follower.wait_version(5, 60) == 5
+        for step in range(6, 9):  # a new run of the sidecar: resumes at v5 with an empty history since v5
+            write_state_file(tmp_path / f"step-{step}.safetensors", states[step])
+        car = Sidecar(tmp_path, cluster.origin, "histcar", cluster.token, KEY, keyframe_every=0, coding="history")
+        assert [e.kind for e in asyncio.run(scan(car))] == ["published"] * 3
+        assert follower.wait_version(8, 60) == 8
+    finally:
+        follower.close()
+    assert _same(target, states[8])
+    metas = {v: _manifest(cluster, "histcar", v).meta for v in range(2, 9)}
+    assert all(m["deltasync.coding"] == "history" for m in metas.values())
+    assert [metas[v][HISTORY_META] for v in range(2, 9)] == ["1:8", "1:8", "1:8", "4:8", "5:8", "5:8", "5:8"]
+    assert not [ev for ev in events if ev.kind in ("resync", "rolled-back", "error")], events
