@@ -40,7 +40,7 @@ from deltasync import syncmachine as sm
 from deltasync.apply import prepare_delta
 from deltasync.conditioned import CODING_HISTORY
 from deltasync.errors import DeltaSyncError, IntegrityError, NotFoundError, SignatureError
-from deltasync.history import HistoryKeeper
+from deltasync.history import REBUILD_MAX, HistoryKeeper, StateHistory, history_meta
 from deltasync.keyframe import load_keyframe
 from deltasync.manifest import Manifest, parse_manifest
 from deltasync.planner import walk_parents
@@ -309,10 +309,7 @@ class SyncDriver:
             return sm.SquashFetched(ticket=a.ticket, manifest=None, detail=str(e))
         return sm.SquashFetched(ticket=a.ticket, manifest=m)
 
-    async def _blobs(self, a: sm.FetchBlobs) -> sm.BlobsReady:
-        m = a.manifest
-        # a history-coded delta is decoded whole: the history of every chunk must take in every delta
-        only = self.live.applier.needed_blobs(m) if m.kind == "delta" and m.coding != CODING_HISTORY else None
+    async def _fetch_blobs(self, m: Manifest, only) -> dict[str, bytes]:
         refs = [r for r in m.blobs if only is None or r.id in only]
         sem = asyncio.Semaphore(self.download_concurrency)
 
@@ -322,8 +319,14 @@ class SyncDriver:
                 digest = ref.digest if self.verifier is not None else None
                 return ref.id, await self.client.get_blob(ref.id, ref.size, digest=digest)
 
+        return dict(await asyncio.gather(*(one(r) for r in refs)))
+
+    async def _blobs(self, a: sm.FetchBlobs) -> sm.BlobsReady:
+        m = a.manifest
+        # a history-coded delta is decoded whole: the history of every chunk must take in every delta
+        only = self.live.applier.needed_blobs(m) if m.kind == "delta" and m.coding != CODING_HISTORY else None
         timeline.debug("mono=%.6f blobs-start %s v%d cpu=%.3f", time.monotonic(), m.model, m.version, time.process_time())
-        blobs = dict(await asyncio.gather(*(one(r) for r in refs)))
+        blobs = await self._fetch_blobs(m, only)
         timeline.debug("mono=%.6f blobs-end %s v%d %d cpu=%.3f", time.monotonic(), m.model, m.version,
                        sum(len(b) for b in blobs.values()), time.process_time())
         return sm.BlobsReady(ticket=a.ticket, version=m.version, blobs=(blobs, only))
@@ -339,10 +342,36 @@ class SyncDriver:
             self.histories.keyframe(a.version)
             step = ReadyStep(kind="keyframe", state=state, fps=fps, **common)
         else:
+            if a.manifest.coding == CODING_HISTORY and not self.histories.has(a.manifest):
+                await self._rebuild_history(a.manifest)
             prepared = await loop.run_in_executor(self.pool, self._prepare_delta, a.manifest, blobs, only)
             step = ReadyStep(kind="delta", prepared=prepared, **common)
         timeline.debug("mono=%.6f prepare-end v%d cpu=%.3f", time.monotonic(), a.version, time.process_time())
         return sm.StepPrepared(ticket=a.ticket, version=a.version, payload=step)
+
+    async def _rebuild_history(self, m: Manifest) -> None:
+        """The history a history-coded delta needs, when this end did not keep it (it restarted at a version
+        after the stream's last keyframe): the deltas since that keyframe fetched, verified and taken in, in
+        order (O(their changes); at most ``REBUILD_MAX`` of them, else a keyframe is the cheaper way back)."""
+        since, depth = history_meta(m)
+        if not 0 < m.parent - since <= REBUILD_MAX:
+            return  # nothing to take in, or too much: at() says what this end holds, and a keyframe follows
+        loop = asyncio.get_running_loop()
+        history = StateHistory(self.live.applier.layout(), since=since, depth=depth)
+        for v in range(since + 1, m.parent + 1):
+            d = await self._manifest_or_none(m.model, v)
+            if d is None or d.kind != "delta" or d.parent != v - 1:
+                log.info("%s: cannot take in v%d for the history (%s); a keyframe will do", m.model, v,
+                         "not on the servers" if d is None else f"a {d.kind} from v{d.parent}")
+                return
+            blobs = await self._fetch_blobs(d, None)
+            coded = d.coding == CODING_HISTORY
+            prepared = await loop.run_in_executor(
+                self.pool, lambda: prepare_delta(d, blobs, history=history if coded else None))
+            history.advance_patches(v, prepared.patches)
+        log.info("%s: took in v%d..v%d for the history of v%d (%d positions)", m.model, since + 1, m.parent,
+                 m.version, len(history))
+        self.histories.install(history)
 
     def _prepare_delta(self, m: Manifest, blobs, only):
         """prepare_delta on the decode thread; a history-coded delta with the history at its parent (steps are

@@ -40,7 +40,7 @@ from . import kernels
 from .dtypes import dtype_info, host_words, numpy_word_dtype, signed_word_dtype, word_count, word_view, word_sizes_in
 from .blob import verify_blob
 from .parts import split_counts
-from .conditioned import CODING_HISTORY
+from .conditioned import CODING_HISTORY, CODINGS
 from .errors import (ApplyError, BaseMismatchError, DeltaSyncError, FormatError, IntegrityError, NotFoundError,
                      UnsupportedError)
 from .history import HISTORY_META, PendingHistory, StateHistory
@@ -100,6 +100,9 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
     §4.5; not advanced here: the caller takes the delta in once it is applied)."""
     if manifest.kind != "delta":
         raise FormatError(f"v{manifest.version} is a {manifest.kind}, not a delta")
+    if manifest.coding not in CODINGS:
+        raise UnsupportedError(f"v{manifest.version} uses the {manifest.coding!r} coding, which this reader does not "
+                               f"know (it reads {', '.join(CODINGS)}): upgrade deltasync")
     by_history = manifest.coding == CODING_HISTORY
     if by_history:
         if history is None:

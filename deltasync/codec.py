@@ -976,7 +976,7 @@ def decode_blob_columns(data: bytes | bytearray | memoryview, *, executor: Execu
             continue
         if mode == "ansh":
             if not htables:
-                htables.append(CondTables.parse(reader.stream("anshm")))
+                htables.append(CondTables.parse(reader.stream("anshm"), "anshm"))
                 cursors["anshm"] = reader.stream("anshm").size
             words = np.array(take("ansh", 2 * _nonneg(rec, "na"))).view("<u2")
             raw = take(f"raw{w}", _nonneg(rec, "nr"), wdt)

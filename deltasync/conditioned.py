@@ -406,61 +406,62 @@ class CondTables:
         return encode_varints(np.array(out, dtype=np.uint64))
 
     @classmethod
-    def parse(cls, data: np.ndarray) -> "CondTables":
-        vals = _varints_all(data)
+    def parse(cls, data: np.ndarray, stream: str = "ansxm") -> "CondTables":
+        """The tables of stream ``stream`` (``ansxm``, or ``anshm``: the same layout), checked."""
+        vals = _varints_all(data, stream)
         at = 0
 
         def nxt() -> int:
             nonlocal at
             if at >= vals.size:
-                raise FormatError("ansxm stream ends early")
+                raise FormatError(f"{stream} stream ends early")
             at += 1
             return int(vals[at - 1])
 
         n = nxt()
         if n > N_CTX:
-            raise FormatError(f"ansxm stream: {n} contexts (at most {N_CTX})")
+            raise FormatError(f"{stream} stream: {n} contexts (at most {N_CTX})")
         gfreq: dict[int, np.ndarray] = {}
         vfreq: dict[int, np.ndarray] = {}
         last = -1
         for _ in range(n):
             e = nxt()
             if not last < e < N_CTX:
-                raise FormatError(f"ansxm stream: context {e} out of order or range")
+                raise FormatError(f"{stream} stream: context {e} out of order or range")
             last = e
             for name, size, into in (("G", N_G, gfreq), ("V", rans.N_VAL, vfreq)):
                 pairs = nxt()
                 if pairs > size:
-                    raise FormatError(f"ansxm stream: model {name}_{e} has {pairs} symbols (at most {size})")
+                    raise FormatError(f"{stream} stream: model {name}_{e} has {pairs} symbols (at most {size})")
                 if pairs == 0:
                     if name == "G":
-                        raise FormatError(f"ansxm stream: model G_{e} is empty")
+                        raise FormatError(f"{stream} stream: model G_{e} is empty")
                     continue
                 f = np.zeros(size, np.int64)
                 prev = -1
                 for _ in range(pairs):
                     s, fr = nxt(), nxt()
                     if not prev < s < size or not 1 <= fr <= rans.M:
-                        raise FormatError(f"ansxm stream: model {name}_{e}: bad symbol {s} or frequency {fr}")
+                        raise FormatError(f"{stream} stream: model {name}_{e}: bad symbol {s} or frequency {fr}")
                     prev = s
                     f[s] = fr
                 if int(f.sum()) != rans.M:
-                    raise FormatError(f"ansxm stream: model {name}_{e}'s frequencies sum to {int(f.sum())}, "
+                    raise FormatError(f"{stream} stream: model {name}_{e}'s frequencies sum to {int(f.sum())}, "
                                       f"expected {rans.M}")
                 into[e] = f
         if at != vals.size:
-            raise FormatError("ansxm stream has values past its last context")
+            raise FormatError(f"{stream} stream has values past its last context")
         return cls.from_freqs(gfreq, vfreq)
 
 
-def _varints_all(data: np.ndarray) -> np.ndarray:
+def _varints_all(data: np.ndarray, stream: str) -> np.ndarray:
     ends = int(np.count_nonzero(data < 0x80))
     if data.size and data[-1] >= 0x80:
-        raise FormatError("ansxm stream: a varint runs past the end")
+        raise FormatError(f"{stream} stream: a varint runs past the end")
     try:
         return decode_varints(data, ends)
     except FormatError as e:
-        raise FormatError(f"ansxm stream: {e}") from None
+        raise FormatError(f"{stream} stream: {e}") from None
 
 
 # -- the blob-level coder -------------------------------------------------------------------------

@@ -313,7 +313,10 @@ class StateHistory:
 
     def check(self, manifest) -> None:
         """Raise unless ``manifest`` (history-coded) was coded with this history at its parent."""
-        since, depth = _history_meta(manifest)
+        since, depth = history_meta(manifest)
+        if manifest.version != manifest.parent + 1:  # a history takes in one delta a version
+            raise FormatError(f"v{manifest.version}: a history-coded delta steps one version, not from "
+                              f"v{manifest.parent}")
         if (since, depth) != (self.since, self.depth) or manifest.parent != self.version:
             raise BaseMismatchError(
                 f"v{manifest.version} was coded with the history of the deltas since v{since} (depth {depth}) at "
@@ -423,8 +426,20 @@ class HistoryKeeper:
     def keyframe(self, version: int) -> None:
         self._at = {version: None}
 
+    def has(self, manifest) -> bool:
+        """Can :meth:`at` give ``manifest``'s history?"""
+        try:
+            self.at(manifest)
+        except BaseMismatchError:
+            return False
+        return True
+
+    def install(self, history: StateHistory) -> None:
+        """Keep ``history`` (rebuilt from the deltas since its ``since``) as the one at its version."""
+        self._at[history.version] = history
+
     def at(self, manifest) -> StateHistory:
-        since, depth = _history_meta(manifest)
+        since, depth = history_meta(manifest)
         parent = manifest.parent
         have = self._at.get(parent, _MISSING)
         if since == parent and (have is None or have is _MISSING):
@@ -461,9 +476,11 @@ class HistoryKeeper:
 
 
 _MISSING = object()
+REBUILD_MAX = 256  # deltas a subscriber fetches to rebuild a history it did not keep, before a keyframe is cheaper
 
 
-def _history_meta(manifest) -> tuple[int, int]:
+def history_meta(manifest) -> tuple[int, int]:
+    """``(since, depth)`` of a history-coded delta (``meta[HISTORY_META]``), checked."""
     text = manifest.meta.get(HISTORY_META, "")
     try:
         since, depth = (int(x) for x in text.split(":"))

@@ -294,3 +294,20 @@ def test_squash_and_relays_refuse_history_chains_before_reading_a_blob():
     h = hc.StateHistory(_layout(states[0]), since=0)
     with pytest.raises(ValueError, match="not at the delta's parent"):
         encode_delta(states[1], states[2], model="m", version=2, parent=1, options=HIST, history=h)
+
+
+def test_readers_refuse_what_they_cannot_take_in_before_touching_the_state():
+    states = _states(2)
+    (e1, _), *_ = _stream(states)
+    sub = hc.StateHistory(_layout(states[0]), since=0)
+    # a history-coded delta that skips versions: the history takes in one delta a version
+    with pytest.raises(FormatError, match="steps one version"):
+        prepare_delta(replace(e1.manifest, version=3), e1.blobs, history=sub)
+    # a coding this reader does not know
+    odd = replace(e1.manifest, meta={**e1.manifest.meta, "deltasync.coding": "quantum"})
+    with pytest.raises(UnsupportedError, match="'quantum' coding.*upgrade"):
+        prepare_delta(odd, e1.blobs, history=sub)
+    # a broken table stream is named as what it is
+    with pytest.raises(FormatError, match="anshm stream"):
+        CondTables.parse(np.array([0x81], np.uint8), "anshm")
+    assert sub.version == 0

@@ -85,27 +85,39 @@ def test_history_coded_stream_is_followed_joined_late_and_resumed(cluster):
         early.close()
 
 
-def test_a_subscriber_without_the_history_resyncs_from_a_keyframe(cluster):
+@pytest.mark.parametrize("rebuild", [True, False])
+def test_a_subscriber_without_the_history_takes_in_the_deltas_since_the_keyframe(cluster, rebuild, monkeypatch):
     """A target already at v3 (adopted: a restart with its state but no history) meets a delta coded since v0:
-    it cannot decode it, says so, resyncs from the side keyframe at v5 and follows from there."""
+    it fetches v1..v3, takes them in and follows from v3; where that is more than it may fetch (REBUILD_MAX), it
+    says so and resyncs from the side keyframe at v5 instead."""
+    import deltasync.client.driver as driver
+
+    model = f"hist2{'r' if rebuild else 'k'}"
     trace = RLTrace(SHAPE, lr=1e-4, seed=32)
     states = [trace.step() for _ in range(9)]
-    with Publisher(cluster.origin, "hist2", cluster.token, KEY, keyframe_every=5, options=HIST) as pub:
+    with Publisher(cluster.origin, model, cluster.token, KEY, keyframe_every=5, options=HIST) as pub:
         for v, s in enumerate(states):
             pub.publish(v, s)
         pub.flush(60)
+    if not rebuild:
+        monkeypatch.setattr(driver, "REBUILD_MAX", 2)
     events: list[SyncEvent] = []
     target = {n: t.clone() for n, t in states[3].items()}
-    sub = ThreadedSubscriber(cluster.url("relay"), "hist2", target, verifier=KEY, on_event=events.append, version=3)
+    sub = ThreadedSubscriber(cluster.url("relay"), model, target, verifier=KEY, on_event=events.append, version=3)
     try:
         sub.start()
         assert sub.wait_version(8, 60) == 8
     finally:
         sub.close()
     assert _same(target, states[8])
-    errors = [ev for ev in events if ev.kind == "error"]
-    assert errors and "history of the deltas since v0" in errors[0].detail, events
-    assert any(ev.kind == "resync" for ev in events)
+    applied = [ev.version for ev in events if ev.kind == "applied"]
+    if rebuild:
+        assert applied == [4, 5, 6, 7, 8], events
+        assert not [ev for ev in events if ev.kind in ("resync", "error")], events
+    else:
+        errors = [ev for ev in events if ev.kind == "error"]
+        assert errors and "history of the deltas since v0" in errors[0].detail, events
+        assert any(ev.kind == "resync" for ev in events) and applied[0] == 5, events
 
 
 def test_the_sidecar_publishes_history_coded_deltas_and_a_follower_keeps_up(cluster, tmp_path):
