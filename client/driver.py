@@ -323,8 +323,7 @@ class SyncDriver:
 
     async def _blobs(self, a: sm.FetchBlobs) -> sm.BlobsReady:
         m = a.manifest
-        # a history-coded delta is decoded whole: the history of every chunk must take in every delta
-        only = self.live.applier.needed_blobs(m) if m.kind == "delta" and m.coding != CODING_HISTORY else None
+        only = self.live.applier.needed_blobs(m) if m.kind == "delta" else None
         timeline.debug("mono=%.6f blobs-start %s v%d cpu=%.3f", time.monotonic(), m.model, m.version, time.process_time())
         blobs = await self._fetch_blobs(m, only)
         timeline.debug("mono=%.6f blobs-end %s v%d %d cpu=%.3f", time.monotonic(), m.model, m.version,
@@ -364,10 +363,12 @@ class SyncDriver:
                 log.info("%s: cannot take in v%d for the history (%s); a keyframe will do", m.model, v,
                          "not on the servers" if d is None else f"a {d.kind} from v{d.parent}")
                 return
-            blobs = await self._fetch_blobs(d, None)
+            only = self.live.applier.needed_blobs(d)
+            blobs = await self._fetch_blobs(d, only)
             coded = d.coding == CODING_HISTORY
-            prepared = await loop.run_in_executor(
-                self.pool, lambda: prepare_delta(d, blobs, history=history if coded else None))
+            prepared = await loop.run_in_executor(self.pool, lambda: prepare_delta(
+                d, blobs, only=set(only) if only is not None else None, history=history if coded else None,
+                wanted=self._wanted))
             history.advance_patches(v, prepared.patches)
         log.info("%s: took in v%d..v%d for the history of v%d (%d positions)", m.model, since + 1, m.parent,
                  m.version, len(history))
@@ -378,10 +379,15 @@ class SyncDriver:
         prepared in chain order), which then takes it in."""
         self.histories.forget(self.machine.live)
         history = self.histories.at(m) if m.coding == CODING_HISTORY else None
-        prepared = prepare_delta(m, blobs, only=set(only) if only is not None else None, history=history)
-        if only is None:
-            self.histories.took(m, prepared.patches, history)
+        prepared = prepare_delta(m, blobs, only=set(only) if only is not None else None, history=history,
+                                 wanted=self._wanted)
+        self.histories.took(m, prepared.patches, history)
         return prepared
+
+    @property
+    def _wanted(self):
+        """The applier's chunk filter (an engine rank: the chunk spans over its rows), or None: every chunk."""
+        return getattr(self.live.applier, "wants_chunk", None)
 
     async def _check_initial(self, a: sm.CheckInitial) -> sm.InitialChecked:
         model = self.machine.config.model

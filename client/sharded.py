@@ -121,6 +121,20 @@ def _restore(undo: list) -> None:
 
 # -- blob selection ----------------------------------------------------------------------------------------------
 
+def chunk_on_rows(layout: RankLayout, name: str, start: int, stop: int, by_source=None) -> bool:
+    """Does words [start, stop) of stream tensor ``name`` cross rows a region of ``layout`` reads? (``by_source``:
+    ``layout.by_source()``, made once by a caller that asks for many chunks.)"""
+    if name in layout.aliases or name not in layout.stream:
+        return False
+    regions = (by_source if by_source is not None else layout.by_source()).get(name)
+    if not regions:
+        return False
+    shape = layout.stream[name][1]
+    row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    r0, r1 = start // row, (stop - 1) // row + 1
+    return any(a < r1 and r0 < b for a, b in (region_rows(r) for r in regions))
+
+
 def needed_blobs_for(layout: RankLayout, manifest: Manifest) -> set[str] | None:
     """Blob ids holding changes inside this rank's boxes (None: the manifest cannot tell, fetch all)."""
     if manifest.kind != "delta":
@@ -196,6 +210,11 @@ class ShardedApplier:
         sizes = {b.id: b.size for b in manifest.blobs}
         self.last_needed_bytes = sum(sizes.values()) if need is None else sum(sizes[b] for b in need)
         return need
+
+    def wants_chunk(self, name: str, start: int, stop: int) -> bool:
+        """Does words [start, stop) of stream tensor ``name`` cross this rank's rows? The chunks a history-coded
+        delta is decoded for (the same spans every step: their history is whole), as ``needed_blobs`` picks blobs."""
+        return chunk_on_rows(self.map, name, start, stop, self._by_source)
 
     def scan(self) -> dict[str, int]:
         names = sorted(n for n in self.map.stream if n not in self.map.aliases)

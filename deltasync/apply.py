@@ -90,14 +90,18 @@ class PreparedDelta:
 
 
 def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor | None = None,
-                  only: set[str] | frozenset[str] | None = None, history: StateHistory | None = None) -> PreparedDelta:
+                  only: set[str] | frozenset[str] | None = None, history: StateHistory | None = None,
+                  wanted: Callable[[str, int, int], bool] | None = None) -> PreparedDelta:
     """Decode a delta's blobs and check them against its manifest. Raises FormatError/IntegrityError.
 
     ``executor``: decode chunks on its threads (the caller owns it; the core starts none).
     ``only``: decode just these blob ids (None: all). A tensor with no chunk in them is left
     out (``skipped``); a tensor with chunks both in and out of them raises FormatError.
     ``history``: the stream's history at the delta's parent, which a history-coded delta needs (docs/FORMAT.md
-    §4.5; not advanced here: the caller takes the delta in once it is applied)."""
+    §4.5; not advanced here: the caller takes the delta in once it is applied). ``wanted(tensor, start, stop)``: with
+    a history-coded delta, decode only the chunks it accepts (the others are left out as with ``only``): a target
+    that holds part of the model (an engine rank) asks for the same chunk spans every step, so its history of
+    them is whole."""
     if manifest.kind != "delta":
         raise FormatError(f"v{manifest.version} is a {manifest.kind}, not a delta")
     if manifest.coding not in CODINGS:
@@ -158,6 +162,12 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
             if partial and ref.blob not in decoded:
                 continue  # a row range this target does not hold (chunk spans, docs/FORMAT.md 5.1)
             chunks = decoded[ref.blob]
+            if by_history and wanted is not None and ref.index is not None and ref.index < len(chunks):
+                c = chunks[ref.index]
+                if c.tensor == rec.name and not wanted(rec.name, c.start, c.stop):
+                    partial = True  # not this target's: neither decoded nor taken into its history
+                    used.add((ref.blob, ref.index))
+                    continue
             if ref.index is None or ref.index >= len(chunks):
                 raise FormatError(f"{rec.name}: chunk {ref.index} not in blob {ref.blob}")
             p = chunks[ref.index]

@@ -12,8 +12,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from deltasync.apply import prepare_delta
 from deltasync.client.sharded import ShardedApplier, prepare_needed
-from deltasync.codec import EncodeOptions, encode_delta
+from deltasync.codec import EncodeOptions, diff_states, encode_delta, state_layout
+from deltasync.history import StateHistory
 from deltasync.errors import BaseMismatchError, IntegrityError, UnsupportedError
 from deltasync.fingerprint import fingerprint_state
 from deltasync.layout import MoEFacts, ModelFacts, Parallel, local_experts, sglang_layout, translate, vllm_layout, Region
@@ -47,13 +49,21 @@ def small_cells(monkeypatch):
     monkeypatch.setattr(deltasync.diffs, "MIN_CELL_WORDS", 16)
 
 
-def follow(facts, tp, ep=1, *, engine="vllm", steps=2, tied_in_stream=False, options=SMALL):
+def follow(facts, tp, ep=1, *, engine="vllm", steps=2, tied_in_stream=False, options=SMALL, history=False):
     tpl = "experts.routed_experts.{w}_weight" if engine == "vllm" else "experts.{w}_weight"
     build = vllm_layout if engine == "vllm" else sglang_layout
     shapes = trainer_shapes(facts, tied_in_stream=tied_in_stream)
     states = trainer_steps(shapes, steps, tied=tied_in_stream)
-    encs = [encode_delta(a, b, model="m", version=i + 1, parent=i, options=options)
-            for i, (a, b) in enumerate(zip(states, states[1:]))]
+    if history:  # the history coding: each delta coded with the publisher's history, which then takes it in
+        options = replace(options, coding="history")
+        pub = StateHistory(state_layout(states[0]), since=0)
+        encs = []
+        for i, (a, b) in enumerate(zip(states, states[1:])):
+            encs.append(encode_delta(a, b, model="m", version=i + 1, parent=i, options=options, history=pub))
+            pub.advance_diff(i + 1, diff_states(a, b))
+    else:
+        encs = [encode_delta(a, b, model="m", version=i + 1, parent=i, options=options)
+                for i, (a, b) in enumerate(zip(states, states[1:]))]
     group = ThreadGroup(tp)
     total = sum(b.size for e in encs for b in e.manifest.blobs)
 
@@ -67,12 +77,20 @@ def follow(facts, tp, ep=1, *, engine="vllm", steps=2, tied_in_stream=False, opt
         want = fingerprint_state(states[0])
         assert fps == want
         fetched = 0
+        mine = StateHistory(app.layout(), since=0) if history else None  # this rank's: its chunks' spans only
         for e in encs:
             need = app.needed_blobs(e.manifest)
             fetched += app.last_needed_bytes
-            staged = app.stage_delta(prepare_needed(e.manifest, e.blobs, need), fps)
+            if history:
+                prepared = prepare_delta(e.manifest, {b: e.blobs[b] for b in (need or e.blobs)}, only=need,
+                                         history=mine, wanted=app.wants_chunk)
+            else:
+                prepared = prepare_needed(e.manifest, e.blobs, need)
+            staged = app.stage_delta(prepared, fps)
             staged.commit()
             fps = staged.fps
+            if history:
+                mine.advance_patches(e.manifest.version, prepared.patches)
         assert fps == fingerprint_state(states[-1])
         final = engine_load(facts, states[-1], tp, r, ep, er, tpl)
         for n, t in final.items():
@@ -98,6 +116,15 @@ def test_dense_ranks_end_identical_to_the_engine_loader(facts, tp):
     fetched, total = follow(facts, tp, options=CELLS if tp == 4 else SMALL)
     if tp > 1:
         assert max(fetched) < total  # a rank fetches only the blobs with changes in its shard
+
+
+@pytest.mark.parametrize("tp,ep,facts", [(2, 1, DENSE), (4, 1, DENSE), (2, 2, DEEPSEEK)], ids=["tp2", "tp4", "ep2-moe"])
+def test_ranks_follow_a_history_coded_stream_with_only_their_blobs(tp, ep, facts):
+    """The history coding (docs/FORMAT.md §4.5) on engine ranks: each rank fetches only the blobs over its rows,
+    decodes only the chunks over them (``wants_chunk``: the same spans every step, so its history of them is
+    whole) and ends byte-identical to the engine's loader after six steps."""
+    fetched, total = follow(facts, tp, ep, steps=6, options=CELLS if tp == 4 else SMALL, history=True)
+    assert max(fetched) < total
 
 
 @pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (4, 1), (2, 2)])
