@@ -667,14 +667,20 @@ def _serve_format_option(p: argparse.ArgumentParser, help: str) -> None:
 
 
 def _coding_option(p: argparse.ArgumentParser, *, history: bool = False) -> None:
-    choices = ("base-free", "base-conditioned", "history") if history else ("base-free", "base-conditioned")
-    p.add_argument("--coding", choices=choices, default="base-free",
-                   help="how deltas are coded: base-free (default; relays squash chains) or base-conditioned "
-                        "(~30%% smaller on AdamW steps; decoding reads each changed chunk of the base, and relays "
-                        "cannot squash the stream: subscribers walk its chain; docs/FORMAT.md §4.4)"
-                        + (", or history (~20%% smaller once a few deltas are out: positions modelled by the deltas "
-                           "since the last keyframe, which publisher and subscribers both keep, O(changed) at both "
-                           "ends; relays cannot squash it; §4.5)" if history else ""))
+    if not history:  # one command, one version: it keeps no history of the deltas before
+        p.add_argument("--coding", choices=("base-free", "base-conditioned"), default="base-free",
+                       help="how deltas are coded: base-free (default; relays squash chains) or base-conditioned "
+                            "(~30%% smaller on AdamW steps; decoding reads each changed chunk of the base, and relays "
+                            "cannot squash the stream: subscribers walk its chain; docs/FORMAT.md §4.4); the "
+                            "history coding needs a publisher that keeps running: `deltasync sidecar`")
+    else:
+        p.add_argument("--coding", choices=("auto", "base-free", "base-conditioned", "history"), default="auto",
+                       help="how deltas are coded: history (positions modelled by the deltas since the last "
+                            "keyframe, which this sidecar and every subscriber keep: ~15-25%% smaller once a few "
+                            "deltas are out, O(changed) at both ends; relays cannot squash it; docs/FORMAT.md §4.5), "
+                            "base-free (relays squash chains for late joiners) or base-conditioned (§4.4); auto "
+                            "(default): history with --signing-key (Ed25519: relays cannot sign a squash anyway) "
+                            "and no --budget, else base-free")
     blob_format_option(p)
 
 

@@ -77,7 +77,7 @@ from deltasync.budget import Budgeter, BudgetPolicy, ResidualReport
 from deltasync.codec import EncodeOptions, Encoded, RankTable, diff_ranks
 from deltasync.conditioned import CODING_BASE_FREE, CODING_HISTORY
 from deltasync.dtypes import dtype_info
-from deltasync.history import HISTORY_META, StateHistory
+from deltasync.history import HISTORY_META, StateHistory, default_coding
 from deltasync.errors import ChainError, DeltaSyncError, PublishError
 from deltasync.fingerprint import state_fingerprint
 from deltasync.keyframe import DEFAULT_SHARD_BYTES, encode_keyframe
@@ -226,7 +226,9 @@ class Publisher:
     ``base``: ``(version, tensors, fps)`` of the state the origin's head holds, to
     continue a stream with a delta instead of starting with a keyframe (the tensors are
     adopted as the reference, not copied). ``budget``: bytes per delta (or a
-    :class:`~deltasync.budget.BudgetPolicy`); None is the lossless stream.
+    :class:`~deltasync.budget.BudgetPolicy`); None is the lossless stream. ``options``: how deltas are
+    coded; None: the history coding when ``key`` is an Ed25519 signer on a lossless stream (docs/FORMAT.md §4.5:
+    relays cannot squash such a stream anyway), else base-free.
     """
 
     def __init__(self, origin_url: str, model: str, token: str | None, key: Signer | bytes | None = None, *,
@@ -241,7 +243,9 @@ class Publisher:
         self.side_model = keyframe_stream(model)
         self.key = key
         self.keyframe_every = keyframe_every
-        self.options = options or EncodeOptions()
+        # not told a coding: the history coding for a lossless stream signed with Ed25519 (relays cannot squash it
+        # anyway), else base-free (deltasync.history.default_coding); part mode: base-free (every rank the same)
+        self.options = options or EncodeOptions(coding=default_coding(key, budget=budget, keeps_history=commit))
         if self.options.coding != "base-free" and budget is not None:
             raise ValueError(f"the {self.options.coding} coding and a budget exclude each other (a budgeted delta's "
                              "base is the served view; use coding base-free)")

@@ -53,7 +53,7 @@ from deltasync.atomic import write_atomic
 from deltasync.budget import Budgeter, BudgetPlan, BudgetPolicy
 from deltasync.codec import EncodeOptions, diff_states, encode_delta, encode_diff, state_layout
 from deltasync.conditioned import CODING_HISTORY
-from deltasync.history import StateHistory
+from deltasync.history import CODING_AUTO, StateHistory, default_coding
 from deltasync.errors import ChainError, DeltaSyncError, NotFoundError
 from deltasync.fingerprint import fingerprint_state, fp_hex, state_fingerprint_of, tensor_fingerprint
 from deltasync.keyframe import encode_keyframe
@@ -93,8 +93,10 @@ class Sidecar:
                  keyframe_every: int = 20, delete_published: bool = False, marker: str | None = None,
                  poll: float = 1.0, state_file: str | os.PathLike | None = None,
                  on_event: Callable[[SidecarEvent], None] | None = None,
-                 budget: int | BudgetPolicy | None = None, ssl=None, coding: str = "base-free",
+                 budget: int | BudgetPolicy | None = None, ssl=None, coding: str = "auto",
                  blob_format: int = 4, serve: tuple[str, ...] | list[str] = ()) -> None:
+        if coding == CODING_AUTO:  # history when signed with Ed25519 on a lossless stream, else base-free
+            coding = default_coding(signer, budget=budget)
         if coding != "base-free" and budget is not None:
             raise ValueError(f"the {coding} coding and a budget exclude each other (use coding base-free)")
         self.dir = Path(watch_dir)

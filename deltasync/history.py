@@ -64,6 +64,7 @@ class ChunkHistory:
     positions: np.ndarray
     ages: np.ndarray
     prevs: np.ndarray
+    ctx: np.ndarray | None = None  # :meth:`contexts`, where the maker computed them already
 
     @classmethod
     def empty(cls) -> ChunkHistory:
@@ -80,46 +81,47 @@ class ChunkHistory:
         """Each position's coding context, 1..:data:`N_HOT`: its age's class (1, 2, 3-4, 5-8, 9+) and the
         class of the interval between its last two changes (none, 1, 2, 3-4, 5-8, 9+). A word whose master
         weight moves at a steady pace changes at a steady interval: the pair says how due it is."""
-        return _contexts(self.ages, self.prevs, _CLASS)
+        return self.ctx if self.ctx is not None else _contexts(self.ages, self.prevs, _CLASS)
 
 
 # -- kernels --------------------------------------------------------------------------------------
 
-NONE = np.uint32(0xFFFFFFFF)  # "no earlier change" in :class:`StateHistory`'s ``prev`` column
-
-
 @numba.njit(cache=True, nogil=True)
-def _advance(hpos, hlast, hprev, changed, version, depth):
-    """The history after the delta into ``version`` changed ``changed`` (sorted, unique): those last changed
-    at ``version`` (their last change before, if the history holds one within ``depth``, becomes their
-    ``prev``); every entry whose last change is more than ``depth`` deltas old dropped, and a ``prev`` that
-    old forgotten."""
+def _advance(hpos, hlast, hgap, changed, version, depth):
+    """The history after the delta into ``version`` changed ``changed`` (sorted, unique). Columns: ``hlast`` the
+    version of a position's last change modulo 256, ``hgap`` the deltas between its last two changes (0: none
+    within the depth). A changed position's last change becomes ``version`` (its change before, if within
+    ``depth``, gives its gap); an entry whose last change is ``depth`` or more deltas old is dropped, and a change
+    before it that old forgotten. Ages stay under 256 (depth <= 255), so versions modulo 256 tell them apart."""
     m = hpos.size + changed.size
-    out_p = np.empty(m, dtype=np.int64)
-    out_l = np.empty(m, dtype=np.uint32)
-    out_v = np.empty(m, dtype=np.uint32)
+    out_p = np.empty(m, dtype=hpos.dtype)
+    out_l = np.empty(m, dtype=np.uint8)
+    out_g = np.empty(m, dtype=np.uint8)
+    v8 = version & 0xFF
     i = j = o = 0
-    lo = version - depth  # a change at or before this is older than the depth once ``version`` is in
     while i < hpos.size or j < changed.size:
         if j < changed.size and (i >= hpos.size or changed[j] <= hpos[i]):
-            prev = NONE
+            gap = 0
             if i < hpos.size and hpos[i] == changed[j]:
-                if np.int64(hlast[i]) > lo:
-                    prev = hlast[i]
+                age = (v8 - np.int64(hlast[i])) & 0xFF  # deltas since its last change, as of ``version``
+                if age < depth:
+                    gap = age
                 i += 1
             out_p[o] = changed[j]
-            out_l[o] = version
-            out_v[o] = prev
+            out_l[o] = v8
+            out_g[o] = gap
             o += 1
             j += 1
         else:
-            if np.int64(hlast[i]) > lo:
+            age = (v8 - np.int64(hlast[i])) & 0xFF
+            if age < depth:
+                g = np.int64(hgap[i])
                 out_p[o] = hpos[i]
                 out_l[o] = hlast[i]
-                out_v[o] = hprev[i] if hprev[i] != NONE and np.int64(hprev[i]) > lo else NONE
+                out_g[o] = g if g and age + g < depth else 0
                 o += 1
             i += 1
-    return out_p[:o].copy(), out_l[:o].copy(), out_v[:o].copy()
+    return out_p[:o].copy(), out_l[:o].copy(), out_g[:o].copy()
 
 
 #: age (steps since the last change, 1..) -> class 1..5: 1, 2, 3-4, 5-8, 9+; likewise the interval between
@@ -137,6 +139,26 @@ def _contexts(hage, hprev, cls):
         ic = cls[v - a] if v > a else 0
         out[t] = (np.int64(cls[a]) - 1) * 6 + ic + 1
     return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _chunk_view(hpos, hlast, hgap, lo, hi, base, v8, cls):
+    """Entries [lo, hi) of a :class:`StateHistory` as one chunk sees them: positions relative to ``base``, ages,
+    previous ages and contexts, in one pass."""
+    n = hi - lo
+    pos = np.empty(n, dtype=np.int64)
+    ages = np.empty(n, dtype=np.uint8)
+    prevs = np.empty(n, dtype=np.uint8)
+    ctx = np.empty(n, dtype=np.uint8)
+    for t in range(n):
+        k = lo + t
+        a = ((v8 - np.int64(hlast[k])) & 0xFF) + 1
+        g = np.int64(hgap[k])
+        pos[t] = np.int64(hpos[k]) - base
+        ages[t] = a
+        prevs[t] = a + g if g else 0
+        ctx[t] = (np.int64(cls[a]) - 1) * 6 + (cls[g] if g else 0) + 1
+    return pos, ages, prevs, ctx
 
 
 @numba.njit(cache=True, nogil=True)
@@ -280,8 +302,10 @@ class StateHistory:
 
     Both ends hold one and must hold the same: the publisher advances it by each delta it publishes
     (:meth:`advance_diff`), a subscriber by each delta it applies (:meth:`advance_patches`); a history-coded
-    delta names the history it was coded with (``meta[HISTORY_META]``, :meth:`check`). Memory: 16 bytes per
-    position held (about ``depth`` x 0.6 x the changes of a step on AdamW traces)."""
+    delta names the history it was coded with (``meta[HISTORY_META]``, :meth:`check`). Memory: 6 bytes per
+    position held (10 where the layout has 2**32 words or more): a position, the version of its last change
+    modulo 256 and the gap to the change before; about ``depth`` x 0.6 x a step's changes are held on AdamW
+    traces."""
 
     def __init__(self, layout: Mapping[str, tuple[str, Sequence[int]]], *, since: int,
                  depth: int = DEFAULT_DEPTH) -> None:
@@ -295,16 +319,20 @@ class StateHistory:
             self.offsets[name] = at
             at += word_count(tuple(shape), dtype_info(dt))
         self.words = at
-        self.positions = np.empty(0, np.int64)
-        self.last = np.empty(0, np.uint32)
-        self.prev = np.empty(0, np.uint32)
+        self.positions = np.empty(0, np.uint32 if at < 1 << 32 else np.int64)
+        self.last = np.empty(0, np.uint8)  # version of the last change, modulo 256
+        self.gap = np.empty(0, np.uint8)  # deltas between the last two changes (0: one change within the depth)
 
     def __len__(self) -> int:
         return int(self.positions.size)
 
     @property
     def nbytes(self) -> int:
-        return self.positions.nbytes + self.last.nbytes + self.prev.nbytes
+        return self.positions.nbytes + self.last.nbytes + self.gap.nbytes
+
+    def ages(self) -> np.ndarray:
+        """Each position's age as the next delta sees it (1: changed by the last one taken in)."""
+        return ((np.uint8(self.version & 0xFF) - self.last) + np.uint8(1)).astype(np.uint8)
 
     @property
     def meta(self) -> str:
@@ -328,7 +356,7 @@ class StateHistory:
         other = object.__new__(StateHistory)
         other.since, other.depth, other.version = self.since, self.depth, self.version
         other.offsets, other.words = self.offsets, self.words
-        other.positions, other.last, other.prev = self.positions, self.last, self.prev
+        other.positions, other.last, other.gap = self.positions, self.last, self.gap
         return other
 
     def restricted(self, since: int, depth: int) -> StateHistory:
@@ -339,22 +367,21 @@ class StateHistory:
                              f"v{since} (depth {depth})")
         other = self.copy()
         other.since, other.depth = int(since), int(depth)
-        lo = np.int64(max(since, self.version - depth))
-        keep = self.last.astype(np.int64) > lo
+        span = self.version - max(since, self.version - depth)  # a change this many deltas old or more is left out
+        age0 = self.ages().astype(np.int64) - 1  # deltas since the last change
+        keep = age0 < span
         other.positions, other.last = self.positions[keep], self.last[keep]
-        pv = self.prev[keep]
-        other.prev = np.where((pv != NONE) & (pv.astype(np.int64) > lo), pv, NONE).astype(np.uint32)
+        g = self.gap[keep]
+        other.gap = np.where((g > 0) & (age0[keep] + g < span), g, 0).astype(np.uint8)
         return other
 
     def chunk(self, name: str, start: int, stop: int) -> ChunkHistory:
         """The history of words [start, stop) of tensor ``name``, as coding the next delta sees it."""
         base = self.offsets[name] + start
-        lo, hi = np.searchsorted(self.positions, (base, self.offsets[name] + stop))
-        v = np.int64(self.version)
-        ages = (v - self.last[lo:hi] + 1).astype(np.uint8)
-        pv = self.prev[lo:hi]
-        prevs = np.where(pv == NONE, 0, v - pv.astype(np.int64) + 1).astype(np.uint8)
-        return ChunkHistory(self.positions[lo:hi] - base, ages, prevs)
+        lo, hi = np.searchsorted(self.positions, np.array((base, self.offsets[name] + stop), self.positions.dtype))
+        pos, ages, prevs, ctx = _chunk_view(self.positions, self.last, self.gap, lo, hi, np.int64(base),
+                                            np.int64(self.version & 0xFF), _CLASS)
+        return ChunkHistory(pos, ages, prevs, ctx)
 
     def ranks(self, diff) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Per changed chunk ``(tensor, start)`` of a :class:`~deltasync.diffs.StateDiff`: :func:`history_ranks`,
@@ -373,9 +400,9 @@ class StateHistory:
             raise ValueError(f"the history is at v{self.version}; it cannot take in the delta into v{version}")
         parts = sorted((self.offsets[name], pos) for name, pos in changed if len(pos))
         flat = np.concatenate([pos + off for off, pos in parts]) if parts else np.empty(0, np.int64)
-        self.positions, self.last, self.prev = _advance(self.positions, self.last, self.prev,
-                                                        flat.astype(np.int64, copy=False), np.int64(version),
-                                                        np.int64(self.depth))
+        self.positions, self.last, self.gap = _advance(self.positions, self.last, self.gap,
+                                                       flat.astype(self.positions.dtype, copy=False), np.int64(version),
+                                                       np.int64(self.depth))
         self.version = version
 
     def advance_diff(self, version: int, diff) -> None:
@@ -489,3 +516,18 @@ def history_meta(manifest) -> tuple[int, int]:
     if not 1 <= depth <= MAX_DEPTH or since > manifest.parent:
         raise FormatError(f"v{manifest.version}: {HISTORY_META} {text!r} is out of range for parent v{manifest.parent}")
     return since, depth
+
+
+CODING_AUTO = "auto"  # a publisher's default: :func:`default_coding`
+
+
+def default_coding(signer, *, budget=None, keeps_history: bool = True) -> str:
+    """The coding a publisher uses when it is not told one: ``history`` for a lossless stream signed with Ed25519
+    by a publisher that keeps its history (the in-process Publisher, the sidecar) — relays cannot sign a squash of
+    such a stream, so its subscribers walk the chain anyway, and the history coding is ~15-25% smaller there at
+    O(changed) cost on both ends (docs/FORMAT.md §4.5) — else ``base-free`` (relays squash it for late joiners)."""
+    from .conditioned import CODING_BASE_FREE, CODING_HISTORY
+    from .signing import Ed25519Signer
+
+    return CODING_HISTORY if isinstance(signer, Ed25519Signer) and budget is None and keeps_history \
+        else CODING_BASE_FREE

@@ -586,5 +586,5 @@ def test_goldenh_bytes_still_decode_with_a_fresh_history():
         assert {n: tensor_bytes(t) for n, t in live.items()} == {n: tensor_bytes(t) for n, t in states[v].items()}
         pub.advance_diff(v, diff_states(states[v - 1], states[v]))  # the publisher's side: the same history
         assert np.array_equal(sub.positions, pub.positions) and np.array_equal(sub.last, pub.last)
-        assert np.array_equal(sub.prev, pub.prev)
+        assert np.array_equal(sub.gap, pub.gap)
     assert {n: tensor_bytes(t).hex() for n, t in live.items()} == GOLDENH_FINAL

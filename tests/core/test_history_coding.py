@@ -267,9 +267,8 @@ def test_forged_or_corrupt_history_deltas_leave_the_state_as_it_was():
     live = {k: v.clone() for k, v in states[0].items()}
     sub = hc.StateHistory(_layout(states[0]), since=0)
     for seed in range(3):
-        wrong = np.sort(np.random.default_rng(seed).choice(sub.words, 5000, replace=False)).astype(np.int64)
-        sub.positions, sub.last = wrong, np.zeros(wrong.size, np.uint32)
-        sub.prev = np.full(wrong.size, hc.NONE, np.uint32)
+        wrong = np.sort(np.random.default_rng(seed).choice(sub.words, 5000, replace=False)).astype(sub.positions.dtype)
+        sub.positions, sub.last, sub.gap = wrong, np.zeros(wrong.size, np.uint8), np.zeros(wrong.size, np.uint8)
         with pytest.raises((FormatError, IntegrityError)):
             apply_delta(live, e1.manifest, e1.blobs, history=sub)
         assert sub.version == 0 and np.array_equal(sub.positions, wrong)
@@ -311,3 +310,22 @@ def test_readers_refuse_what_they_cannot_take_in_before_touching_the_state():
     with pytest.raises(FormatError, match="anshm stream"):
         CondTables.parse(np.array([0x81], np.uint8), "anshm")
     assert sub.version == 0
+
+
+def test_the_history_columns_wrap_their_versions_and_hold_six_bytes_a_position():
+    """Versions modulo 256 in one byte: a stream far past v255 keeps the same ages, intervals and restrictions as
+    one that starts at v0 (the history is the same function of the last deltas)."""
+    rng = np.random.default_rng(9)
+    layout = {"w": ("bfloat16", (5000,))}
+    steps = [np.sort(rng.choice(5000, 300, replace=False)) for _ in range(40)]
+    a, b = hc.StateHistory(layout, since=0, depth=8), hc.StateHistory(layout, since=1000, depth=8)
+    for k, ch in enumerate(steps, 1):
+        a.advance(k, [("w", ch)])
+        b.advance(1000 + k, [("w", ch)])
+        ca, cb = a.chunk("w", 0, 5000), b.chunk("w", 0, 5000)
+        assert np.array_equal(ca.positions, cb.positions) and np.array_equal(ca.ages, cb.ages)
+        assert np.array_equal(ca.prevs, cb.prevs) and int(ca.ages.max()) <= 8 and int(ca.prevs.max()) <= 8
+    ra, rb = a.restricted(35, 4), b.restricted(1035, 4)
+    assert np.array_equal(ra.chunk("w", 0, 5000).prevs, rb.chunk("w", 0, 5000).prevs)
+    assert int(ra.chunk("w", 0, 5000).ages.max()) <= 4 and len(ra) < len(a)
+    assert a.nbytes == 6 * len(a) and a.positions.dtype == np.uint32
