@@ -46,6 +46,7 @@ from deltasync.manifest import Manifest, parse_manifest
 from deltasync.planner import walk_parents
 from deltasync.signing import Verifier
 
+from .historychain import take_in_chain
 from .http import MAX_MANIFEST, HttpClient
 from .livestate import LiveState
 from .ready import ReadyQueue, ReadyStep
@@ -355,21 +356,19 @@ class SyncDriver:
         since, depth = history_meta(m)
         if not 0 < m.parent - since <= REBUILD_MAX:
             return  # nothing to take in, or too much: at() says what this end holds, and a keyframe follows
-        loop = asyncio.get_running_loop()
-        history = StateHistory(self.live.applier.layout(), since=since, depth=depth)
-        for v in range(since + 1, m.parent + 1):
+
+        async def fetch(v: int):
             d = await self._manifest_or_none(m.model, v)
-            if d is None or d.kind != "delta" or d.parent != v - 1:
-                log.info("%s: cannot take in v%d for the history (%s); a keyframe will do", m.model, v,
-                         "not on the servers" if d is None else f"a {d.kind} from v{d.parent}")
-                return
+            if d is None or d.kind != "delta":
+                return d and (d, {}, None)
             only = self.live.applier.needed_blobs(d)
-            blobs = await self._fetch_blobs(d, only)
-            coded = d.coding == CODING_HISTORY
-            prepared = await loop.run_in_executor(self.pool, lambda: prepare_delta(
-                d, blobs, only=set(only) if only is not None else None, history=history if coded else None,
-                wanted=self._wanted))
-            history.advance_patches(v, prepared.patches)
+            return d, await self._fetch_blobs(d, only), (set(only) if only is not None else None)
+
+        history = StateHistory(self.live.applier.layout(), since=since, depth=depth)
+        why = await take_in_chain(history, m.parent, fetch, pool=self.pool, wanted=self._wanted)
+        if why is not None:
+            log.info("%s: cannot rebuild the history of v%d (%s); a keyframe will do", m.model, m.version, why)
+            return
         log.info("%s: took in v%d..v%d for the history of v%d (%d positions)", m.model, since + 1, m.parent,
                  m.version, len(history))
         self.histories.install(history)

@@ -53,7 +53,7 @@ from deltasync.atomic import write_atomic
 from deltasync.budget import Budgeter, BudgetPlan, BudgetPolicy
 from deltasync.codec import EncodeOptions, diff_states, encode_delta, encode_diff, state_layout
 from deltasync.conditioned import CODING_HISTORY
-from deltasync.history import CODING_AUTO, StateHistory, default_coding
+from deltasync.history import CODING_AUTO, REBUILD_MAX, StateHistory, default_coding, history_meta
 from deltasync.errors import ChainError, DeltaSyncError, NotFoundError
 from deltasync.fingerprint import fingerprint_state, fp_hex, state_fingerprint_of, tensor_fingerprint
 from deltasync.keyframe import encode_keyframe
@@ -63,6 +63,7 @@ from deltasync.signing import Signer, as_signer
 from .checkpoints import Checkpoint, CheckpointError, MappedCheckpoint, find_checkpoints
 from .served import load_served, save_served
 from .filepublish import publish_keyframe
+from .historychain import take_in_chain
 from .http import HttpClient, Timeouts
 from .streams import keyframe_stream
 from .upload import commit_manifest, upload_version
@@ -267,6 +268,9 @@ class Sidecar:
                     old = MappedCheckpoint(self.base.path)
                 except CheckpointError as e:
                     log.warning("base %s unreadable (%s); publishing a keyframe", self.base.path, e)
+            if old is not None and self.options.coding == CODING_HISTORY and (
+                    self.history is None or self.history.version != self.version):
+                self.history = await self._resume_history(old)
             main, side, fps = await asyncio.to_thread(self._encode, ck, new, old)
             if main is None:  # a keyframe: streamed from the mapped file while it is open
                 return await self._upload(ck, None, None, None, new)
@@ -275,6 +279,36 @@ class Sidecar:
             new.close()
             if old is not None:
                 old.close()
+
+    async def _resume_history(self, base: MappedCheckpoint) -> StateHistory:
+        """The history at this sidecar's version after a restart: rebuilt from the origin's deltas since the one the
+        stream's head was coded with (at most ``REBUILD_MAX``), else an empty one since the head (subscribers take
+        that from theirs: a later ``since`` only leaves older changes out)."""
+        layout, version = state_layout(base.tensors), self.version
+        fresh = StateHistory(layout, since=version)
+        if self.last_keyframe == version:
+            return fresh
+        try:
+            head = parse_manifest(await self.client.get_manifest(self.model, version))
+            since, depth = history_meta(head) if head.kind == "delta" and head.coding == CODING_HISTORY else (version, 0)
+        except (DeltaSyncError, ValueError) as e:
+            log.info("%s: no history to resume from v%s (%s); starting one", self.model, version, e)
+            return fresh
+        if not 0 < version - since <= REBUILD_MAX or depth != fresh.depth:
+            return fresh
+
+        async def fetch(v: int):
+            m = parse_manifest(await self.client.get_manifest(self.model, v))
+            blobs = {r.id: await self.client.get_blob(r.id, r.size) for r in m.blobs}
+            return m, blobs, None
+
+        history = StateHistory(layout, since=since, depth=depth)
+        why = await take_in_chain(history, version, fetch)
+        if why is not None:
+            log.info("%s: cannot rebuild the history at v%s (%s); starting one", self.model, version, why)
+            return fresh
+        log.info("%s: resumed the history of the deltas since v%d at v%d", self.model, since, version)
+        return history
 
     def _encode(self, ck: Checkpoint, new: MappedCheckpoint, old: MappedCheckpoint | None):
         """The delta (``main``) and the budgeted stream's side keyframe (``side``, its served view), encoded in
@@ -293,8 +327,6 @@ class Sidecar:
                                               options=self.options, meta={"source": ck.path.name})
                     main = plan.encoded
             elif old is not None and self.options.coding == CODING_HISTORY:
-                if self.history is None or self.history.version != self.version:  # a restart: empty since here
-                    self.history = StateHistory(state_layout(old.tensors), since=self.version)
                 diff = diff_states(old.tensors, new.tensors, base_fps=self.base_fps, chunk_words=self.options.chunk_words)
                 main = encode_diff(diff, model=self.model, version=ck.step, parent=self.version, options=self.options,
                                    meta={"source": ck.path.name}, history=self.history)

@@ -122,8 +122,8 @@ def test_a_subscriber_without_the_history_takes_in_the_deltas_since_the_keyframe
 
 def test_the_sidecar_publishes_history_coded_deltas_and_a_follower_keeps_up(cluster, tmp_path):
     """``Sidecar(coding="history")``: deltas since the last keyframe (its side keyframes reset the history), a
-    restart starts an empty history at the version it resumes from, and a subscriber that followed from the
-    start decodes every step, bit for bit, without a resync."""
+    restart rebuilds its history from the origin's deltas since that keyframe, and a subscriber that followed
+    from the start decodes every step, bit for bit, without a resync."""
     import asyncio
 
     from deltasync.client.sidecar import Sidecar
@@ -146,7 +146,7 @@ def test_the_sidecar_publishes_history_coded_deltas_and_a_follower_keeps_up(clus
         car = Sidecar(tmp_path, cluster.origin, "histcar", cluster.token, KEY, keyframe_every=3, coding="history")
         assert [e.kind for e in asyncio.run(scan(car))] == ["published"] * 5
         assert follower.wait_version(5, 60) == 5
-        for step in range(6, 9):  # a new run of the sidecar: resumes at v5 with an empty history since v5
+        for step in range(6, 9):  # a new run of the sidecar: resumes at v5, its history rebuilt (v4's keyframe on)
             write_state_file(tmp_path / f"step-{step}.safetensors", states[step])
         car = Sidecar(tmp_path, cluster.origin, "histcar", cluster.token, KEY, keyframe_every=0, coding="history")
         assert [e.kind for e in asyncio.run(scan(car))] == ["published"] * 3
@@ -156,5 +156,42 @@ def test_the_sidecar_publishes_history_coded_deltas_and_a_follower_keeps_up(clus
     assert _same(target, states[8])
     metas = {v: _manifest(cluster, "histcar", v).meta for v in range(2, 9)}
     assert all(m["deltasync.coding"] == "history" for m in metas.values())
-    assert [metas[v][HISTORY_META] for v in range(2, 9)] == ["1:8", "1:8", "1:8", "4:8", "5:8", "5:8", "5:8"]
+    assert [metas[v][HISTORY_META] for v in range(2, 9)] == ["1:8", "1:8", "1:8", "4:8", "4:8", "4:8", "4:8"]
     assert not [ev for ev in events if ev.kind in ("resync", "rolled-back", "error")], events
+
+
+def test_cli_sidecar_history_and_subscribe_out_once_across_restarts(cluster, tmp_path):
+    """``deltasync sidecar --coding history --once`` publishes each checkpoint; ``subscribe --out --once`` run
+    again after each (a new process: no history kept) takes in the deltas since the keyframe and patches its
+    file to the head, bit for bit, without a keyframe download."""
+    import subprocess
+    import sys
+
+    from deltasync.tensorfile import read_state_file, write_state_file
+
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "deltasync.client.cli", *args], capture_output=True, text=True,
+                           timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r
+
+    trace = RLTrace(SHAPE, lr=1e-4, seed=34)
+    watch = tmp_path / "ckpt"
+    watch.mkdir()
+    out = tmp_path / "out.safetensors"
+    car = ["sidecar", "--watch", str(watch), "--origin", cluster.origin, "--model", "histcli", "--token-file",
+           str(cluster.token_file), "--key-file", str(cluster.key_file), "--coding", "history", "--once",
+           "--keyframe-every", "0"]
+    sub = ["subscribe", "--from", cluster.url("relay"), "--model", "histcli", "--key-file", str(cluster.key_file),
+           "--out", str(out), "--once", "--timeout", "120"]
+    states = {}
+    for step in range(1, 6):
+        states[step] = trace.step()
+        write_state_file(watch / f"step-{step}.safetensors", states[step])
+        cli(*car)
+        if step in (1, 3, 5):
+            r = cli(*sub)
+            assert _same(read_state_file(out), states[step]), step
+            if step > 1:
+                assert "keyframe" not in r.stdout.lower().replace("keyframe_every", ""), r.stdout
+    assert _manifest(cluster, "histcli", 5).meta[HISTORY_META] == "1:8"
