@@ -246,6 +246,7 @@ class Publisher:
         # not told a coding: the history coding for a lossless stream signed with Ed25519 (relays cannot squash it
         # anyway), else base-free (deltasync.history.default_coding); part mode: base-free (every rank the same)
         self.options = options or EncodeOptions(coding=default_coding(key, budget=budget, keeps_history=commit))
+        self._auto_coding = options is None  # revisited at the first state: a state of many tensors stays base-free
         if self.options.coding != "base-free" and budget is not None:
             raise ValueError(f"the {self.options.coding} coding and a budget exclude each other (a budgeted delta's "
                              "base is the served view; use coding base-free)")
@@ -451,6 +452,9 @@ class Publisher:
 
     # -- internals ---------------------------------------------------------------------------
     def _start_history(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        if self._auto_coding and self.options.coding == CODING_HISTORY and \
+                default_coding(self.key, budget=self.budget, tensors=len(tensors)) != CODING_HISTORY:
+            self.options = dataclasses.replace(self.options, coding=CODING_BASE_FREE)
         if self.options.coding == CODING_HISTORY:
             self._history = StateHistory({n: (dtype_info(t.dtype).name, tuple(t.shape)) for n, t in tensors.items()},
                                          since=version)

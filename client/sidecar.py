@@ -40,6 +40,7 @@ resume state: after a restart each goes on with a keyframe at the next checkpoin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -96,6 +97,7 @@ class Sidecar:
                  on_event: Callable[[SidecarEvent], None] | None = None,
                  budget: int | BudgetPolicy | None = None, ssl=None, coding: str = "auto",
                  blob_format: int = 4, serve: tuple[str, ...] | list[str] = ()) -> None:
+        self._auto_coding = coding == CODING_AUTO  # revisited at the first checkpoint (its tensor count)
         if coding == CODING_AUTO:  # history when signed with Ed25519 on a lossless stream, else base-free
             coding = default_coding(signer, budget=budget)
         if coding != "base-free" and budget is not None:
@@ -268,6 +270,9 @@ class Sidecar:
                     old = MappedCheckpoint(self.base.path)
                 except CheckpointError as e:
                     log.warning("base %s unreadable (%s); publishing a keyframe", self.base.path, e)
+            if self._auto_coding and self.options.coding == CODING_HISTORY and default_coding(
+                    self.signer, budget=None, tensors=len(new.tensors)) != CODING_HISTORY:
+                self.options = dataclasses.replace(self.options, coding="base-free")  # too many tensors: columnar
             if old is not None and self.options.coding == CODING_HISTORY and (
                     self.history is None or self.history.version != self.version):
                 self.history = await self._resume_history(old)

@@ -521,13 +521,21 @@ def history_meta(manifest) -> tuple[int, int]:
 CODING_AUTO = "auto"  # a publisher's default: :func:`default_coding`
 
 
-def default_coding(signer, *, budget=None, keeps_history: bool = True) -> str:
+#: the most tensors a state may have for :func:`default_coding` to pick the history coding: its encoder and decoder
+#: work chunk by chunk (~0.1 ms of Python and compiled calls a changed chunk at each end), so at seed scale (70k
+#: per-expert tensors) a step would cost ~8x the base-free coding's columnar path at the publisher, ~5x at a subscriber
+AUTO_MAX_TENSORS = 4096
+
+
+def default_coding(signer, *, budget=None, keeps_history: bool = True, tensors: int | None = None) -> str:
     """The coding a publisher uses when it is not told one: ``history`` for a lossless stream signed with Ed25519
     by a publisher that keeps its history (the in-process Publisher, the sidecar) — relays cannot sign a squash of
     such a stream, so its subscribers walk the chain anyway, and the history coding is ~15-25% smaller there at
-    O(changed) cost on both ends (docs/FORMAT.md §4.5) — else ``base-free`` (relays squash it for late joiners)."""
+    O(changed) cost on both ends (docs/FORMAT.md §4.5) — for a state of at most :data:`AUTO_MAX_TENSORS` tensors
+    (``tensors``: None, not known yet); else ``base-free`` (relays squash it for late joiners)."""
     from .conditioned import CODING_BASE_FREE, CODING_HISTORY
     from .signing import Ed25519Signer
 
-    return CODING_HISTORY if isinstance(signer, Ed25519Signer) and budget is None and keeps_history \
+    small = tensors is None or tensors <= AUTO_MAX_TENSORS
+    return CODING_HISTORY if isinstance(signer, Ed25519Signer) and budget is None and keeps_history and small \
         else CODING_BASE_FREE

@@ -47,3 +47,24 @@ def test_the_command_lines_offer_it_where_a_history_is_kept():
         p.parse_args(["publish", "--origin", "http://x", "--model", "m", "--token-file", "t", "--coding", "history",
                       "s.safetensors"])
     assert default_coding(ED, keeps_history=False) == "base-free"
+
+
+def test_a_state_of_many_tensors_stays_base_free_unless_asked(monkeypatch, tmp_path):
+    """The history coder works chunk by chunk: by default a state of more than AUTO_MAX_TENSORS tensors (seed
+    scale: 70k per-expert tensors) is published base-free, through the columnar path; asking for it still works."""
+    import torch
+
+    import deltasync.history
+
+    monkeypatch.setattr(deltasync.history, "AUTO_MAX_TENSORS", 2)
+    state = {f"t{i}": torch.zeros(4, dtype=torch.bfloat16) for i in range(3)}
+    with Publisher("http://127.0.0.1:9", "m", "t", ED, check_origin=False) as pub:
+        assert pub.options.coding == "history"
+        pub._start_history(0, state)  # what the first publish does with the first state
+        assert pub.options.coding == "base-free" and pub._history is None
+    with Publisher("http://127.0.0.1:9", "m", "t", ED, check_origin=False,
+                   options=EncodeOptions(coding="history")) as pub:
+        pub._start_history(0, state)
+        assert pub.options.coding == "history" and pub._history is not None
+    assert deltasync.history.default_coding(ED, tensors=3) == "base-free"
+    assert deltasync.history.default_coding(ED, tensors=2) == "history"
