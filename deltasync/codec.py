@@ -959,31 +959,19 @@ def decode_blob_columns(data: bytes | bytearray | memoryview, *, executor: Execu
             patch = ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, dense=take(f"dense{w}", length, wdt))
             jobs.append(lambda patch=patch: patch)
             continue
-        if mode == "ansx":
-            if context_spec(info.name) is None:
+        if mode in ("ansx", "ansh"):  # context-grouped: by the base's exponents (§4.4) or the history's (§4.5)
+            if mode == "ansx" and context_spec(info.name) is None:
                 raise FormatError(f"blob chunk: mode 'ansx' does not apply to {info.name}")
-            if not ctables:
-                ctables.append(CondTables.parse(reader.stream("ansxm")))
-                cursors["ansxm"] = reader.stream("ansxm").size
-            words = np.array(take("ansx", 2 * _nonneg(rec, "na"))).view("<u2")
+            got = ctables if mode == "ansx" else htables
+            if not got:
+                got.append(CondTables.parse(reader.stream(mode + "m"), mode + "m"))
+                cursors[mode + "m"] = reader.stream(mode + "m").size
+            words = np.array(take(mode, 2 * _nonneg(rec, "na"))).view("<u2")
             raw = take(f"raw{w}", _nonneg(rec, "nr"), wdt)
             if int(words.size) < 2:
-                raise FormatError("ansx chunk: its message is shorter than the 2-word state")
-            pending = PendingChanges(tables=ctables[0], words=words, raw=raw, count=count, start=start,
-                                     length=length, word_size=w, dtype=info.name)
-            patch = ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, pending=pending)
-            jobs.append(lambda patch=patch: patch)
-            continue
-        if mode == "ansh":
-            if not htables:
-                htables.append(CondTables.parse(reader.stream("anshm"), "anshm"))
-                cursors["anshm"] = reader.stream("anshm").size
-            words = np.array(take("ansh", 2 * _nonneg(rec, "na"))).view("<u2")
-            raw = take(f"raw{w}", _nonneg(rec, "nr"), wdt)
-            if int(words.size) < 2:
-                raise FormatError("ansh chunk: its message is shorter than the 2-word state")
-            pending = PendingHistory(tables=htables[0], words=words, raw=raw, count=count, start=start,
-                                     length=length, word_size=w)
+                raise FormatError(f"{mode} chunk: its message is shorter than the 2-word state")
+            msg = dict(tables=got[0], words=words, raw=raw, count=count, start=start, length=length, word_size=w)
+            pending = PendingChanges(**msg, dtype=info.name) if mode == "ansx" else PendingHistory(**msg)
             patch = ChunkPatch(tensor=name, dtype=info.name, start=start, stop=stop, pending=pending)
             jobs.append(lambda patch=patch: patch)
             continue

@@ -511,8 +511,9 @@ class CondBlobCoder:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PendingChanges:
-    """An ``ansx`` chunk decoded as far as it goes without the base: :meth:`decode` finishes it."""
+class PendingMessage:
+    """A context-grouped chunk (``ansx``, ``ansh``) as read from its blob: its message and raw words, decoded
+    once what gives its groups is at hand."""
 
     tables: CondTables
     words: np.ndarray  # uint16 message
@@ -521,6 +522,12 @@ class PendingChanges:
     start: int
     length: int
     word_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PendingChanges(PendingMessage):
+    """An ``ansx`` chunk decoded as far as it goes without the base: :meth:`decode` finishes it."""
+
     dtype: str
 
     def decode(self, base: np.ndarray) -> Changes:

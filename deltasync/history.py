@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from .conditioned import E_CTX, N_CTX, CondBlobCoder, CondTables, decode_groups
+from .conditioned import E_CTX, N_CTX, CondBlobCoder, CondTables, PendingMessage, decode_groups
 from .dtypes import dtype_info, word_count
 from .errors import BaseMismatchError, FormatError
 from .kernels import rans
@@ -419,16 +419,8 @@ class StateHistory:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PendingHistory:
+class PendingHistory(PendingMessage):
     """An ``ansh`` chunk as read from its blob: :meth:`decode` needs the history it was coded with."""
-
-    tables: CondTables
-    words: np.ndarray  # uint16 message
-    raw: np.ndarray  # raw words of the chunk
-    count: int
-    start: int
-    length: int
-    word_size: int
 
     def decode(self, history: ChunkHistory) -> Changes:
         return decode_chunk(self.tables, self.words, self.raw, self.count, self.start, self.length,
