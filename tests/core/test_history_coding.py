@@ -329,3 +329,43 @@ def test_the_history_columns_wrap_their_versions_and_hold_six_bytes_a_position()
     assert np.array_equal(ra.chunk("w", 0, 5000).prevs, rb.chunk("w", 0, 5000).prevs)
     assert int(ra.chunk("w", 0, 5000).ages.max()) <= 4 and len(ra) < len(a)
     assert a.nbytes == 6 * len(a) and a.positions.dtype == np.uint32
+
+
+def test_the_keeper_gives_each_delta_the_history_it_was_coded_with():
+    """HistoryKeeper (a subscriber's histories by version): a keyframe starts an empty one; a delta coded since a
+    later keyframe than this end started from gets the restriction of the longer history; one coded since an
+    earlier version than this end holds is refused (only a keyframe, or the deltas since it, help)."""
+    from types import SimpleNamespace as M
+
+    states = _states(6)
+    layout = _layout(states[0])
+    keeper = hc.HistoryKeeper(lambda: layout)
+
+    def manifest(v, since, depth=8):
+        return M(version=v, parent=v - 1, meta={hc.HISTORY_META: f"{since}:{depth}"}, coding="history")
+
+    keeper.keyframe(0)
+    pub = hc.StateHistory(layout, since=0)
+    for v in range(1, 5):
+        h = keeper.at(manifest(v, 0))
+        assert (h.since, h.version, len(h)) == (pub.since, pub.version, len(pub))
+        d = diff_states(states[v - 1], states[v])
+        keeper.took(manifest(v, 0), {n: [ChunkPatch(tensor=n, dtype="bfloat16", start=c.start, stop=c.stop,
+                                                    changes=changes_from_words(c.positions, c.old, c.new, is_float=True))
+                                         for c in cs] for n, cs in d.chunks.items()}, h)
+        pub.advance_diff(v, d)
+    # the publisher started a new history at a side keyframe at v3: the keeper restricts its own
+    late = pub.restricted(3, 8)
+    got = keeper.at(manifest(5, 3))
+    assert (got.since, got.depth) == (3, 8) and np.array_equal(got.positions, late.positions)
+    assert np.array_equal(got.gap, late.gap) and np.array_equal(got.last, late.last)
+    assert keeper.at(manifest(5, 4, depth=4)).depth == 4  # shallower: restricted too
+    with pytest.raises(BaseMismatchError, match="since v0 .* holds the history since v0"):
+        keeper.at(manifest(5, 0, depth=16))  # deeper than this end kept
+    keeper.forget(4)
+    with pytest.raises(BaseMismatchError, match="holds no history"):
+        keeper.at(manifest(3, 0))  # v2's history was left behind
+    assert keeper.at(manifest(9, 8)).since == 8 and len(keeper.at(manifest(9, 8))) == 0  # empty since the parent
+    keeper.keyframe(7)
+    with pytest.raises(BaseMismatchError, match="keyframe at or after v0"):
+        keeper.at(manifest(8, 0))  # a keyframe at v7 holds nothing of v1..v7
