@@ -250,10 +250,11 @@ class TrainRun:
 
 
 def start_train_run(workdir: Path, *, model_name: str = "tiny-qwen2", seed: int = 0, arch: str = "qwen2",
-                    server: ServerProc | None = None) -> TrainRun:
+                    server: ServerProc | None = None, options=None) -> TrainRun:
     """An origin (signing key on) on 127.0.0.1 (or ``server``: a second stream on a run's origin) and a
     publisher over a fresh tiny trainer of ``arch`` (see ARCHS); version 0 (the initial weights, a keyframe)
-    is published and checkpointed before it returns. Closing the run stops the server it started."""
+    is published and checkpointed before it returns. Closing the run stops the server it started. ``options``:
+    the publisher's EncodeOptions (its coding)."""
     workdir.mkdir(parents=True, exist_ok=True)
     own = server is None
     if own:
@@ -261,7 +262,7 @@ def start_train_run(workdir: Path, *, model_name: str = "tiny-qwen2", seed: int 
     try:
         trainer = (AdamStreamTrainer(ARCHS[arch](), seed=seed) if arch == "qwen3_moe128"
                    else TinyTrainer(seed=seed, arch=arch))
-        pub = Publisher(server.url, model_name, TOKEN, KEY, keyframe_every=0)
+        pub = Publisher(server.url, model_name, TOKEN, KEY, keyframe_every=0, options=options)
     except BaseException:
         if own:
             server.stop()

@@ -2,7 +2,7 @@
 
 A tiny Qwen2 (vocab 200: padded by vLLM to 256; 4 heads over 2 KV heads; q/k/v biases) is built
 locally, trained a few AdamW steps, and every step is published to a real origin on loopback. vLLM at
-TP=1 and TP=2 runs ``deltasync.client.vllm.DeltaSyncWorkerExtension``; so does a tiny Qwen2-MoE
+TP=1 and TP=2 (the TP=2 stream history-coded, docs/FORMAT.md §4.5) runs ``deltasync.client.vllm.DeltaSyncWorkerExtension``; so does a tiny Qwen2-MoE
 (4 routed experts stacked as transformers 5 holds them, a shared expert) at TP=1, and a Qwen2 with
 a draft Qwen2 of its own (two streams, TP=1), and a Qwen3-MoE with 128 routed experts per layer whose
 stream names them per expert, at TP=2 and at TP=2 with expert parallelism (held to vLLM's own loader,
@@ -37,6 +37,7 @@ from server_fixtures import KEY_HEX  # noqa: E402
 from vllm_reference import engine_env, make_llm, shutdown, start_reference, stop_reference, wait_reference  # noqa: E402
 
 from deltasync.client import vllm as dsv  # noqa: E402
+from deltasync.codec import EncodeOptions  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -51,7 +52,7 @@ def greedy(llm):
 
 
 @pytest.fixture(scope="module", params=[("qwen2", 1, True), ("qwen2", 2, True), ("qwen2_moe", 1, False)],
-                ids=["tp1", "tp2", "moe-tp1"])
+                ids=["tp1", "tp2-history", "moe-tp1"])
 def engine(request, tmp_path_factory):
     """(train run, LLM with the extension started on it, fresh-reference process or None) per engine, shared by
     this module's tests. The STEPS checkpoints are trained ahead and the reference process starts on them first.
@@ -63,7 +64,10 @@ def engine(request, tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")}
     os.environ.update(engine_env(tp))
     workdir = tmp_path_factory.mktemp(f"vllm-{arch}-tp{tp}")
-    run = start_train_run(workdir, model_name=f"tiny-{arch}-tp{tp}", arch=arch)
+    # TP=2 follows a history-coded stream (docs/FORMAT.md §4.5, the default of Ed25519 streams): each rank decodes
+    # only the chunks over its rows with its own history of them; the others, base-free
+    options = EncodeOptions(coding="history") if tp == 2 else None
+    run = start_train_run(workdir, model_name=f"tiny-{arch}-tp{tp}", arch=arch, options=options)
     llm = ref = None
     try:
         ref_dir = workdir / f"fresh-tp{tp}"
@@ -118,6 +122,8 @@ def test_follows_training_bit_identical(engine):
     assert got != first, "training changed nothing the engine generates: the test would pass without an apply"
     st = dsv.status(llm)
     assert all(s["rollbacks"] == 0 and s["mode"] == "sharded" for s in st), st
+    if tp == 2:
+        assert run.results[run.version].manifest.coding == "history"
     whole = sum(run.results[v].blob_bytes for v in range(1, run.version + 1))
     print(f"\nvLLM TP={tp}: apply pause per step (slowest rank, s): {json.dumps([round(p, 4) for p in pauses])}; "
           f"bytes received per rank over {STEPS} deltas: {[s['bytes_received'] for s in st]} "
