@@ -318,6 +318,10 @@ def _kb(x: float) -> str:
 def history_section(runs: list[dict]) -> list[str]:
     s = traces.WARMUP
     out = ["## History coding on real AdamW runs (issue 22): the whole delta file against dense XOR + zstd-1\n",
+           "**Which coding a user gets:** the history coding is the default of a lossless stream signed with "
+           "Ed25519 from the in-process Publisher or the sidecar (states of up to 4,096 tensors: "
+           "`deltasync.history.default_coding`; relays cannot sign a squash of such a stream anyway); "
+           "unsigned and HMAC streams, and `deltasync diff` files, default to base-free.\n\n"
            f"**The history coding needs the stream's previous deltas; the other columns are single pairs.** A "
            f"history-coded delta is decoded with the positions the stream's previous deltas changed, so each "
            f"learning rate here is a run: the states after steps 0..{traces.RUN_STEPS} of the same training as the "
