@@ -180,7 +180,7 @@ def prepare_delta(manifest: Manifest, blobs: BlobSource, *, executor: Executor |
                     raise FormatError(f"{rec.name}: chunk {ref.index} of blob {ref.blob} is history-coded (ansh), "
                                       f"the manifest says the {manifest.coding} coding")
                 p = p.resolve_history(history.chunk(rec.name, p.start, p.stop))
-            if partial and (p.start, p.stop) != spans[rec.name][k]:
+            if partial and rec.name in spans and (p.start, p.stop) != spans[rec.name][k]:
                 raise FormatError(f"{rec.name}: chunk {k} covers [{p.start}:{p.stop}], its recorded span is "
                                   f"{spans[rec.name][k]}")
             last_stop = p.stop

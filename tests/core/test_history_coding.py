@@ -369,3 +369,25 @@ def test_the_keeper_gives_each_delta_the_history_it_was_coded_with():
     keeper.keyframe(7)
     with pytest.raises(BaseMismatchError, match="keyframe at or after v0"):
         keeper.at(manifest(8, 0))  # a keyframe at v7 holds nothing of v1..v7
+
+
+def test_wanted_chunks_only_of_a_single_blob_delta():
+    """A target that holds part of a tensor (``wanted``) and a delta in one blob (no chunk spans in its manifest):
+    only the wanted chunks are decoded and taken in, the others left out, and the history of the wanted ones is
+    whole step after step."""
+    states = _states(4)
+    opts = EncodeOptions(coding="history", chunk_words=20_000)
+    pub = hc.StateHistory(_layout(states[0]), since=0)
+    sub = hc.StateHistory(_layout(states[0]), since=0)
+    wanted = lambda name, start, stop: name != "big" or start >= 60_000  # noqa: E731 - the last rows of "big"
+    for v in range(1, 4):
+        enc = encode_delta(states[v - 1], states[v], model="m", version=v, parent=v - 1, options=opts, history=pub)
+        pub.advance_diff(v, diff_states(states[v - 1], states[v]))
+        assert len(enc.manifest.blobs) == 1
+        p = prepare_delta(enc.manifest, enc.blobs, history=sub, wanted=wanted)
+        got = np.concatenate([c.changes.positions for c in p.patches["big"]])
+        want = np.flatnonzero(states[v - 1]["big"].view(torch.int16).reshape(-1).numpy()
+                              != states[v]["big"].view(torch.int16).reshape(-1).numpy())
+        assert np.array_equal(got, want[want >= 60_000])
+        assert all(c.start >= 60_000 for c in p.patches["big"])
+        sub.advance_patches(v, p.patches)
