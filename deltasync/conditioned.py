@@ -94,20 +94,29 @@ def chunk_ranks(words, rel, old, shift, mask):
 
 
 @numba.njit(cache=True, nogil=True)
-def _group_major(grp, rank, cnt, vsym):
-    """-> (order of changes, group-major; gaps; gap buckets) and the counts of G and V per context."""
-    k = grp.size
+def context_order(ctx):
+    """A stable counting sort by context: (``start[e]``: where context ``e`` begins, N_CTX + 1 of them; ``order``:
+    the indices of ``ctx``, context-major)."""
+    k = ctx.size
     start = np.zeros(N_CTX + 1, dtype=np.int64)
     for j in range(k):
-        start[np.int64(grp[j]) + 1] += 1
+        start[np.int64(ctx[j]) + 1] += 1
     for e in range(N_CTX):
         start[e + 1] += start[e]
     at = start[:N_CTX].copy()
     order = np.empty(k, dtype=np.int64)
     for j in range(k):
-        e = np.int64(grp[j])
+        e = np.int64(ctx[j])
         order[at[e]] = j
         at[e] += 1
+    return start, order
+
+
+@numba.njit(cache=True, nogil=True)
+def _group_major(grp, rank, cnt, vsym):
+    """-> (order of changes, group-major; gaps; gap buckets) and the counts of G and V per context."""
+    k = grp.size
+    _, order = context_order(grp)
     gaps = np.empty(k, dtype=np.int64)
     bkt = np.empty(k, dtype=np.int64)
     gcount = np.zeros((N_CTX, N_G), dtype=np.int64)

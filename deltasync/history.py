@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from .conditioned import E_CTX, N_CTX, CondBlobCoder, CondTables, PendingMessage, decode_groups
+from .conditioned import E_CTX, N_CTX, CondBlobCoder, CondTables, PendingMessage, context_order, decode_groups
 from .dtypes import dtype_info, word_count
 from .errors import BaseMismatchError, FormatError
 from .kernels import rans
@@ -213,17 +213,7 @@ def _decode(words, hpos, hctx, n, count, gf, gc, glut, vf, vc, vlut):
     # hot changes: mark the history entry each one lands on (its rank-th of its age)
     hit = np.full(h, -1, dtype=np.int64)
     if h:
-        start = np.zeros(N_CTX + 1, dtype=np.int64)
-        for t in range(h):
-            start[np.int64(hctx[t]) + 1] += 1
-        for a in range(N_CTX):
-            start[a + 1] += start[a]
-        at = start[:N_CTX].copy()
-        where = np.empty(h, dtype=np.int64)  # context-major order -> index in the history
-        for t in range(h):
-            a = np.int64(hctx[t])
-            where[at[a]] = t
-            at[a] += 1
+        start, where = context_order(hctx)  # context-major order -> index in the history
         for a in range(1, N_CTX):
             for c in range(gstart[a], gstart[a + 1]):
                 hit[where[start[a] + grank[c]]] = c
