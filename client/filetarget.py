@@ -288,6 +288,7 @@ class _JournaledPatch:
             t.file.flush()
             recover(t.path)  # the header too, if it was written
             raise StorageError(f"{t.path}: committing v{self._version} failed ({e}); rolled back") from e
+        t.version = self._version  # what the header says now (a later rollback restores it, its journal names it)
         self._inner.commit()
         t.end_journal()
 

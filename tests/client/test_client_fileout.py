@@ -146,3 +146,37 @@ def test_the_deadline_ends_the_run_with_the_last_error_and_the_version_held(clus
     assert outcome.status == 1 and outcome.version == 0
     assert "still at v0 after 3s (wanted v5" in outcome.message
     assert time.monotonic() - t0 < 15
+
+
+def test_a_rollback_after_committed_deltas_restores_the_last_committed_version_in_the_header(cluster, tmp_path):
+    """The target's version follows every committed delta: a later delta rolled back leaves the header at the
+    version the file holds (and its journal says so), not at the version the file was opened or created at."""
+    from deltasync.tensorfile import MappedTensorFile
+
+    trace = RLTrace(SHAPE, lr=1e-4, seed=11)
+    out = tmp_path / "rb.safetensors"
+    with Publisher(cluster.origin, "rollb", cluster.token, KEY, keyframe_every=0) as pub:
+        s0, s1, s2 = trace.step(), trace.step(), trace.step()
+        pub.publish(0, s0)
+        pub.flush(60)
+        assert _run(_opts(cluster, "rollb", out, until=0)).version == 0
+    t = FileTarget(out, "rollb")
+    try:
+        e1 = encode_delta(s0, s1, model="rollb", version=1, parent=0)
+        t.stage_delta(prepare_delta(e1.manifest, e1.blobs), {n: tensor_fingerprint(v) for n, v in s0.items()},
+                      verify="incremental").commit()
+        assert t.version == 1
+        e2 = encode_delta(s1, s2, model="rollb", version=2, parent=1)
+        staged = t.stage_delta(prepare_delta(e2.manifest, e2.blobs), {n: tensor_fingerprint(v) for n, v in s1.items()},
+                               verify="incremental")
+        staged.rollback()
+        assert t.version == 1
+    finally:
+        t.close()
+    f = MappedTensorFile(out)
+    try:
+        meta = f.metadata
+    finally:
+        f.close()
+    assert meta["deltasync.version"] == "1" and meta["deltasync.state_fp"] == e1.manifest.state_fp
+    assert same_state(read_state_file(out), s1) and not journal_path(out).exists()
