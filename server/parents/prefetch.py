@@ -290,7 +290,7 @@ class Prefetcher:
         obj = self._inline.pop((model, version), None)
         if obj is not None and self.store.info(model, version) is None:
             try:
-                m = parse_manifest(obj, verifier=self.upstream.verifier, records=False)
+                m = parse_manifest(obj, verifier=self.upstream.verifier, records=self.upstream.table_check)
                 if m.model == model and m.version == version:
                     await self.catalog.put(m)
                     self.metrics.inc("manifest_fetches")

@@ -87,6 +87,16 @@ class Upstream:
                      **({"Authorization": f"Bearer {self.read_token}"} if self.read_token else {})},
         )
 
+    @property
+    def table_check(self) -> bool | None:
+        """How a parent's manifests are parsed (``parse_manifest(records=...)``). With a key: their fields and
+        signature only (``None``), the table neither decoded nor checked (~0.02-0.04 s a step of a 70,000-tensor
+        state, on the delivery path): the signed bytes are the publisher's, which the origin checked whole when it
+        committed them and every subscriber checks before it uses any; this relay never reads a table on its serve
+        path, and the squash and catch-up workers, which do, parse their manifests whole. Without a key, nothing
+        vouches for them: the table is checked here (``False``)."""
+        return None if self.verifier is not None else False
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -204,7 +214,7 @@ class Upstream:
                     raise UpstreamError(f"{parent} sent a {resp.content_length}-byte manifest for {what}")
                 body = await self.read_body(resp, f"{parent}: {what}", limit=self.max_manifest_size)
             try:
-                m = parse_manifest(body, verifier=self.verifier, records=False)
+                m = parse_manifest(body, verifier=self.verifier, records=self.table_check)
             except SignatureError as e:
                 log.error("parent %s sent %s with a bad signature: %s", parent, what, e)
                 raise

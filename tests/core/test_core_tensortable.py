@@ -168,3 +168,45 @@ def test_a_chunk_referenced_twice_is_refused_with_or_without_records(records):
     forged = dataclasses.replace(m, tensors=tuple(recs))
     with pytest.raises(FormatError, match="referenced twice"):
         parse_manifest(forged.to_json(), records=records)
+
+
+def _names_table(names: list[str]) -> bytes:
+    """A keyframe table of ``names`` (one float32 scalar each, one shard a tensor), packed as written, the
+    names' order as given (sorted or not)."""
+    import numpy as np
+
+    from deltasync.tensortable import pack_columns
+
+    n = len(names)
+    return pack_columns("keyframe", names, ["float32"], np.zeros(n, np.uint8), np.zeros(n, np.uint8), [],
+                        np.zeros(n, np.uint64), np.zeros(n, np.uint64), np.ones(n, np.uint32), np.arange(n))
+
+
+def test_a_tables_names_checked_once_are_not_checked_again_and_other_names_still_are():
+    """The names of a table (a step's, every step alike) are checked once per process: a second table with the
+    same names takes the first one's list, while names that differ by one byte (out of order, listed twice,
+    empty, not UTF-8) are refused as ever."""
+    import sys
+
+    from deltasync import manifest as manifest_module
+    from deltasync.tensortable import unpack_table
+
+    names = [f"model.layers.{i // 384}.mlp.experts.{i % 384:03d}.w" for i in range(2048)]
+    ids = [f"{i:032x}" for i in range(len(names))]
+    limits = sys.modules[manifest_module.__name__]
+    first = unpack_table(_names_table(names), "keyframe", ids, limits=limits, build="columns")
+    again = unpack_table(_names_table(names), "keyframe", ids, limits=limits, build="columns")
+    assert first.names == names and again.names is first.names
+    for bad, what in (
+        (names[:5] + [names[6], names[5]] + names[7:], "sorted"),
+        (names[:5] + [names[4]] + names[6:], "twice"),
+        ([""] + names[1:], "non-empty"),
+    ):
+        with pytest.raises(FormatError, match=what):
+            unpack_table(_names_table(bad), "keyframe", ids, limits=limits, build=False)
+    raw = zstandard.ZstdDecompressor().decompress(_names_table(names))
+    at = raw.index(names[7].encode())
+    bad_utf8 = raw[:at] + b"\xff" + raw[at + 1:]  # the same length, one byte not UTF-8
+    with pytest.raises(FormatError, match="UTF-8"):
+        unpack_table(zstandard.ZstdCompressor().compress(bad_utf8), "keyframe", ids, limits=limits, build=False)
+    assert unpack_table(_names_table(names), "keyframe", ids, limits=limits, build="columns").names is first.names
