@@ -43,6 +43,7 @@ import struct
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Mapping
+from operator import eq
 from pathlib import Path
 
 import numpy as np
@@ -540,31 +541,42 @@ class ShardSink:
     def _plan(self) -> None:
         w = self._w
         header = parse_header(self._head, size=self.size, where=f"keyframe v{w.manifest.version} shard: ")
-        entries = header.entries
         layout, file_starts = w._layout, w._starts
-        with gc_paused():  # a shard of a 70k-tensor state: ~14k tensors, done as columns
-            if not all([layout.get(e.name) == (e.dtype, e.shape) for e in entries]):
-                e = next(e for e in entries if layout.get(e.name) != (e.dtype, e.shape))
-                raise FormatError(f"keyframe v{w.manifest.version}: shard tensor {e.name} {e.dtype} "
-                                  f"{tuple(e.shape)} is not in the manifest as such")
+        with gc_paused():  # a shard of a 70k-tensor state: ~14k tensors, done as columns (no entry made)
+            cols = header_columns(header)
+            if cols is not None:
+                names, dtypes, shapes = cols.names, cols.dtypes, cols.shapes
+                begin, end = cols.starts, cols.stops
+            else:
+                entries = header.entries
+                names, dtypes, shapes = [e.name for e in entries], [e.dtype for e in entries], [e.shape for e in entries]
+                begin = np.fromiter((e.start for e in entries), np.int64, len(entries))
+                end = np.fromiter((e.stop for e in entries), np.int64, len(entries))
+            if not all(map(eq, map(layout.get, names), zip(dtypes, map(tuple, shapes)))):
+                i = next(i for i, n in enumerate(names) if layout.get(n) != (dtypes[i], tuple(shapes[i])))
+                raise FormatError(f"keyframe v{w.manifest.version}: shard tensor {names[i]} {dtypes[i]} "
+                                  f"{tuple(shapes[i])} is not in the manifest as such")
             # the fingerprint's lanes: bytes for 1-byte words, else 16-bit
-            lane_bytes = {d: 1 if dtype_info(d).word_size == 1 else 2 for d in {e.dtype for e in entries}}
-            rows = sorted([(e.start, e.stop, lane_bytes[e.dtype], file_starts[e.name], e.name) for e in entries])
-            rows.append((self.size, self.size + 1, 1, 0, ""))  # never reached
-            starts, stops, lbs, file_at, names = (list(c) for c in zip(*rows))
-            self._starts_l, self._stops_l, self._lbs_l, self._file_at, self._names = starts, stops, lbs, file_at, names
-            self._starts = np.array(starts, dtype=np.int64)  # the columns the lane sums run over
-            self._stops = np.array(stops, dtype=np.int64)
-            self._lbs = np.array(lbs, dtype=np.int64)
-            self._done = np.zeros(len(rows), dtype=np.int64)  # lanes summed
-            self._sums = np.zeros(len(rows), dtype=np.uint64)
+            lane_bytes = {d: 1 if dtype_info(d).word_size == 1 else 2 for d in set(dtypes)}
+            order = np.lexsort((end, begin))  # by first byte in the shard (a header lists them by name)
+            ol = order.tolist()
+            n = len(ol)
+            self._starts = np.append(begin[order], self.size)  # the columns the lane sums run over; a sentinel row
+            self._stops = np.append(end[order], self.size + 1)  # (never reached) ends them
+            self._lbs = np.append(np.fromiter(map(lane_bytes.__getitem__, dtypes), np.int64, n)[order], 1)
+            names = [*map(names.__getitem__, ol), ""]
+            file_at = [*map(file_starts.__getitem__, names[:n]), 0]
+            self._starts_l, self._stops_l, self._lbs_l = self._starts.tolist(), self._stops.tolist(), self._lbs.tolist()
+            self._file_at, self._names = file_at, names
+            self._done = np.zeros(n + 1, dtype=np.int64)  # lanes summed
+            self._sums = np.zeros(n + 1, dtype=np.uint64)
             # where the run of tensors back to back in shard and file (from each one on) ends
             s_, e_, f_ = self._starts, self._stops, np.array(file_at, dtype=np.int64)
             joined = (s_[1:] == e_[:-1]) & (f_[1:] == f_[:-1] + (e_[:-1] - s_[:-1]))
             joined[-1] = False  # the sentinel joins nothing
             brk = np.flatnonzero(~joined)  # runs end after these tensors
             ends = e_[brk]
-            self._run_end = np.append(ends[np.searchsorted(brk, np.arange(len(rows) - 1))], e_[-1]).tolist()
+            self._run_end = np.append(ends[np.searchsorted(brk, np.arange(n))], e_[-1]).tolist()
         self._at = 0
 
     def fingerprints(self) -> dict[str, int]:

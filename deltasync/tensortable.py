@@ -420,8 +420,7 @@ class TableColumns:
         """Each record's dtype name (made once)."""
         got = self.memo.get("dtypes")
         if got is None:
-            names = self.dtype_names
-            got = self.memo["dtypes"] = [names[c] for c in self.codes.tolist()]
+            got = self.memo["dtypes"] = list(map(self.dtype_names.__getitem__, self.codes.tolist()))
         return got
 
     def shapes(self) -> list[tuple[int, ...]]:
