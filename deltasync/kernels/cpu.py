@@ -1249,3 +1249,50 @@ def state_hex(buf, hex_at, fps, order):
         for k in range(16):
             d = np.uint8((v >> np.uint64(60 - 4 * k)) & np.uint64(15))
             buf[at + k] = d + np.uint8(48) if d < 10 else d + np.uint8(87)
+
+
+# -- S: a safetensors header's entries --------------------------------------------------------------
+
+@_jit
+def header_entries(out, names, name_at, order, prefixes, prefix_at, code, starts, ends):
+    """``tensorfile._build_columns``' entries in one pass: entry ``i`` (of ``order.size``), comma-separated, is
+    ``"NAME":PREFIX START,END]}`` with NAME ``names[name_at[order[i]]:name_at[order[i] + 1]]`` (printable ASCII
+    without quotes or backslashes: the caller checked), PREFIX ``prefixes[prefix_at[code[i]]:prefix_at[code[i] +
+    1]]`` and START/END (int64, >= 0) in decimal. Written into ``out`` (large enough: the caller sized it); returns
+    the bytes written."""
+    at = 0
+    digits = np.empty(20, np.uint8)
+    for i in range(order.size):
+        if i:
+            out[at] = 44  # ,
+            at += 1
+        out[at] = 34  # "
+        at += 1
+        t = order[i]
+        for j in range(name_at[t], name_at[t + 1]):
+            out[at] = names[j]
+            at += 1
+        out[at] = 34
+        out[at + 1] = 58  # ":
+        at += 2
+        c = code[i]
+        for j in range(prefix_at[c], prefix_at[c + 1]):
+            out[at] = prefixes[j]
+            at += 1
+        for v, tail in ((starts[i], 44), (ends[i], 93)):  # START, then END]
+            k = 0
+            while True:
+                digits[k] = 48 + v % 10
+                v //= 10
+                k += 1
+                if v == 0:
+                    break
+            while k:
+                k -= 1
+                out[at] = digits[k]
+                at += 1
+            out[at] = tail
+            at += 1
+        out[at] = 125  # }
+        at += 1
+    return at

@@ -354,3 +354,39 @@ def test_a_writable_map_refuses_a_tensor_not_aligned_to_its_elements(tmp_path, m
         assert tensorfile.header_columns(f.header) is not None
         assert f.header.entries.__dict__.get("made") is None  # no entry made
     f.close()
+
+
+def test_a_header_of_many_entries_written_by_the_kernel_is_the_formatted_ones(monkeypatch):
+    """From ``ENTRIES_KERNEL_MIN`` entries the columns' entries are written by one compiled pass
+    (``kernels.cpu.header_entries``): the same bytes as formatting them, for mixed dtypes and ranks (scalars,
+    empty tensors, offsets past 2**32), the same offsets and the same parsed header; below it, and without the
+    compiled kernels, they are formatted."""
+    import numpy as np
+
+    from deltasync import kernels
+
+    if kernels.cpu_kernels() is None:
+        pytest.skip("the compiled kernels are not selected")
+    n = tensorfile.ENTRIES_KERNEL_MIN + 37
+    kinds = [("bfloat16", (64, 32)), ("float32", ()), ("float8_e4m3fn", (3, 0, 5)), ("int64", (7,)),
+             ("float32", (1 << 20, 1 << 10)), ("uint8", (1, 2, 3, 4))]
+    layout = {f"model.layers.{i // 384}.mlp.experts.{i % 384}.w{i % 7}": kinds[i % len(kinds)] for i in range(n)}
+    meta = {"deltasync.version": "12", "k": "v"}
+    calls = []
+    real = tensorfile._entries_text
+    monkeypatch.setattr(tensorfile, "_entries_text", lambda *a: calls.append(1) or real(*a))
+    got = build_header(layout, meta, align=4096, reserve=256)
+    assert calls and len(got[0]) > 1 << 18
+    seeded = tensorfile._LAST_HEADER
+    monkeypatch.setattr(tensorfile, "ENTRIES_KERNEL_MIN", n + 1)  # formatted, as below the threshold
+    tensorfile._LAST_HEADER = None
+    want = build_header(layout, meta, align=4096, reserve=256)
+    assert got[0] == want[0] and dict(got[1]) == want[1] and seeded == tensorfile._LAST_HEADER
+    assert max(want[1].values()) > 1 << 32
+    monkeypatch.setattr(tensorfile, "ENTRIES_KERNEL_MIN", 1)
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)  # no compiled kernels: formatted too
+    tensorfile._LAST_HEADER = None
+    assert build_header(layout, meta, align=4096, reserve=256)[0] == want[0]
+    parsed = parse_header(got[0], size=len(got[0]) + sum(
+        tensorfile.dtype_info(d).element_size * int(np.prod(s)) for d, s in layout.values()))
+    assert {e.name: e.start for e in parsed.entries} == want[1]
