@@ -43,6 +43,7 @@ import struct
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Mapping
+from itertools import repeat
 from operator import eq
 from pathlib import Path
 
@@ -362,7 +363,15 @@ class KeyframeWriter:
         self._tmp, self._file = target._new_file(layout, self.version, manifest.state_fp)
         self._got = np.zeros(len(names), np.uint64)  # each tensor's fingerprint as it landed
         self._have = np.zeros(len(names), np.bool_)  # ... once it has
-        self._starts = entry_starts(self._file.header)  # each tensor's first byte in the file
+        # each tensor's first byte in the file, by row (the manifest's order): a shard's tensors are placed by row
+        cols = header_columns(self._file.header)
+        if cols is not None:
+            file_rows = np.fromiter(map(self._index.__getitem__, cols.names), np.int64, len(cols.names))
+            self._file_at = np.empty(len(names), np.int64)
+            self._file_at[file_rows] = cols.starts
+        else:
+            at = entry_starts(self._file.header)
+            self._file_at = np.fromiter(map(at.__getitem__, names), np.int64, len(names))
         self._fd: int | None = None  # the new file opened for pwrite (received shards), once one arrives
         self._bounce = bytearray(BOUNCE)  # every received shard's bytes pass through it (ShardSink)
         self._scratch = np.empty(BOUNCE // 2, dtype=np.uint16)  # a receive's lanes of a tensor at an odd byte
@@ -373,11 +382,11 @@ class KeyframeWriter:
         names = self._names
         return {names[i]: fp for i, fp in zip(np.flatnonzero(self._have).tolist(), self._got[self._have].tolist())}
 
-    def _check(self, names: list[str], fps: np.ndarray) -> None:
-        """Tensors ``names`` landed with fingerprints ``fps`` (uint64): IntegrityError naming the first that is not
-        the manifest's, else kept."""
-        index = self._index
-        idx = np.fromiter(map(index.__getitem__, names), np.int64, len(names))
+    def _check(self, names: list[str], fps: np.ndarray, idx: np.ndarray | None = None) -> None:
+        """Tensors ``names`` (their rows ``idx``, where known) landed with fingerprints ``fps`` (uint64):
+        IntegrityError naming the first that is not the manifest's, else kept."""
+        if idx is None:
+            idx = np.fromiter(map(self._index.__getitem__, names), np.int64, len(names))
         bad = np.flatnonzero(self._want[idx] != fps)
         if bad.size:
             name, fp = names[int(bad[0])], int(fps[int(bad[0])])
@@ -432,7 +441,8 @@ class KeyframeWriter:
     def add_received(self, sink: ShardSink) -> None:
         """A shard received whole into ``sink`` (its blob's hash checked): every tensor's fingerprint
         against the manifest (as columns: a shard of a 70k-tensor state holds ~14k tensors)."""
-        self._check(*sink.fingerprint_columns())
+        names, fps = sink.fingerprint_columns()
+        self._check(names, fps, sink.rows)
 
     def commit(self) -> None:
         missing = np.flatnonzero(~self._have)
@@ -492,6 +502,7 @@ class ShardSink:
         self._head = bytearray(8)
         self._need: int | None = None  # 8 + the header's length, once known
         self._names: list[str] | None = None  # the shard's tensors by their first byte, once its header is in
+        self.rows: np.ndarray | None = None  # ... and their rows in the manifest
         self._at = 0  # the tensor the next receive starts in
         self._carry = 0  # bytes of a cut lane at the buffer's start (received, written, not yet summed)
         self._carried = b""  # those bytes, kept here while the shared buffer serves other shards
@@ -541,7 +552,6 @@ class ShardSink:
     def _plan(self) -> None:
         w = self._w
         header = parse_header(self._head, size=self.size, where=f"keyframe v{w.manifest.version} shard: ")
-        layout, file_starts = w._layout, w._starts
         with gc_paused():  # a shard of a 70k-tensor state: ~14k tensors, done as columns (no entry made)
             cols = header_columns(header)
             if cols is not None:
@@ -552,7 +562,12 @@ class ShardSink:
                 names, dtypes, shapes = [e.name for e in entries], [e.dtype for e in entries], [e.shape for e in entries]
                 begin = np.fromiter((e.start for e in entries), np.int64, len(entries))
                 end = np.fromiter((e.stop for e in entries), np.int64, len(entries))
-            if not all(map(eq, map(layout.get, names), zip(dtypes, map(tuple, shapes)))):
+            # each tensor's row in the manifest (-1: not in it), then its dtype and shape there
+            rows = np.fromiter(map(w._index.get, names, repeat(-1)), np.int64, len(names))
+            rl = rows.tolist()
+            if (rows < 0).any() or not (all(map(eq, map(w._dtypes.__getitem__, rl), dtypes))
+                                        and all(map(eq, map(w._shapes.__getitem__, rl), map(tuple, shapes)))):
+                layout = w._layout
                 i = next(i for i, n in enumerate(names) if layout.get(n) != (dtypes[i], tuple(shapes[i])))
                 raise FormatError(f"keyframe v{w.manifest.version}: shard tensor {names[i]} {dtypes[i]} "
                                   f"{tuple(shapes[i])} is not in the manifest as such")
@@ -565,7 +580,8 @@ class ShardSink:
             self._stops = np.append(end[order], self.size + 1)  # (never reached) ends them
             self._lbs = np.append(np.fromiter(map(lane_bytes.__getitem__, dtypes), np.int64, n)[order], 1)
             names = [*map(names.__getitem__, ol), ""]
-            file_at = [*map(file_starts.__getitem__, names[:n]), 0]
+            self.rows = rows[order]  # the manifest rows of the shard's tensors, by first byte
+            file_at = [*w._file_at[self.rows].tolist(), 0]
             self._starts_l, self._stops_l, self._lbs_l = self._starts.tolist(), self._stops.tolist(), self._lbs.tolist()
             self._file_at, self._names = file_at, names
             self._done = np.zeros(n + 1, dtype=np.int64)  # lanes summed
