@@ -11,7 +11,7 @@ the origin; ``deltasync.cli.cluster``, ``--no-fsync``, HMAC-signed manifests, th
 
 - *keyframe publish*: ``deltasync publish BASE`` (the stream's first version, v0: a keyframe), start to exit;
 - *first subscribe*: ``deltasync subscribe --from RELAY --out F --once``, start to exit (F holds v0), FIRSTS times
-  (F removed before each);
+  after WARM_FIRSTS not measured (F removed before each);
 - an already-running ``deltasync subscribe --out F`` (follow mode, resuming F at v0), and every layout's
   servers and followers idle before each step's clock starts;
 - WARM_STEPS steps not measured (a layout's first step reads its step file first and keeps its state lines beside
@@ -81,6 +81,10 @@ STEPS = 11  # steps per layout, interleaved with the other layouts' (each row: t
 WARM_STEPS = 1  # steps per layout before those, not measured (a layout's first step reads its step file first and
 # keeps its state lines beside its header: what a trainer's second checkpoint does once)
 FIRSTS = 3  # first subscribes per layout, likewise
+WARM_FIRSTS = 1  # first subscribes per layout before those, not measured: the first right after the round's keyframe
+# publishes was the slowest of every layout in every run (8 tensors 1.50 s against 1.30-1.36, Kimi-K2 3.58 against
+# 1.94-2.49, FP8-served 3.03 against 1.87-2.30: the VM's memory just after ~1.2 GB of stores were written), and
+# with 3 repetitions it moved a median
 LAYOUTS = ("few", "kimi", "fp8")
 TITLES = {"few": "8 tensors", "kimi": "Kimi-K2 layout", "fp8": "FP8-served layout"}
 _VERSION = re.compile(rb'"deltasync\.version"\s*:\s*"(\d+)"')
@@ -320,12 +324,14 @@ class _Stand:
         _wait_head(self.cluster.url("relay"), MODEL, 0, self.timeout)
         self.r["relay_has_keyframe_s"] = time.perf_counter() - t0
 
-    def first_subscribe(self, rep: int) -> None:
+    def first_subscribe(self, rep: int, measure: bool = True) -> None:
         """``subscribe --out F --once`` from the relay into a new F (the one of the rep before removed first)."""
         self.out.unlink(missing_ok=True)
         s = self.child([*self.sub, "--out", str(self.out), "--once", "--quiet", "--timeout", str(int(self.timeout))],
-                       f"subscribe-once-{rep}.log")
-        self.add("first_subscribe_s", s.wait(self.timeout, "first subscribe --once", "first_subscribe_s"))
+                       f"subscribe-once-{rep if measure else f'warm-{rep}'}.log")
+        took = s.wait(self.timeout, "first subscribe --once", "first_subscribe_s")
+        if measure:
+            self.add("first_subscribe_s", took)
         if _file_version(self.out) != 0:
             raise RuntimeError(f"first subscribe: {self.out} holds v{_file_version(self.out)}, not v0")
 
@@ -512,6 +518,7 @@ def _measure(layouts: list[str], timeout: float, kimi_kwargs: dict, steps: int, 
                         if st.cli_ok:  # every layout's servers and followers quiet first (idle when the clock starts)
                             _part(st, f"CLI {what} {rep + 1}", lambda: (_idle(every_pid(), timeout, what), fn(st, rep)))
 
+            interleaved("warm-up first subscribe", WARM_FIRSTS, lambda st, rep: st.first_subscribe(rep, measure=False))
             interleaved("first subscribe", firsts, lambda st, rep: st.first_subscribe(rep))
             for st in stands.values():
                 _part(st, "CLI follower", st.start_follower)
@@ -618,7 +625,8 @@ def report(results: dict[str, dict], quick: bool, timeout: float, steps: int = S
            "another layout holds slowed the steps that touch more fresh pages), and each is compared with its round's "
            "8 tensors. " if rounds else "Every layout's servers, files and follower are up together. ")
         + f"The repeated rows are measured interleaved, layout after layout (the order reversed each "
-        f"time): {firsts} first subscribes, then {WARM_STEPS} unmeasured and {steps} measured steps (base -> step, "
+        f"time): {WARM_FIRSTS} unmeasured and {firsts} measured first subscribes, then {WARM_STEPS} unmeasured and "
+        f"{steps} measured steps (base -> step, "
         "step -> base, ...) per layout, each "
         "with every process of the round idle before its clock starts; those rows (marked *) are the medians of "
         "their repetitions, so that a change of this machine's speed during the run falls on every layout alike; "
