@@ -43,7 +43,7 @@ from deltasync.dtypes import dtype_info
 from deltasync.errors import BaseMismatchError
 from deltasync.fingerprint import tensor_fingerprint
 from deltasync.keyframe import copy_state
-from deltasync.manifest import Manifest
+from deltasync.manifest import Manifest, record_names
 
 __all__ = ["Applier", "Staged", "TensorApplier", "as_applier"]
 
@@ -186,7 +186,7 @@ class TensorApplier:
             self.fit_stream((r.name for r in m.tensors), version=m.version)
         else:  # only the changed ones: each must be one the stream carries (the state fingerprint checks the rest)
             carried = self.tensors()
-            extra = sorted(r.name for r in m.tensors if r.name not in carried)
+            extra = sorted(n for n in record_names(m) if n not in carried)  # (a parsed table's names: no record made)
             if extra:
                 raise BaseMismatchError(
                     f"v{m.version} of the stream changes {extra[:5]}, which the target lacks (or holds as a tied "
