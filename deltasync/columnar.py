@@ -675,7 +675,7 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
     try:
         every = owner_rows.size == len(names) and bool((owner_rows == np.arange(len(names))).all())
         table = _compact_table(None if every else owner_rows, names, dtypes, shapes, flat.fp_after, sums,
-                               counts, cblob, index, start, stop, names_text=names_text)
+                               counts, cblob, index, start, stop, names_text=names_text, name_at=name_at)
     except FormatError:  # a name format 3 cannot carry (a newline): compact() says so where it is asked for
         pass
     else:
@@ -685,15 +685,17 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
 
 def _compact_table(owners: np.ndarray | None, names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]],
                    fps: np.ndarray, changed, counts: np.ndarray, cblob: np.ndarray, cindex: np.ndarray,
-                   start: np.ndarray, stop: np.ndarray, names_text: bytes | None = None) -> bytes:
+                   start: np.ndarray, stop: np.ndarray, names_text: bytes | None = None,
+                   name_at: np.ndarray | None = None) -> bytes:
     """The format-3 table of a delta whose changed tensors are ``owners`` (indices into the state's columns,
     ascending; None: every tensor, no list gathered), their chunks given per chunk: what ``pack_table`` packs of
-    ``Manifest.compact()``'s records. ``names_text``: every tensor's names already joined (:func:`newline_joined`)."""
+    ``Manifest.compact()``'s records. ``names_text``: every tensor's names already joined (:func:`newline_joined`),
+    ``name_at`` where each starts in it (and one past its end), if known."""
     every = owners is None
     if not every:
         ol = owners.tolist()
         dtypes, shapes = list(map(dtypes.__getitem__, ol)), list(map(shapes.__getitem__, ol))
-        names_text = _names_of(names_text, owners) if names_text is not None else None
+        names_text = _names_of(names_text, owners, name_at) if names_text is not None else None
         names, fps = list(map(names.__getitem__, ol)), fps[owners]
     code = {d: i for i, d in enumerate(dict.fromkeys(dtypes))}  # numbered in order of first appearance
     return pack_columns("delta", names, list(code),
@@ -704,16 +706,18 @@ def _compact_table(owners: np.ndarray | None, names: list[str], dtypes: list[str
                         names_text=names_text)
 
 
-def _names_of(names_text: bytes, rows: np.ndarray) -> bytes:
-    """The names of ``rows`` (ascending) joined by newlines, cut from every name's joined ``names_text``: a slice
+def _names_of(names_text: bytes, rows: np.ndarray, first: np.ndarray | None = None) -> bytes:
+    """The names of ``rows`` (ascending) joined by newlines, cut from every name's joined ``names_text`` (``first``:
+    where each name starts in it, and one past its end + 1, as ``encode_flat``'s ``name_at``; found if None): a slice
     per run of consecutive rows (an AdamW step leaves a few small tensors unchanged: a few hundred runs at 70,000
     tensors, where joining the changed ones' names again was ~3.3 MB of text)."""
     if not rows.size:
         return b""
-    ends = np.flatnonzero(np.frombuffer(names_text, np.uint8) == 10)
-    first = np.zeros(ends.size + 2, np.int64)  # where each name starts, and one past the end (+1)
-    first[1:-1] = ends + 1
-    first[-1] = len(names_text) + 1
+    if first is None:
+        ends = np.flatnonzero(np.frombuffer(names_text, np.uint8) == 10)
+        first = np.zeros(ends.size + 2, np.int64)
+        first[1:-1] = ends + 1
+        first[-1] = len(names_text) + 1
     cut = np.flatnonzero(np.diff(rows) != 1) + 1
     lo, hi = rows[np.r_[0, cut]].tolist(), rows[np.r_[cut - 1, rows.size - 1]].tolist()
     view = memoryview(names_text)
