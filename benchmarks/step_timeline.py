@@ -69,13 +69,14 @@ def run(size: int, changed: float, work: Path,
                           env=env) for i, out in enumerate(outs)]
             _idle(subs)
             t0 = time.monotonic()
-            p = _Child(_cli("publish", *pub, *extra, str(path)), work / f"publish-v{version}.log")
+            p = _Child(_cli("publish", *pub, *extra, str(path)), work / f"publish-v{version}.log", env=env)
             p.wait(600)
             for s in subs:
                 s.wait(600)
             if version == 0:
                 continue
             rows.append(("publish", "exit", p.ended_mono - t0))
+            rows += [("publish", what.removeprefix("publish-"), t - t0) for t, what, _ in stamps(p.log_path, t0)]
             for name in ("origin", "r1", "r2"):
                 for t, what, rest in stamps(cluster.servers[name].log_path, t0):
                     if rest.endswith(f" v{version}") or f" v{version} " in rest:
