@@ -561,9 +561,15 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
         na = np.zeros(c1 - c0, np.int64)
         ans = np.flatnonzero(~dn) + c0
         if ans.size:
-            # runs of consecutive ans chunks in one segment: a compiled call each (one run a segment the blob
-            # spans where word sizes do not interleave)
+            # runs of consecutive ans chunks in one segment: a compiled call each. Where segments interleave (an
+            # FP8 state's weights and scales alternate by name: a run a chunk, ~1,500 runs a blob), the chunks are
+            # taken segment by segment and their messages and raw words put back in chunk order after: the same
+            # bytes (each message stands alone)
             sg = seg[ans]
+            grouped = None
+            if sg.size > 1 and bool((sg[1:] < sg[:-1]).any()):
+                grouped = np.argsort(sg, kind="stable")
+                ans, sg = ans[grouped], sg[grouped]
             cuts = [0, *(np.flatnonzero(sg[1:] != sg[:-1]) + 1).tolist(), ans.size]
             # the blob's counts (its ans chunks' gap buckets and value symbols), then its models
             g = np.zeros(rans.N_GAP, np.int64)
@@ -574,6 +580,8 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
             tables = AnsTables.from_freqs(rans.normalize(g), rans.normalize(v))
             (gf, gc, _), (vf, vc, _) = tables.g, tables.v
             parts["ansm"] = [tables.to_bytes()]
+            coded: list[np.ndarray] = []
+            raws: dict[int, list[np.ndarray]] = {}
             for x, y in zip(cuts, cuts[1:]):
                 sel = ans[x:y]
                 p, _, _ = segs[int(sg[x])]
@@ -582,13 +590,23 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
                 words, na_run = ansbatch.encode_chunks(p, a_lo, hi[sel], start[sel], nb[sel], sy, bn, bm, gf, gc, vf,
                                                        vc)
                 na[sel - c0] = na_run
-                parts.setdefault("ans", []).append(words.astype("<u2", copy=False).view(np.uint8))
+                coded.append(words)
                 k = nr[sel]
                 n = int(k.sum())
                 if n:  # the run's raw words, chunk after chunk
                     ends = np.cumsum(k)
-                    parts.setdefault(f"raw{rw.itemsize}", []).append(
+                    raws.setdefault(rw.itemsize, []).append(
                         rw[np.arange(n, dtype=np.int64) + np.repeat(a_lo - (ends - k), k)])
+            if grouped is not None:  # back in chunk order: each chunk's message, and its raw words per word size
+                back = np.empty_like(grouped)
+                back[grouped] = np.arange(grouped.size)
+                coded = [_in_order(np.concatenate(coded), na[ans - c0], back)]
+                size_of = np.array([o.itemsize for _, o, _ in segs], np.int64)[sg]  # each chunk's raw word size
+                raws = {w: [_in_order(np.concatenate(rs), np.where(size_of == w, nr[ans], 0), back)]
+                        for w, rs in raws.items()}
+            parts["ans"] = [w.astype("<u2", copy=False).view(np.uint8) for w in coded]
+            for w in sorted(raws):
+                parts[f"raw{w}"] = raws[w]
         if dn.any():
             for j in (np.flatnonzero(dn) + c0).tolist():
                 _, _, n_words = segs[int(seg[j])]
@@ -681,6 +699,15 @@ def encode_flat(diff, *, model: str, version: int, parent: int, options, meta: M
     else:
         remember_compact(manifest.tensors, tuple(blobs), meta, meta3, table)
     return Encoded(manifest=manifest, blobs=blobs, fps=lazy_zip(names, flat.fp_after))
+
+
+def _in_order(data: np.ndarray, sizes: np.ndarray, back: np.ndarray) -> np.ndarray:
+    """Pieces of ``data`` (laid end to end, ``sizes[g]`` items each, in a grouped order) put in the order where
+    piece ``back[i]`` of the grouped order comes ``i``-th: one gather."""
+    starts = np.cumsum(sizes) - sizes
+    k = sizes[back]
+    ends = np.cumsum(k)
+    return data[np.arange(int(ends[-1]) if k.size else 0, dtype=np.int64) + np.repeat(starts[back] - (ends - k), k)]
 
 
 def _compact_table(owners: np.ndarray | None, names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]],
