@@ -80,7 +80,7 @@ CHANGED = 0.01
 STEPS = 11  # steps per layout, interleaved with the other layouts' (each row: their median)
 WARM_STEPS = 1  # steps per layout before those, not measured (a layout's first step reads its step file first and
 # keeps its state lines beside its header: what a trainer's second checkpoint does once)
-FIRSTS = 3  # first subscribes per layout, likewise
+FIRSTS = 5  # first subscribes per layout, likewise (5: their fresh-page noise is the largest of the section)
 WARM_FIRSTS = 1  # first subscribes per layout before those, not measured: the first right after the round's keyframe
 # publishes was the slowest of every layout in every run (8 tensors 1.50 s against 1.30-1.36, Kimi-K2 3.58 against
 # 1.94-2.49, FP8-served 3.03 against 1.87-2.30: the VM's memory just after ~1.2 GB of stores were written), and

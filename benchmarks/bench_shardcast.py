@@ -55,7 +55,7 @@ SIDECAR_POLL = 0.1  # the sidecar's folder scan interval: at most this much of e
 # shardcast and the CLI rows run in turn this many times (a round each): one run of each moved by 2x between
 # make bench runs on this shared VM (fresh memory after a large free costs about twice as much to write here),
 # so the table gives medians and every round's ratios
-ROUNDS = 4  # even: each system runs first in half of them
+ROUNDS = 6  # even: each system runs first in half of them (6: shardcast's own full copy moved 7.5-14 s from round to round)
 # then one more run of each on cold memory: this VM (a Firecracker guest with free page reporting) hands memory
 # that stayed free a few seconds back to the host, and writing it again costs a host fault a page (20-28 us
 # against 1.3 warm); each system starts after this long idle, as on a machine that was not just running the other
