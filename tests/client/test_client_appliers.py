@@ -159,3 +159,82 @@ def test_live_state_scrub_finds_a_scribble():
     assert ls.scrub(told) is None and "all 3" in told[-1].detail
     live["b"].view(torch.int16)[0] ^= 1
     assert ls.scrub(told) == "scrub" and ls.verify_state == "mismatch" and "['b']" in told[-1].detail
+
+
+# -- a dict target's layout kept from step to step (TensorApplier._layout) -------------------------
+
+def _many(seed: int, n: int = 300):
+    """``n`` small bf16 tensors and a ~1%-changed step of them (enough tensors for the columnar paths)."""
+    g = torch.Generator().manual_seed(seed)
+    old = {f"layers.{i}.w": torch.randn(16, 16, generator=g).to(torch.bfloat16) for i in range(n)}
+    new = {k: t.clone() for k, t in old.items()}
+    for t in new.values():
+        t.view(torch.int16).view(-1)[::37] += 1
+    return old, new
+
+
+def _parsed_step(old, new, version):
+    from deltasync.manifest import parse_manifest
+
+    enc = encode_delta(old, new, model="m", version=version, parent=version - 1)
+    m = parse_manifest(enc.manifest.compact().to_json())  # what a subscriber parses: format 3, a table
+    return ReadyStep(kind="delta", prepared=prepare_delta(m, enc.blobs), version=version, base=version - 1,
+                     state_fp=m.state_fp, manifest=m, generation=0, nbytes=0, squashed=False)
+
+
+def test_a_dict_targets_layout_is_kept_between_steps_and_made_again_when_a_tensor_is_replaced(monkeypatch):
+    from deltasync.client import appliers
+
+    a, b = _many(5)
+    target = {n: t.clone() for n, t in a.items()}
+    ap = TensorApplier(target)
+    live = LiveState(ap, version=0)
+    live.fps = fingerprint_state(a)
+    asked = []
+    real = appliers._Layout.addresses
+    monkeypatch.setattr(appliers._Layout, "addresses", lambda self, names: asked.append(len(names)) or real(self, names))
+
+    assert live.apply(_parsed_step(a, b, 1)).applied and _same(target, b)
+    kept = ap._kept
+    assert kept is not None and asked  # the patch took the kept addresses
+    assert live.apply(_parsed_step(b, a, 2)).applied and _same(target, a)
+    assert ap._kept is kept  # the same tensors: the layout was not made again
+
+    # one tensor replaced by a copy (another address): the layout is made again and the step lands in the copy,
+    # not in the memory of the tensor it replaced
+    old_t = target["layers.7.w"]
+    target["layers.7.w"] = old_t.clone()
+    old_bits = old_t.view(torch.int16).clone()
+    assert live.apply(_parsed_step(a, b, 3)).applied and _same(target, b)
+    assert ap._kept is not kept
+    assert torch.equal(old_t.view(torch.int16), old_bits)  # the replaced tensor was not written
+
+    # a square tensor replaced by its transpose (same address, dtype and shape; other strides): the layout is made
+    # again, and the step does to the target exactly what it does to a target never seen before
+    kept = ap._kept
+    name = "layers.9.w"
+    twin = {n: t.clone() for n, t in target.items()}
+    target[name] = target[name].t()
+    twin[name] = twin[name].t()
+    step = _parsed_step(b, a, 4)
+    got = live.apply(step)
+    assert ap._kept is not kept
+    fresh = LiveState(TensorApplier(twin), version=3)
+    fresh.fps = fingerprint_state(b)
+    want = fresh.apply(step)
+    assert got.applied == want.applied
+    assert all(torch.equal(target[n].contiguous().view(torch.int16), twin[n].contiguous().view(torch.int16))
+               for n in target)
+
+
+def test_state_lines_of_a_dict_target_give_the_state_fingerprint():
+    from deltasync.fingerprint import state_fingerprint
+
+    a, _ = _many(6, 40)
+    ap = TensorApplier({n: t.clone() for n, t in a.items()})
+    names, lines = ap.state_lines()
+    fps = fingerprint_state(a)
+    import numpy as np
+
+    have = np.array([fps[n] for n in names], np.uint64)
+    assert lines.digest(have) == state_fingerprint((n, "bfloat16", tuple(a[n].shape), fps[n]) for n in a)
