@@ -226,7 +226,8 @@ class TensorApplier:
         layout = dict(zip(key[0], zip(map(infos.__getitem__, key[3]), map(tuple, key[4]))))
         lines = layout_lines(layout)
         words = host_addresses(tensors, lines[0]) if all(key[6]) else None
-        self._kept = made = _Layout(key=key, layout=layout, lines=lines, columns=LayoutColumns(layout, NameIndex(lines[0])),
+        columns = LayoutColumns(layout, NameIndex(lines[0]))
+        self._kept = made = _Layout(key=key, layout=layout, lines=lines, columns=columns,
                                     disjoint=not find_aliases(tensors), words=words)
         return made
 
@@ -244,7 +245,7 @@ class TensorApplier:
         if m.format < 3:  # every tensor listed: the stream's names
             self.fit_stream((r.name for r in m.tensors), version=m.version)
         tensors = self.tensors()
-        if m.format >= 3:  # only the changed ones: each must be one the stream carries (the state fingerprint checks the rest)
+        if m.format >= 3:  # only the changed ones: each must be one the stream carries (the state fp checks the rest)
             extra = sorted(n for n in record_names(m) if n not in tensors)  # (a parsed table's names: no record made)
             if extra:
                 raise BaseMismatchError(

@@ -192,7 +192,8 @@ def test_a_dict_targets_layout_is_kept_between_steps_and_made_again_when_a_tenso
     live.fps = fingerprint_state(a)
     asked = []
     real = appliers._Layout.addresses
-    monkeypatch.setattr(appliers._Layout, "addresses", lambda self, names: asked.append(len(names)) or real(self, names))
+    monkeypatch.setattr(appliers._Layout, "addresses",
+                        lambda self, names: asked.append(len(names)) or real(self, names))
 
     assert live.apply(_parsed_step(a, b, 1)).applied and _same(target, b)
     kept = ap._kept
